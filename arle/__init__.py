@@ -1,0 +1,3 @@
+"""arle: a small, fast, hackable LLM inference engine."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from arle.cli.app import main
+
+main()

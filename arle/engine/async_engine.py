@@ -1,0 +1,403 @@
+"""AsyncEngine: requests in, deltas out. One asyncio task runs the step loop.
+
+Front ends (CLI, server, chat) talk to it through `generate()` and `abort()` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from arle.config import EngineConfig
+from arle.engine.cache import CacheManager
+from arle.engine.output import IncrementalDetokenizer, StopStringMatcher
+from arle.engine.request import Delta, GenerateRequest, SamplingParams, TokenLogprob, Usage
+from arle.engine.scheduler import Scheduler, SchedulerConfig
+from arle.engine.sequence import Sequence, Status
+from arle.engine.trace import build_trace
+from arle.errors import ArleError, InvalidRequestError, OverloadedError
+from arle.executor.base import Executor, StepOutput
+from arle.executor.plan import StepPlan
+from arle.logging import get_logger
+from arle.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from arle.model.loader import LoadedModel
+
+log = get_logger("arle.engine")
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class _OutputState:
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher | None
+
+
+class AsyncEngine:
+    """Continuous batching over a paged KV cache, with the executor overlapped (see `_loop`)."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, executor: Executor,
+                 model_name: str, max_model_len: int,
+                 generation_defaults: dict[str, Any] | None = None,
+                 model_info: dict[str, Any] | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.model_name = model_name
+        self.model_info = model_info or {}
+        self.generation_defaults = generation_defaults or {}
+        pool = executor.kv_pool
+        # NOTE: a request never needs more pages than the pool has, so admission cannot deadlock.
+        self.max_model_len = min(max_model_len, pool.num_tokens - 1)
+        self.cache = CacheManager(pool.num_pages, pool.page_size, executor.num_slots,
+                                  config.enable_prefix_cache)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_running_requests=min(config.max_running_requests, executor.num_slots),
+            max_batched_tokens=config.max_batched_tokens,
+            chunked_prefill_size=min(config.chunked_prefill_size, config.max_batched_tokens),
+            max_waiting_requests=config.max_waiting_requests), self.cache)
+        self._requests: dict[str, Sequence] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._ids = itertools.count()
+        self.stats: collections.Counter[str] = collections.Counter()
+        log.info("scheduler_settings", max_running_requests=self.scheduler.config.max_running_requests,
+                 max_batched_tokens=config.max_batched_tokens,
+                 chunked_prefill_size=self.scheduler.config.chunked_prefill_size,
+                 max_waiting_requests=config.max_waiting_requests,
+                 max_model_len=self.max_model_len, page_size=pool.page_size,
+                 prefix_cache=config.enable_prefix_cache, overlap=config.overlap)
+
+    # ---- construction -----------------------------------------------------------------------
+    @classmethod
+    async def create(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model (in a worker thread) and build the engine for it."""
+        return await asyncio.to_thread(cls.build, config)
+
+    @classmethod
+    def build(cls, config: EngineConfig) -> AsyncEngine:
+        import torch
+
+        from arle.model.default import resolve_model_path
+        from arle.model.loader import load_model
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = "cpu" if config.device in ("auto", "cpu") else config.device
+        if device != "cpu":
+            raise ArleError(f"device {device!r} is not supported yet (the GPU path comes later)")
+        loaded = load_model(resolve_model_path(config.model), config.dtype, device)
+        return cls.from_loaded(config, loaded)
+
+    @classmethod
+    def from_loaded(cls, config: EngineConfig, loaded: LoadedModel) -> AsyncEngine:
+        """Size the KV pool, build the executor and the engine around a loaded model."""
+        import torch
+
+        from arle.executor.cpu import CPUExecutor
+
+        cfg = loaded.config
+        log.info("model_loaded", model=loaded.name, path=str(loaded.path),
+                 architecture=cfg.architecture, parameters=loaded.num_parameters,
+                 dtype=_dtype_name(loaded.dtype), bytes=loaded.num_bytes,
+                 ms=round(loaded.load_ms, 1))
+        kv_dtype = loaded.dtype
+        bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+                           * torch.finfo(kv_dtype).bits // 8)
+        tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 / bytes_per_token)
+        max_len = min(config.max_model_len or cfg.max_position_embeddings,
+                      cfg.max_position_embeddings)
+        executor = CPUExecutor(loaded.model, max(tokens // config.page_size, 2), config.page_size,
+                               num_slots=config.max_running_requests + 1, kv_dtype=kv_dtype,
+                               seed=config.seed)
+        pool = executor.kv_pool
+        log.info("kv_pool", tokens=pool.num_tokens, pages=pool.num_pages,
+                 page_size=pool.page_size, bytes=pool.bytes, dtype=_dtype_name(pool.dtype))
+        info = {"architecture": cfg.architecture, "parameters": loaded.num_parameters,
+                "dtype": _dtype_name(loaded.dtype), "bytes": loaded.num_bytes,
+                "context": cfg.max_position_embeddings, "path": str(loaded.path),
+                "load_ms": round(loaded.load_ms, 1)}
+        return cls(config, loaded.tokenizer, executor, loaded.name, max_len,
+                   loaded.generation_defaults, info)
+
+    def default_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams from the model's generation_config, then the caller's non-None values."""
+        names = {f.name for f in fields(SamplingParams)}
+        base = {k: v for k, v in self.generation_defaults.items()
+                if k in names and k != "max_tokens" and v is not None}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        for key in ("stop", "stop_token_ids"):
+            if key in base and not isinstance(base[key], tuple):
+                base[key] = tuple(base[key])
+        return SamplingParams(**base)
+
+    # ---- the public surface -----------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        """Yield deltas until one has finish_reason. Raises InvalidRequestError before any
+        output for a bad request and OverloadedError when the waiting queue is full.
+        Cancelling the consumer (or closing this iterator) aborts the request."""
+        if self._closed:
+            raise ArleError("the engine is shut down")
+        params = request.params
+        params.validate()
+        if len(self.scheduler.waiting) >= self.scheduler.config.max_waiting_requests:
+            self.stats["rejected_overloaded"] += 1
+            raise OverloadedError(
+                f"server overloaded: {len(self.scheduler.waiting)} requests waiting "
+                f"(max_waiting_requests={self.scheduler.config.max_waiting_requests})")
+        t_created = time.perf_counter()
+        ids, nbytes = await asyncio.to_thread(self._tokenize, request)
+        t_tok = time.perf_counter()
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
+                f"(it must leave room for at least one new token)", param="prompt")
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.tokenizer.vocab_size})",
+                                      param="prompt")
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is already running", param="request_id")
+        seq = Sequence(request_id=rid, prompt_ids=ids, params=params,
+                       max_total_tokens=self.max_model_len,
+                       eos_ids=frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids,
+                       route=request.route, stream=request.stream, prompt_bytes=nbytes)
+        seq.timeline.created, seq.timeline.tokenized = t_created, t_tok
+        seq.timeline.tokenize_us = (t_tok - t_created) * 1e6
+        seq.timeline.queue_depth = len(self.scheduler.waiting)
+        seq.output_state = _OutputState(
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            StopStringMatcher(params.stop) if params.stop else None)
+        self._requests[rid] = seq
+        self.scheduler.add(seq)
+        self._ensure_loop()
+        self._wake.set()
+        try:
+            while True:
+                item = await seq.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not seq.finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its pages return at once. False if it is not running."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.finished:
+            return False
+        self._finish(seq, "abort", "abort")
+        return True
+
+    async def close(self) -> None:
+        """Abort everything, stop the loop and the executor."""
+        self._closed = True
+        for rid in list(self._requests):
+            self.abort(rid)
+        if self._loop_task is not None:
+            self._wake.set()
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._loop_task = None
+        await asyncio.to_thread(self.executor.close)
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Live numbers for /v1/stats, /metrics and `arle chat`'s /stats."""
+        c = self.cache
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_pages_total": c.num_pages,
+            "kv_pages_free": c.pages.num_free,
+            "kv_pages_cached": c.radix.num_pages,
+            "kv_pages_evictable": c.radix.num_evictable,
+            "preemptions": self.scheduler.num_preemptions,
+            **self.stats,
+        }
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop(),
+                                                                     name="arle-engine-loop")
+
+    async def _loop(self) -> None:
+        """Schedule step N+1 while step N runs; then process step N's output.
+
+        NOTE: with overlap, step N+1 is planned before step N's tokens are known: a request that
+        finishes at step N still has a row in N+1, whose output is dropped (see _process).
+        """
+        inflight: collections.deque[tuple[StepPlan, asyncio.Future[StepOutput]]] = (
+            collections.deque())
+        depth = 2 if self.config.overlap else 1
+        while not self._closed:
+            plan = self.scheduler.schedule() if len(inflight) < depth else None
+            if plan is not None:
+                try:
+                    inflight.append((plan, asyncio.ensure_future(self.executor.launch(plan))))
+                except Exception as e:  # a bad plan fails its own requests only
+                    self._fail_step(plan, e)
+                    continue
+                if len(inflight) < depth and self.scheduler.has_work():
+                    continue
+            if inflight:
+                done_plan, handle = inflight.popleft()
+                try:
+                    out = await handle
+                except Exception as e:
+                    self._fail_step(done_plan, e)
+                    continue
+                self._process(done_plan, out)
+            elif plan is None:
+                self._wake.clear()
+                if not self.scheduler.has_work():
+                    await self._wake.wait()
+                else:  # work that cannot be scheduled yet: wait for news, never spin
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), 0.05)
+
+    def _process(self, plan: StepPlan, out: StepOutput) -> None:
+        t0 = time.perf_counter()
+        exec_us = out.exec_s * 1e6
+        width = len(plan.rows)
+        k = 0
+        for row in plan.rows:
+            seq: Sequence = row.owner
+            seq.num_inflight -= 1
+            tl = seq.timeline
+            tl.batch_width = max(tl.batch_width, width)
+            if row.input_ids is None:
+                tl.decode_us += exec_us
+                tl.decode_tokens += 1
+            else:
+                tl.prefill_us += exec_us
+                tl.prefill_tokens += row.num_tokens
+            if plan.new_slots and any(ns.slot == row.slot for ns in plan.new_slots):
+                tl.admission_us += plan.schedule_us
+            if not row.sample:
+                continue
+            token = out.token_ids[k]
+            lp = out.logprobs[k] if out.logprobs else None
+            k += 1
+            if seq.finished:
+                continue  # the extra step of a request that finished one step earlier
+            t1 = time.perf_counter()
+            self._on_token(seq, token, lp)
+            tl.emit_us += (time.perf_counter() - t1) * 1e6
+
+    def _on_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
+        seq.tokens.append(token)
+        now = time.perf_counter()
+        if not seq.timeline.first_token:
+            seq.timeline.first_token = now
+        self.stats["generated_tokens"] += 1
+        state: _OutputState = seq.output_state
+        params = seq.params
+        reason: tuple[str, str | int] | None = None
+        text, matched = "", None
+        if token in seq.eos_ids:
+            reason = ("stop", "eos")
+        elif token in params.stop_token_ids:
+            reason = ("stop", token)
+        else:
+            text = state.detok.push([token])
+            if state.stops is not None and text:
+                text, matched = state.stops.feed(text)
+                if matched is not None:
+                    reason = ("stop", matched)
+        if reason is None:
+            if seq.num_output >= params.max_tokens:
+                reason = ("length", "max_tokens")
+            elif len(seq.tokens) >= seq.max_total_tokens:
+                reason = ("length", "context")
+        if reason is not None and matched is None:
+            # The end: emit what was held back (an incomplete UTF-8 tail, a partial stop string).
+            tail = state.detok.flush()
+            if state.stops is None:
+                text += tail
+            else:
+                more, matched = state.stops.feed(tail)
+                text += more if matched is not None else more + state.stops.flush()
+                if matched is not None:
+                    reason = ("stop", matched)
+        delta = Delta(seq.request_id, text, [token], [lp] if lp is not None else None)
+        if reason is None:
+            seq.queue.put_nowait(delta)
+        else:
+            self._finish(seq, reason[0], reason[1], delta)  # type: ignore[arg-type]
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None,
+                delta: Delta | None = None, error: str | None = None) -> None:
+        """Mark finished, give its memory back, emit the last delta and the trace."""
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason  # type: ignore[assignment]
+        seq.stop_reason = stop_reason
+        seq.error = error
+        seq.timeline.finished = time.perf_counter()
+        self.scheduler.remove(seq)
+        self._requests.pop(seq.request_id, None)
+        self.stats[f"finished_{reason}"] += 1
+        trace = build_trace(seq, active=len(self.scheduler.running),
+                            waiting=len(self.scheduler.waiting))
+        if error is not None:
+            log.error("request_trace", **trace)
+        else:
+            log.info("request_trace", **trace)
+        delta = delta or Delta(seq.request_id)
+        delta.finish_reason = reason  # type: ignore[assignment]
+        delta.stop_reason = stop_reason
+        delta.error = error
+        delta.usage = Usage(seq.num_prompt, seq.num_output, max(seq.matched_tokens, 0))
+        delta.trace = trace
+        seq.queue.put_nowait(delta)
+
+    def _fail_step(self, plan: StepPlan, exc: BaseException) -> None:
+        """A step failed: its requests fail with the error; the engine goes on."""
+        log.error("step_failed", step=plan.step_id, error=repr(exc), rows=len(plan.rows))
+        for row in plan.rows:
+            seq: Sequence = row.owner
+            seq.num_inflight -= 1
+            if not seq.finished:
+                self._finish(seq, "error", None, error=f"engine step failed: {exc!r}")
+
+    # ---- tokenization (worker thread) --------------------------------------------------------
+    def _tokenize(self, request: GenerateRequest) -> tuple[list[int], int]:
+        if (request.prompt is None) == (request.messages is None):
+            raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+        if request.messages is not None:
+            text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False), len(text.encode())
+        if isinstance(request.prompt, str):
+            return (self.tokenizer.encode(request.prompt, request.add_special_tokens),
+                    len(request.prompt.encode()))
+        ids = list(request.prompt)  # type: ignore[arg-type]
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt token ids must be integers", param="prompt")
+        return ids, 0
+

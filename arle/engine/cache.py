@@ -1,0 +1,263 @@
+"""KV cache bookkeeping: a page allocator, a radix prefix cache over full pages, and what a
+request holds. Pure Python: the executor owns the tensors, this decides which pages hold what.
+
+NOTE (invariant): every page is in exactly one state: free, published in the radix tree (shared,
+read-only, possibly referenced by requests), or private to one request. `check()` asserts it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class PageAllocator:
+    """Free list of page ids. Lowest ids first, so a fresh pool fills from the front."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        assert n <= len(self._free), "caller must check num_free (or evict) first"
+        out = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        return out
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class RadixNode:
+    """One full page of tokens, under the node of the page before it."""
+
+    key: tuple[int, ...]
+    page: int
+    parent: RadixNode | None
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
+    refs: int = 0
+    last_used: int = 0
+
+
+class RadixCache:
+    """Prefix tree over page-sized chunks of token ids; each node owns one page.
+
+    Pages are shared read-only: a node referenced by a running request (refs > 0) is never
+    evicted; unreferenced leaves are evicted least recently used first.
+    """
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.root = RadixNode(key=(), page=-1, parent=None)
+        self.num_pages = 0
+        self.num_evictable = 0
+
+    def match(self, tokens: list[int]) -> list[RadixNode]:
+        """Nodes of the longest cached prefix of `tokens`, in whole pages."""
+        ps, node, out = self.page_size, self.root, []
+        for i in range(0, len(tokens) - ps + 1, ps):
+            child = node.children.get(tuple(tokens[i:i + ps]))
+            if child is None:
+                break
+            out.append(child)
+            node = child
+        return out
+
+    def lock(self, nodes: list[RadixNode]) -> None:
+        now = next(_clock)
+        for n in nodes:
+            if n.refs == 0:
+                self.num_evictable -= 1
+            n.refs += 1
+            n.last_used = now
+
+    def unlock(self, nodes: list[RadixNode]) -> None:
+        now = next(_clock)
+        for n in nodes:
+            n.refs -= 1
+            assert n.refs >= 0
+            n.last_used = now
+            if n.refs == 0:
+                self.num_evictable += 1
+
+    def insert(self, parent: RadixNode, key: tuple[int, ...], page: int) -> RadixNode | None:
+        """Publish `page` holding `key` under `parent`, locked once for the caller.
+        Returns None if an equal page is already there (the caller keeps its page private)."""
+        if key in parent.children:
+            return None
+        node = RadixNode(key=key, page=page, parent=parent, refs=1, last_used=next(_clock))
+        parent.children[key] = node
+        self.num_pages += 1
+        return node
+
+    def evict(self, n: int) -> list[int]:
+        """Free up to n unreferenced pages, leaves first, least recently used first."""
+        heap = [(x.last_used, id(x), x) for x in self._leaves() if x.refs == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < n:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key]
+            freed.append(node.page)
+            self.num_pages -= 1
+            self.num_evictable -= 1
+            if parent is not self.root and not parent.children and parent.refs == 0:
+                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+        return freed
+
+    def _leaves(self) -> list[RadixNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                out.append(node)
+        return out
+
+    def all_nodes(self) -> list[RadixNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+
+@dataclass
+class RequestCache:
+    """Everything a request holds in the cache; the executor reads it to build a step.
+
+    `pages` is the page table; its first len(`shared`) pages are radix nodes this request has
+    locked, the rest are private. `slot` is the request's row in per-request device buffers
+    (the sampled-token buffer now; a linear-attention state slot for hybrid models later).
+    """
+
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    shared: list[RadixNode] = field(default_factory=list)
+
+
+class CacheManager:
+    """Hands out pages and slots, shares prefixes, evicts, and takes it all back."""
+
+    def __init__(self, num_pages: int, page_size: int, num_slots: int,
+                 enable_prefix_cache: bool = True) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.pages = PageAllocator(num_pages)
+        self.radix = RadixCache(page_size)
+        self.enable_prefix_cache = enable_prefix_cache
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self.num_slots = num_slots
+
+    # ---- capacity ---------------------------------------------------------------------
+    @property
+    def num_available(self) -> int:
+        """Pages that can be had now: free ones plus evictable cached ones."""
+        return self.pages.num_free + self.radix.num_evictable
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.pages.num_free
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _take(self, n: int) -> list[int] | None:
+        if n > self.num_available:
+            return None
+        short = n - self.pages.num_free
+        if short > 0:
+            self.pages.free(self.radix.evict(short))
+        return self.pages.alloc(n)
+
+    # ---- a request's life ---------------------------------------------------------------
+    def match(self, tokens: list[int]) -> list[RadixNode]:
+        """Cached full pages usable by a request with these tokens. At least one token is
+        left uncached, so the request still computes the logits of its last token."""
+        if not self.enable_prefix_cache or len(tokens) < 2:
+            return []
+        return self.radix.match(tokens[:len(tokens) - 1])
+
+    def admit(self, tokens: list[int], reserve_tokens: int,
+              headroom_pages: int = 0) -> RequestCache | None:
+        """Take a slot, lock the cached prefix and reserve pages for `reserve_tokens` tokens.
+        None (nothing taken) when it does not fit with `headroom_pages` to spare."""
+        if not self._free_slots:
+            return None
+        shared = self.match(tokens)
+        need = self.pages_for(reserve_tokens) - len(shared)
+        # Locking the prefix makes its evictable pages unavailable: count them out first.
+        locked_evictable = sum(1 for n in shared if n.refs == 0)
+        if need + headroom_pages > self.num_available - locked_evictable:
+            return None
+        self.radix.lock(shared)
+        new = self._take(max(need, 0))
+        assert new is not None
+        return RequestCache(slot=self._free_slots.pop(), pages=[n.page for n in shared] + new,
+                            shared=shared)
+
+    def grow(self, rc: RequestCache, num_tokens: int) -> bool:
+        """Make the page table cover `num_tokens` tokens; False if no page can be had."""
+        need = self.pages_for(num_tokens) - len(rc.pages)
+        if need <= 0:
+            return True
+        new = self._take(need)
+        if new is None:
+            return False
+        rc.pages.extend(new)
+        return True
+
+    def publish(self, rc: RequestCache, tokens: list[int], num_valid: int) -> None:
+        """Share the full pages among the first `num_valid` tokens (KV computed or queued on
+        the device before any later reader). Stops at the first page someone else published."""
+        if not self.enable_prefix_cache:
+            return
+        ps = self.page_size
+        parent = rc.shared[-1] if rc.shared else self.radix.root
+        for i in range(len(rc.shared), num_valid // ps):
+            node = self.radix.insert(parent, tuple(tokens[i * ps:(i + 1) * ps]), rc.pages[i])
+            if node is None:
+                return
+            rc.shared.append(node)
+            parent = node
+
+    def release(self, rc: RequestCache, tokens: list[int], num_valid: int) -> None:
+        """A request is done (finished, aborted or preempted): publish what it computed,
+        unlock its shared pages, free the private ones and its slot."""
+        self.publish(rc, tokens, num_valid)
+        self.radix.unlock(rc.shared)
+        self.pages.free(rc.pages[len(rc.shared):])
+        self._free_slots.append(rc.slot)
+        rc.pages, rc.shared = [], []
+
+    # ---- checks -----------------------------------------------------------------------------
+    def check(self, live: Sequence[RequestCache] = ()) -> None:
+        """Assert the page invariant. With no live requests: every page free or cached."""
+        free = self.pages._free
+        cached = [n.page for n in self.radix.all_nodes()]
+        private = [p for rc in live for p in rc.pages[len(rc.shared):]]
+        everything = free + cached + private
+        assert len(everything) == len(set(everything)), "a page is in two states"
+        assert sorted(everything) == list(range(self.num_pages)), "a page is lost"
+        refs: dict[int, int] = {}
+        for rc in live:
+            for n in rc.shared:
+                refs[id(n)] = refs.get(id(n), 0) + 1
+        for n in self.radix.all_nodes():
+            assert n.refs == refs.get(id(n), 0), "radix ref count out of step"
+        assert self.radix.num_evictable == sum(1 for n in self.radix.all_nodes() if n.refs == 0)
+        assert len(self._free_slots) + len(live) == self.num_slots

@@ -1,0 +1,150 @@
+"""What runs next: admission, chunked prefill, decode rows, preemption.
+
+The scheduler builds one `StepPlan` per step under a token budget: a decode row (one token) for
+every running request past its prefill, then prefill chunks of running requests, then newly
+admitted requests, all flattened into one batch by the executor.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+from arle.engine.cache import CacheManager
+from arle.engine.sequence import Sequence, Status
+from arle.executor.plan import NewSlot, Row, StepPlan
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    max_batched_tokens: int
+    chunked_prefill_size: int
+    max_waiting_requests: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self._step_ids = 0
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a request out (finished or aborted) and give back what it holds."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s.wants_more_samples() for s in self.running)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.cache is not None:
+            # NOTE: pages may still be read or written by a launched step. That is safe: any new
+            # owner of these pages runs in a later step, which the device runs after it.
+            valid = min(len(seq.tokens), seq.num_scheduled)
+            self.cache.release(seq.cache, seq.tokens, valid)
+            seq.cache = None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running request's pages; it is recomputed later from its tokens."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        t0 = time.perf_counter()
+        budget = self.config.max_batched_tokens
+        decode_rows: list[Row] = []
+        prefill_rows: list[Row] = []
+
+        # 1. decode rows, oldest first; preempt the newest when pages run out.
+        for seq in list(self.running):
+            if seq not in self.running or seq.in_prefill or not seq.wants_more_samples():
+                continue
+            if budget < 1:
+                break
+            rc = seq.cache
+            assert rc is not None
+            while not self.cache.grow(rc, seq.num_scheduled + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            decode_rows.append(Row(rc.slot, seq.num_scheduled, 1, None, True, seq.num_sampled,
+                                   rc.pages, seq.params, seq))
+            budget -= 1
+
+        # 2. prefill chunks of running requests (admitted earlier, prompt not done yet).
+        for seq in self.running:
+            if budget < 1:
+                break
+            if seq.in_prefill:
+                prefill_rows.append(self._prefill_row(seq, budget))
+                budget -= prefill_rows[-1].num_tokens
+
+        # 3. admission: head of the queue first (no overtaking, so no starvation).
+        new_slots = []
+        while (self.waiting and budget > 0
+               and len(self.running) < self.config.max_running_requests):
+            seq = self.waiting[0]
+            if seq.num_inflight:  # preempted while a step of it runs: wait for its tokens
+                break
+            # Keep a page per running request spare, so admission does not starve decodes.
+            rc = self.cache.admit(seq.tokens, len(seq.tokens) + 1,
+                                  headroom_pages=len(self.running))
+            if rc is None:
+                break
+            self.waiting.popleft()
+            seq.cache = rc
+            seq.status = Status.RUNNING
+            seq.num_scheduled = len(rc.shared) * self.cache.page_size
+            seq.prefill_target = len(seq.tokens)
+            seq.num_sampled = seq.num_output
+            if seq.matched_tokens < 0:
+                seq.matched_tokens = seq.num_scheduled
+                seq.timeline.admitted = time.perf_counter()
+            self.running.append(seq)
+            new_slots.append(NewSlot(rc.slot, list(seq.tokens), seq.num_prompt, seq.params))
+            prefill_rows.append(self._prefill_row(seq, budget))
+            budget -= prefill_rows[-1].num_tokens
+
+        rows = decode_rows + prefill_rows
+        if not rows:
+            return None
+        for row in rows:
+            seq = row.owner
+            seq.num_scheduled += row.num_tokens
+            seq.num_inflight += 1
+            seq.num_sampled += row.sample
+            if row.input_ids is not None and seq.cache is not None:
+                # Share finished prompt pages at once (their K/V is queued before any reader's).
+                self.cache.publish(seq.cache, seq.tokens, seq.num_scheduled)
+        self._step_ids += 1
+        plan = StepPlan(self._step_ids, rows, new_slots)
+        plan.schedule_us = (time.perf_counter() - t0) * 1e6
+        return plan
+
+    def _prefill_row(self, seq: Sequence, budget: int) -> Row:
+        n = min(seq.prefill_target - seq.num_scheduled, self.config.chunked_prefill_size, budget)
+        start = seq.num_scheduled
+        assert seq.cache is not None
+        done = start + n == seq.prefill_target
+        return Row(seq.cache.slot, start, n, seq.tokens[start:start + n], done, seq.num_output,
+                   seq.cache.pages, seq.params, seq)

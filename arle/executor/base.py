@@ -1,0 +1,46 @@
+"""The executor protocol: run one planned step on a device, hand back an awaitable.
+
+NOTE (overlap): `launch` returns at once. The engine schedules step N+1 while step N runs, so
+`launch` must snapshot everything it needs from the plan (page tables change afterwards) and
+must apply per-slot state changes in device order (the step function, not the caller's thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from arle.engine.request import TokenLogprob
+from arle.executor.plan import StepPlan
+
+
+@dataclass
+class StepOutput:
+    """Per sampling row, in row order: the sampled id and, if asked, its logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    #: seconds the device spent on the step (launch to result on the host)
+    exec_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class KVPoolInfo:
+    num_pages: int
+    page_size: int
+    bytes: int
+    dtype: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+
+class Executor(Protocol):
+    kv_pool: KVPoolInfo
+    num_slots: int
+
+    def launch(self, plan: StepPlan) -> Awaitable[StepOutput]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,55 @@
+"""A planned step, as the executor sees it: plain data, built by the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from arle.engine.request import SamplingParams
+
+
+@dataclass
+class Row:
+    """One request's part of a step. Decode rows (input_ids None) read their input token on
+    the device, from the slot the previous step's sample was written to."""
+
+    slot: int
+    start: int  # position of the row's first token
+    num_tokens: int
+    input_ids: list[int] | None
+    sample: bool  # sample from the row's last token
+    sample_offset: int  # index within the request's outputs of the sampled token (seeds use it)
+    pages: list[int]  # the request's page table (the executor snapshots what it needs)
+    params: SamplingParams
+    #: NOTE: the engine's own request object; executors never read it.
+    owner: Any = None
+
+    @property
+    def seq_len(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class NewSlot:
+    """A request starts on `slot` this step: reset that slot's device state (penalty counts)."""
+
+    slot: int
+    token_ids: list[int]  # prompt (+ outputs when recomputing after preemption)
+    num_prompt: int
+    params: SamplingParams
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    rows: list[Row]  # decode rows first, then prefill rows
+    new_slots: list[NewSlot] = field(default_factory=list)
+    schedule_us: float = 0.0
+
+    @property
+    def num_decode_rows(self) -> int:
+        return sum(1 for r in self.rows if r.input_ids is None)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)

@@ -1,0 +1,325 @@
+"""Batched next-token sampling: one call per step on the logits of the rows that sample.
+
+Order per row: penalties -> greedy rows take the argmax; the others go through
+temperature -> top-k -> top-p -> min-p -> an exponential race (argmax of probs / q, q ~ Exp(1)).
+
+NOTE: `sample` never reads a tensor value on the host (no `.item()`, `.tolist()`, or branching on
+tensor contents), so on CUDA it queues kernels without a sync. The only Python branches are on
+host-side flags that `SamplingBatch.build` computes from the requests' parameters, to skip work no
+row needs.
+
+The race is what makes seeded requests reproducible: a seeded row's noise depends only on
+(seed, offset), so it draws the same tokens whatever batch or row it lands in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from arle.engine.request import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters as tensors on the logits' device, built once per step."""
+
+    temperature: Tensor  # [B] float32; 0 => greedy for that row
+    top_p: Tensor  # [B] float32 in (0, 1]
+    top_k: Tensor  # [B] int64; 0 => disabled
+    min_p: Tensor  # [B] float32; 0 => disabled
+    repetition_penalty: Tensor  # [B] float32; 1 => off
+    frequency_penalty: Tensor  # [B] float32; 0 => off
+    presence_penalty: Tensor  # [B] float32; 0 => off
+    seeds: Tensor  # [B] int64; -1 => unseeded (the executor's generator)
+    offsets: Tensor  # [B] int64; index of the token being sampled within the request's output
+    #: Max over rows of the requested top-N: 0 = only the chosen token's logprob, -1 = none.
+    num_logprobs: int
+    # Host-side flags, to skip work. The top-k/p, min-p and seed flags only look at sampling rows:
+    # a greedy row's values there never matter.
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+    any_seeded: bool
+    #: (row, seed, offset) of each non-greedy seeded row, on the host, for the CPU noise loop.
+    seeded_rows: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def size(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        offsets: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        if len(params) != len(offsets):
+            raise ValueError(f"{len(params)} params but {len(offsets)} offsets")
+
+        def f32(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def i64(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        # NOTE: seeds are folded to 63 bits so they fit an int64 tensor; the host tuple uses the
+        # same folded value, so tensor and loop agree.
+        seeds = [-1 if p.seed is None else p.seed & _MASK63 for p in params]
+        sampling = [p for p in params if not p.greedy]
+        seeded_rows = tuple(
+            (row, seed, offset)
+            for row, (p, seed, offset) in enumerate(zip(params, seeds, offsets, strict=True))
+            if seed >= 0 and not p.greedy
+        )
+        return cls(
+            temperature=f32([p.temperature for p in params]),
+            top_p=f32([p.top_p for p in params]),
+            top_k=i64([max(p.top_k, 0) for p in params]),  # -1 and 0 both mean "off"
+            min_p=f32([p.min_p for p in params]),
+            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            presence_penalty=f32([p.presence_penalty for p in params]),
+            seeds=i64(seeds),
+            offsets=i64(list(offsets)),
+            num_logprobs=max((-1 if p.logprobs is None else p.logprobs for p in params),
+                             default=-1),
+            all_greedy=not sampling,
+            any_top_k=any(p.top_k > 0 for p in sampling),
+            any_top_p=any(p.top_p < 1.0 for p in sampling),
+            any_min_p=any(p.min_p > 0.0 for p in sampling),
+            any_penalty=any(p.has_penalties for p in params),
+            any_seeded=bool(seeded_rows),
+            seeded_rows=seeded_rows,
+        )
+
+
+@dataclass
+class SampleOutput:
+    token_ids: Tensor  # [B] int64
+    #: [B] float32: log-softmax of the *unmodified* logits (before penalties and temperature) at
+    #: the chosen id, as OpenAI/vLLM report. None when no row asked for logprobs.
+    logprobs: Tensor | None = None
+    top_ids: Tensor | None = None  # [B, N] int64, best first; None when N == 0
+    top_logprobs: Tensor | None = None  # [B, N] float32
+
+
+def sample(
+    logits: Tensor,
+    batch: SamplingBatch,
+    *,
+    token_counts: Tensor | None = None,
+    prompt_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> SampleOutput:
+    """Pick one token per row of `logits` [B, V].
+
+    `token_counts` [B, V] (int) and `prompt_mask` [B, V] (bool) are needed only when
+    `batch.any_penalty` (see `PenaltyState.gather`). `generator` drives the unseeded rows.
+    """
+    if logits.dim() != 2 or logits.shape[0] != batch.size:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match a batch of {batch.size}")
+    raw = logits.float()  # NOTE: may alias the caller's tensor: nothing below writes into it
+    x = raw
+    if batch.any_penalty:
+        if token_counts is None or prompt_mask is None:
+            raise ValueError("batch has penalties: pass token_counts and prompt_mask")
+        x = apply_penalties(x, batch, token_counts, prompt_mask)
+
+    if batch.all_greedy:
+        token_ids = x.argmax(dim=-1)
+    else:
+        sampled = _sample_random(x, batch, generator)
+        token_ids = torch.where(batch.temperature == 0, x.argmax(dim=-1), sampled)
+
+    out = SampleOutput(token_ids=token_ids)
+    if batch.num_logprobs >= 0:
+        logprobs = raw.log_softmax(dim=-1)
+        out.logprobs = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+        n = min(batch.num_logprobs, logprobs.shape[-1])
+        if n > 0:
+            out.top_logprobs, out.top_ids = logprobs.topk(n, dim=-1)  # sorted, best first
+    return out
+
+
+def apply_penalties(
+    logits: Tensor, batch: SamplingBatch, token_counts: Tensor, prompt_mask: Tensor
+) -> Tensor:
+    """Repetition (prompt + output tokens, HF/vLLM style), then frequency and presence (output
+    tokens only, OpenAI style). Rows with neutral values (1, 0, 0) come out bit-identical."""
+    in_output = token_counts > 0
+    seen = in_output | prompt_mask
+    rep = batch.repetition_penalty[:, None]
+    # Dividing a positive logit and multiplying a negative one both push the token down.
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits
+            - batch.frequency_penalty[:, None] * token_counts.to(logits.dtype)
+            - batch.presence_penalty[:, None] * in_output.to(logits.dtype))
+
+
+def apply_top_k_top_p(
+    logits: Tensor, top_k: Tensor, top_p: Tensor, *, use_top_k: bool = True,
+    use_top_p: bool = True,
+) -> Tensor:
+    """Set to -inf every logit outside the row's top k (0 = all) and then outside its nucleus:
+    the smallest most-likely-first set whose (renormalised) probability reaches top_p.
+
+    One sort serves both. Ties are ranked lowest id first (stable sort), so the kept set is a
+    function of the row alone.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if use_top_k:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        rank = torch.arange(vocab, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], -math.inf)
+    if use_top_p:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # NOTE: the first token always stays (mass_before 0 < top_p). top_p == 1 rows are
+        # exempted outright: rounding could push mass_before past 1.0 on the tail.
+        drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability.
+
+    p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p): no softmax needed. The ratio is
+    unchanged by top-k/top-p's renormalisation (they always keep the top token), so this equals
+    min-p relative to the max prob right after temperature. min_p = 0 gives log 0 = -inf: no-op.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]
+    return logits.masked_fill(logits < threshold, -math.inf)
+
+
+def _sample_random(x: Tensor, batch: SamplingBatch, generator: torch.Generator | None) -> Tensor:
+    # Greedy rows run through with temperature 1 only to keep shapes uniform; `sample`
+    # replaces their result by the argmax.
+    temperature = batch.temperature.masked_fill(batch.temperature == 0, 1.0)
+    x = x / temperature[:, None]
+    if batch.any_top_k or batch.any_top_p:
+        x = apply_top_k_top_p(x, batch.top_k, batch.top_p,
+                              use_top_k=batch.any_top_k, use_top_p=batch.any_top_p)
+    if batch.any_min_p:
+        x = apply_min_p(x, batch.min_p)
+    probs = x.softmax(dim=-1)
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    if batch.any_seeded:
+        _fill_seeded_noise(q, batch.seeded_rows)
+    # argmax_i p_i / q_i with q_i ~ Exp(1) picks i with probability p_i. NOTE: the clamp keeps a
+    # (vanishingly rare) q == 0 from turning a masked 0/0 into NaN, which argmax would pick.
+    return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+
+def _fill_seeded_noise(q: Tensor, seeded_rows: tuple[tuple[int, int, int], ...]) -> None:
+    """Overwrite each seeded row's noise with Exp(1) draws that depend only on (seed, offset).
+
+    A host loop with one generator per seeded row: fine on CPU, where seeded rows are few. A CUDA
+    version will use a counter-based Philox kernel keyed by (seed, offset) instead.
+    """
+    vocab = q.shape[-1]
+    for row, seed, offset in seeded_rows:
+        gen = torch.Generator(device=q.device)
+        gen.manual_seed(_mix_seed(seed, offset))
+        q[row] = torch.empty(vocab, dtype=q.dtype, device=q.device).exponential_(generator=gen)
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _mix_seed(seed: int, offset: int) -> int:
+    """A well-spread 64-bit generator seed per (seed, offset) draw.
+
+    NOTE: torch's CPU generator (mt19937) keeps only the low 32 bits of its seed; splitmix64's
+    low bits are as well mixed as its high ones, so that costs nothing but the 2^-32 chance
+    that two draws share noise.
+    """
+    return _splitmix64((_splitmix64(seed & _MASK64) + offset) & _MASK64)
+
+
+class PenaltyState:
+    """Per-slot output-token counts and prompt-token masks, kept on the device.
+
+    Memory choice: one growable pair of buffers, `counts` [R, V] int32 and `prompt_mask` [R, V]
+    bool, with one row per *penalized* live slot, plus a device table `slot -> row` (max_slots
+    int64). Row 0 is a sentinel that stays all-zero: slots without penalties map to it, so
+    `gather`/`update` can take any slots and run as pure device indexing, never asking the host
+    which slots are penalized. The buffers double when full and never shrink, so memory is
+    ~ (peak concurrent penalized requests + 1) x V x 5 bytes, not max_slots x V.
+    """
+
+    def __init__(self, max_slots: int, vocab_size: int, device: torch.device | str = "cpu",
+                 initial_rows: int = 4) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        rows = max(initial_rows, 1) + 1  # + the sentinel
+        self.counts = torch.zeros(rows, vocab_size, dtype=torch.int32, device=self.device)
+        self.prompt_mask = torch.zeros(rows, vocab_size, dtype=torch.bool, device=self.device)
+        self._slot_to_row = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
+        self._row_of: dict[int, int] = {}  # host mirror of the table, penalized slots only
+        self._free_rows = list(range(rows - 1, 0, -1))  # pop() hands out low rows first
+
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._row_of
+
+    def init_slot(self, slot: int, prompt_ids: Sequence[int]) -> None:
+        """Start tracking `slot` (a penalized request): no output yet, prompt tokens marked."""
+        row = self._row_of.get(slot)
+        if row is None:
+            if not self._free_rows:
+                self._grow()
+            row = self._free_rows.pop()
+            self._row_of[slot] = row
+            self._slot_to_row[slot] = row
+        self.counts[row].zero_()
+        self.prompt_mask[row].zero_()
+        if len(prompt_ids) > 0:
+            ids = torch.tensor(list(prompt_ids), dtype=torch.int64, device=self.device)
+            self.prompt_mask[row, ids] = True
+
+    def free_slot(self, slot: int) -> None:
+        """Stop tracking `slot`; a no-op for slots never initialised. Its row is zeroed on reuse."""
+        row = self._row_of.pop(slot, None)
+        if row is not None:
+            self._slot_to_row[slot] = 0
+            self._free_rows.append(row)
+
+    def gather(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """(counts [B, V] int32, prompt_mask [B, V] bool) for `slots` [B], for `sample`."""
+        rows = self._slot_to_row[slots]
+        return self.counts[rows], self.prompt_mask[rows]
+
+    def update(self, slots: Tensor, token_ids: Tensor) -> None:
+        """Count each slot's newly sampled token, on the device."""
+        rows = self._slot_to_row[slots]
+        # Untracked slots hit the sentinel row with a + 0, which keeps it zero.
+        ones = (rows > 0).to(self.counts.dtype)
+        self.counts.index_put_((rows, token_ids.to(torch.int64)), ones, accumulate=True)
+
+    def _grow(self) -> None:
+        old = self.counts.shape[0]
+        new = 2 * old - 1  # double the usable rows (all but the sentinel)
+        extra = new - old
+        self.counts = torch.cat([self.counts, self.counts.new_zeros(extra, self.vocab_size)])
+        self.prompt_mask = torch.cat(
+            [self.prompt_mask, self.prompt_mask.new_zeros(extra, self.vocab_size)])
+        self._free_rows.extend(range(new - 1, old - 1, -1))

@@ -1,0 +1,130 @@
+"""Tensor-parallel-ready linear layers (column / row split). World size is 1 today.
+
+Each parameter carries a `weight_loader(param, loaded, shard)` that copies this rank's slice of a
+full checkpoint tensor, so multi-GPU needs a process group and an all-reduce, not a rewrite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:  # pragma: no cover - multi-GPU comes later
+            torch.distributed.all_reduce(x)
+        return x
+
+
+SINGLE = TPGroup()
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, "str | int | None"], None]
+
+
+def _copy(dst: torch.Tensor, loaded: torch.Tensor) -> None:
+    if dst.shape != loaded.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)}")
+    dst.copy_(loaded)
+
+
+def load_whole(param: nn.Parameter, loaded: torch.Tensor, shard: str | int | None = None) -> None:
+    """The loader of parameters every rank holds whole (norms, ...)."""
+    _copy(param.data, loaded)
+
+
+def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across ranks: the output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        assert out_features % tp.size == 0, "output features must divide by the TP size"
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features // tp.size), requires_grad=False)
+                     if bias else None)
+        for p in self.parameters():
+            _set_loader(p, self.load_shard)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard: str | int | None = None) -> None:
+        n = param.shape[0]
+        _copy(param.data, loaded.narrow(0, self.tp.rank * n, n) if self.tp.size > 1 else loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections in one GEMM (gate+up, or q+k+v)."""
+
+    def __init__(self, in_features: int, sizes: dict[str | int, int], bias: bool = False,
+                 tp: TPGroup = SINGLE) -> None:
+        self.shard_sizes = {k: v // tp.size for k, v in sizes.items()}
+        super().__init__(in_features, sum(sizes.values()), bias, tp)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard: str | int | None = None) -> None:
+        if shard is None:
+            raise ValueError("merged projection needs a shard id")
+        offset = 0
+        for key, size in self.shard_sizes.items():
+            if key == shard:
+                part = loaded.narrow(0, self.tp.rank * size, size) if self.tp.size > 1 else loaded
+                _copy(param.data.narrow(0, offset, size), part)
+                return
+            offset += size
+        raise ValueError(f"unknown shard {shard!r}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split: each rank holds a partial sum, then all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        assert in_features % tp.size == 0, "input features must divide by the TP size"
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        _set_loader(self.weight, self.load_shard)
+        if self.bias is not None:
+            _set_loader(self.bias, load_whole)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard: str | int | None = None) -> None:
+        n = param.shape[1]
+        _copy(param.data, loaded.narrow(1, self.tp.rank * n, n) if self.tp.size > 1 else loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
+        # NOTE: the bias is added once, after the reduction, not on every rank.
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split by vocabulary range across ranks (world size 1: a plain lookup)."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        assert tp.size == 1, "vocab-parallel embedding with TP > 1 is not written yet"
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+        _set_loader(self.weight, load_whole)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)

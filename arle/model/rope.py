@@ -1,0 +1,77 @@
+"""Rotary position embeddings, with the rope scaling types found in config.json files."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def inverse_frequencies(head_dim: int, theta: float,
+                        scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """Per-pair inverse frequencies and the attention factor (yarn scales cos/sin by it)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv.float(), 1.0
+    kind = scaling["rope_type"]
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return (inv / factor).float(), 1.0
+    if kind == "dynamic":
+        # Static form of dynamic NTK (as vLLM): the base stretched for the full scaled context.
+        # HF stretches it only past the trained context, per forward; we fix it at factor x that.
+        base = theta * (factor * factor - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return (1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+                ).float(), 1.0
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_ctx / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        scaled = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+        return scaled.float(), 1.0
+    if kind == "yarn":
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        beta_fast = float(scaling.get("beta_fast", 32))
+        beta_slow = float(scaling.get("beta_slow", 1))
+
+        def dim_for(rotations: float) -> float:
+            return (head_dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        lo = max(math.floor(dim_for(beta_fast)), 0)
+        hi = min(math.ceil(dim_for(beta_slow)), head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - lo) / max(hi - lo, 1e-3))
+        extrapolation = 1 - ramp.clamp(0, 1)
+        scaled = (inv / factor) * (1 - extrapolation) + inv * extrapolation
+        mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0))
+        return scaled.float(), mscale
+    raise ValueError(f"unsupported rope scaling type {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotation (halves), applied to q and k at given positions.
+
+    NOTE: cos/sin are computed for the batch's positions on the fly (one outer product): cheap
+    next to the GEMMs, and no table to size for the longest context.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        inv, self.attention_factor = inverse_frequencies(head_dim, theta, scaling)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim]; cos/sin [T, head_dim/2]."""
+        x1, x2 = x.float().chunk(2, dim=-1)
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

@@ -1,0 +1,88 @@
+"""Paged attention, plain torch: the reference the Triton kernels are checked against, and the
+CPU executor's attention.
+
+Cache layout, per layer: k_cache / v_cache of shape [num_pages, page_size, kv_heads, head_dim].
+A request's tokens live in the pages its page table lists, in order; token i of the request sits
+in page page_table[i // page_size] at offset i % page_size.
+
+A step's batch is flat: rows (requests) one after another, decode rows (one new token) first,
+then extend rows (a chunk of prompt, attending to the row's cached prefix and causally to itself).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Store new K/V [T, kv_heads, head_dim] at flat slots (page * page_size + offset)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one request: [length, kv_heads, head_dim]."""
+    page_size = cache.shape[1]
+    pages = page_table[: (length + page_size - 1) // page_size]
+    return cache[pages].flatten(0, 1)[:length]
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         page_tables: torch.Tensor, seq_lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """One query token per row. q [B, H, D]; page_tables [B, max_pages]; seq_lens [B] (the
+    cached length including the new token). Returns [B, H, D]."""
+    b, h, d = q.shape
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(seq_lens.max())
+    n_pages = (max_len + page_size - 1) // page_size
+    tables = page_tables[:, :n_pages]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, KVH, D]
+    v = v_cache[tables].flatten(1, 2)[:, :max_len]
+    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    group = h // kv_heads
+    qg = q.view(b, kv_heads, group, d).float()
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k.float()) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
+    return out.reshape(b, h, d).to(q.dtype)
+
+
+def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         page_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """One row of n new tokens, the last n of its `seq_len` cached tokens (K/V already written).
+    Causal: new token i (position seq_len - n + i) sees positions <= its own. q [n, H, D]."""
+    n, h, _ = q.shape
+    kv_heads = k_cache.shape[2]
+    k = gather_pages(k_cache, page_table, seq_len)
+    v = gather_pages(v_cache, page_table, seq_len)
+    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype),
+        v.transpose(0, 1)[None].to(q.dtype), attn_mask=mask[None, None], scale=scale,
+        enable_gqa=h != kv_heads)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        page_tables: torch.Tensor, seq_lens: list[int], q_lens: list[int],
+                        num_decode_rows: int, scale: float) -> torch.Tensor:
+    """Attention for a flat mixed batch. q [T, H, D]; row r owns q_lens[r] consecutive tokens;
+    the first `num_decode_rows` rows have q_len 1 and are batched together."""
+    out = torch.empty_like(q)
+    nd = num_decode_rows
+    if nd:
+        out[:nd] = decode_attention_ref(
+            q[:nd], k_cache, v_cache, page_tables[:nd],
+            torch.tensor(seq_lens[:nd], device=q.device), scale)
+    start = nd
+    for r in range(nd, len(q_lens)):
+        n = q_lens[r]
+        out[start:start + n] = extend_attention_ref(
+            q[start:start + n], k_cache, v_cache, page_tables[r], seq_lens[r], scale)
+        start += n
+    return out

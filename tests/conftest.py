@@ -1,0 +1,95 @@
+"""Fixtures shared by the engine tests: the default model loaded once, a tiny random model that
+shares its tokenizer, and a factory for engines around either."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import require_smollm2_gguf
+
+from arle.config import EngineConfig
+from arle.engine.async_engine import AsyncEngine
+from arle.engine.request import Delta, GenerateRequest, SamplingParams
+from arle.model.config import ModelConfig
+from arle.model.decoder import DecoderLM
+from arle.model.loader import LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def smol() -> LoadedModel:
+    """SmolLM2-135M-Instruct from the default GGUF, fp32 (~7 s, once per session)."""
+    return load_model(require_smollm2_gguf(), "float32", "cpu")
+
+
+def tiny_config(vocab_size: int, **overrides: Any) -> ModelConfig:
+    base = {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": vocab_size, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 2048, "tie_word_embeddings": False,
+    }
+    return ModelConfig.from_hf({**base, **overrides}, "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny(smol: LoadedModel) -> LoadedModel:
+    """A 2-layer random Qwen3 with SmolLM2's tokenizer: fast and deterministic. Its logits have a
+    std of ~2: spread enough that greedy has no near-ties, flat enough that sampling varies."""
+    gen = torch.Generator().manual_seed(0)
+    model = DecoderLM(tiny_config(smol.config.vocab_size))
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            continue
+        fan_in = p.shape[-1]
+        scale = 1.0 if "embed" in name else 0.25 if "lm_head" in name else fan_in ** -0.5
+        p.data.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return replace(smol, model=model.eval(), config=model.config, name="tiny",
+                   path=Path("tiny"), generation_defaults={})
+
+
+@pytest.fixture
+async def make_engine() -> AsyncIterator[Callable[..., AsyncEngine]]:
+    """Build engines around a LoadedModel; every engine is closed (and its pages checked) after."""
+    engines: list[AsyncEngine] = []
+
+    def build(loaded: LoadedModel, **config: Any) -> AsyncEngine:
+        config.setdefault("kv_cache_tokens", 4096)
+        engine = AsyncEngine.from_loaded(EngineConfig(**config), loaded)
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        await engine.close()
+
+
+async def run(engine: AsyncEngine, prompt: str | list[int] | None = None,
+              messages: list[dict[str, Any]] | None = None, **params: Any) -> list[Delta]:
+    """All deltas of one request."""
+    params.setdefault("temperature", 0.0)
+    req = GenerateRequest(prompt=prompt, messages=messages, params=SamplingParams(**params))
+    return [d async for d in engine.generate(req)]
+
+
+def tokens_of(deltas: list[Delta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def text_of(deltas: list[Delta]) -> str:
+    return "".join(d.text for d in deltas)
+
+
+async def run_many(engine: AsyncEngine, prompts: list[Any], **params: Any) -> list[list[Delta]]:
+    return list(await asyncio.gather(*(run(engine, p, **params) for p in prompts)))
+
+
+def assert_all_pages_back(engine: AsyncEngine) -> None:
+    """Every page is free or cached (none private, none lost), every slot free."""
+    engine.cache.check([])
+    assert engine.cache.num_available == engine.cache.num_pages
