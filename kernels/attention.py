@@ -29,26 +29,30 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, length: int) -> 
     return cache[pages].flatten(0, 1)[:length]
 
 
-def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         page_tables: torch.Tensor, seq_lens: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    """One query token per row. q [B, H, D]; page_tables [B, max_pages]; seq_lens [B] (the
-    cached length including the new token). Returns [B, H, D]."""
-    b, h, d = q.shape
-    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+def decode_gather_index(page_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat cache slots [B, L] of each decode row's tokens (L = longest row) and the mask of the
+    real ones. The same for every layer of a step: compute it once."""
     max_len = int(seq_lens.max())
+    pos = torch.arange(max_len, device=page_tables.device)
     n_pages = (max_len + page_size - 1) // page_size
     tables = page_tables[:, :n_pages]
-    k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, KVH, D]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len]
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
-    group = h // kv_heads
-    qg = q.view(b, kv_heads, group, d).float()
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k.float()) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
-    return out.reshape(b, h, d).to(q.dtype)
+    slots = tables[:, pos // page_size] * page_size + pos % page_size
+    return slots, pos[None, :] < seq_lens[:, None]
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per row. q [B, H, D]; slots/valid [B, L] from decode_gather_index.
+    Returns [B, H, D]."""
+    b, h, d = q.shape
+    kv_heads = k_cache.shape[2]
+    k = k_cache.view(-1, kv_heads, d)[slots]  # [B, L, KVH, D]
+    v = v_cache.view(-1, kv_heads, d)[slots]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=h != kv_heads)
+    return out[:, :, 0, :]
 
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -70,15 +74,19 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         page_tables: torch.Tensor, seq_lens: list[int], q_lens: list[int],
-                        num_decode_rows: int, scale: float) -> torch.Tensor:
+                        num_decode_rows: int, scale: float,
+                        decode_index: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> torch.Tensor:
     """Attention for a flat mixed batch. q [T, H, D]; row r owns q_lens[r] consecutive tokens;
-    the first `num_decode_rows` rows have q_len 1 and are batched together."""
+    the first `num_decode_rows` rows have q_len 1 and are batched together (pass their
+    `decode_gather_index` to reuse it across layers)."""
     out = torch.empty_like(q)
     nd = num_decode_rows
     if nd:
-        out[:nd] = decode_attention_ref(
-            q[:nd], k_cache, v_cache, page_tables[:nd],
-            torch.tensor(seq_lens[:nd], device=q.device), scale)
+        if decode_index is None:
+            decode_index = decode_gather_index(
+                page_tables[:nd], torch.tensor(seq_lens[:nd], device=q.device), k_cache.shape[1])
+        out[:nd] = decode_attention_ref(q[:nd], k_cache, v_cache, *decode_index, scale)
     start = nd
     for r in range(nd, len(q_lens)):
         n = q_lens[r]

@@ -22,7 +22,7 @@ from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import PenaltyState, SampleOutput, SamplingBatch, sample
 from arle.model.decoder import DecoderLM
-from arle_kernels.attention import paged_attention_ref, write_kv
+from arle_kernels.attention import decode_gather_index, paged_attention_ref, write_kv
 
 
 @dataclass
@@ -49,6 +49,10 @@ class TorchPagedAttention:
 
     def __init__(self, kv: torch.Tensor, step: StepTensors, scale: float) -> None:
         self.kv, self.step, self.scale = kv, step, scale
+        nd = step.num_decode_rows
+        # NOTE: the decode rows' gather index is the same for every layer: build it once.
+        self.decode_index = decode_gather_index(
+            step.page_tables[:nd], torch.tensor(step.seq_lens[:nd]), kv.shape[3]) if nd else None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -56,7 +60,7 @@ class TorchPagedAttention:
         s = self.step
         write_kv(k_cache, v_cache, k, v, s.kv_slots)
         return paged_attention_ref(q, k_cache, v_cache, s.page_tables, s.seq_lens, s.q_lens,
-                                   s.num_decode_rows, self.scale)
+                                   s.num_decode_rows, self.scale, self.decode_index)
 
 
 class CPUExecutor:
