@@ -45,7 +45,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          slots: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per row. q [B, H, D]; slots/valid [B, L] from decode_gather_index.
     Returns [B, H, D]."""
-    b, h, d = q.shape
+    _b, h, d = q.shape
     kv_heads = k_cache.shape[2]
     k = k_cache.view(-1, kv_heads, d)[slots]  # [B, L, KVH, D]
     v = v_cache.view(-1, kv_heads, d)[slots]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from arle_kernels.attention import paged_attention_ref, write_kv
 
 
@@ -44,7 +43,7 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
     new_k = [torch.randn(n, kv_heads, d, generator=gen) for n in q_lens]
     new_v = [torch.randn(n, kv_heads, d, generator=gen) for n in q_lens]
     slots = []
-    for r, (length, n) in enumerate(zip(seq_lens, q_lens)):
+    for r, (length, n) in enumerate(zip(seq_lens, q_lens, strict=False)):
         for p in range(length - n, length):
             slots.append(tables[r][p // page_size] * page_size + p % page_size)
         full_k[r][length - n:] = new_k[r]

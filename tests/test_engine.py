@@ -17,7 +17,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def mixed_prompts(n: int) -> list[str]:
-    words = "the quick brown fox jumps over the lazy dog while seven cats watch".split()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "seven", "cats", "watch"]
     return [" ".join(words[: 2 + (i * 5) % 11]) + f" and number {i}" * (1 + i % 4)
             for i in range(n)]
 
@@ -39,7 +39,7 @@ async def test_batch_invariance_greedy(smol, make_engine):
     prompts = mixed_prompts(16)
     alone = [tokens_of(await run(engine, p, max_tokens=12, ignore_eos=True)) for p in prompts[:3]]
     together = await run_many(engine, prompts, max_tokens=12, ignore_eos=True)
-    for a, t in zip(alone, together[:3]):
+    for a, t in zip(alone, together[:3], strict=False):
         assert a == tokens_of(t)
     assert_all_pages_back(engine)
 
@@ -61,11 +61,11 @@ async def test_chunked_prefill_matches_unchunked(tiny, make_engine):
 async def test_prefix_cache_hit_equals_miss_and_skips_prefill(tiny, make_engine):
     engine = make_engine(tiny)
     system = list(range(1000, 1000 + 200))
-    first = await run(engine, system + [5, 6, 7], max_tokens=10, ignore_eos=True)
-    second = await run(engine, system + [5, 6, 7], max_tokens=10, ignore_eos=True)
-    other = await run(engine, system + [9, 9], max_tokens=10, ignore_eos=True)
+    first = await run(engine, [*system, 5, 6, 7], max_tokens=10, ignore_eos=True)
+    second = await run(engine, [*system, 5, 6, 7], max_tokens=10, ignore_eos=True)
+    other = await run(engine, [*system, 9, 9], max_tokens=10, ignore_eos=True)
     cold = make_engine(tiny, enable_prefix_cache=False)
-    other_cold = await run(cold, system + [9, 9], max_tokens=10, ignore_eos=True)
+    other_cold = await run(cold, [*system, 9, 9], max_tokens=10, ignore_eos=True)
     assert tokens_of(first) == tokens_of(second)
     assert tokens_of(other) == tokens_of(other_cold)
     t1, t2, t3 = first[-1].trace, second[-1].trace, other[-1].trace
@@ -193,7 +193,7 @@ async def test_context_length_and_bad_requests(tiny, make_engine):
     deltas = await run(engine, list(range(100, 150)), max_tokens=100, ignore_eos=True)
     assert deltas[-1].finish_reason == "length" and deltas[-1].stop_reason == "context"
     assert deltas[-1].usage.total_tokens == 64
-    with pytest.raises(InvalidRequestError, match="70 tokens.*64"):
+    with pytest.raises(InvalidRequestError, match=r"70 tokens.*64"):
         await run(engine, list(range(100, 170)))
     with pytest.raises(InvalidRequestError, match="top_p"):
         await run(engine, "x", top_p=1.5)

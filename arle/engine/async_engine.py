@@ -214,10 +214,8 @@ class AsyncEngine:
         if self._loop_task is not None:
             self._wake.set()
             self._loop_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass
             self._loop_task = None
         await asyncio.to_thread(self.executor.close)
 
@@ -283,7 +281,7 @@ class AsyncEngine:
                         await asyncio.wait_for(self._wake.wait(), 0.05)
 
     def _process(self, plan: StepPlan, out: StepOutput) -> None:
-        t0 = time.perf_counter()
+        time.perf_counter()
         exec_us = out.exec_s * 1e6
         width = len(plan.rows)
         k = 0
@@ -350,7 +348,7 @@ class AsyncEngine:
         if reason is None:
             seq.queue.put_nowait(delta)
         else:
-            self._finish(seq, reason[0], reason[1], delta)  # type: ignore[arg-type]
+            self._finish(seq, reason[0], reason[1], delta)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None,
                 delta: Delta | None = None, error: str | None = None) -> None:

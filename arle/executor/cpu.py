@@ -16,13 +16,13 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import torch
+from arle_kernels.attention import decode_gather_index, paged_attention_ref, write_kv
 
 from arle.engine.request import TokenLogprob
 from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import PenaltyState, SampleOutput, SamplingBatch, sample
 from arle.model.decoder import DecoderLM
-from arle_kernels.attention import decode_gather_index, paged_attention_ref, write_kv
 
 
 @dataclass
@@ -171,7 +171,7 @@ class CPUExecutor:
             if w is None:
                 result.append(None)
                 continue
-            top = tuple(zip(top_ids[i][:w], top_lp[i][:w])) if w and top_ids and top_lp else ()
+            top = tuple(zip(top_ids[i][:w], top_lp[i][:w], strict=False)) if w and top_ids and top_lp else ()
             result.append(TokenLogprob(ids[i], chosen[i], top))
         return result
 

@@ -16,13 +16,12 @@ from torch import nn
 from arle.model.config import ModelConfig
 from arle.model.parallel import (
     SINGLE,
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
 )
-from arle.model.rope import RotaryEmbedding
+from arle.model.rope import RotaryEmbedding, apply_rotary
 
 
 class AttentionBackend(Protocol):
@@ -59,7 +58,9 @@ class Attention(nn.Module):
             cfg.hidden_size,
             {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d},
             bias=cfg.attention_bias, tp=tp)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp=tp)
+        # Llama/Qwen3 `attention_bias` covers o_proj too; Qwen2's q/k/v biases do not.
+        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=o_bias, tp=tp)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = backend.attend(self.layer, q, k, v)
         return self.o_proj(o.reshape(t, q_size))
 
@@ -134,7 +135,7 @@ class DecoderLM(nn.Module):
         """Checkpoint (HF) tensor name -> (parameter, shard id) it loads into."""
         params = dict(self.named_parameters())
         out: dict[str, tuple[nn.Parameter, str | int | None]] = {}
-        merged = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+        merged: dict[str, tuple[str, str | int]] = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                   "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
                   "up_proj": ("gate_up_proj", 1)}
         for i in range(self.config.num_layers):
