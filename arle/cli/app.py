@@ -1,0 +1,50 @@
+"""The `arle` command: the typer app, its global options and its commands.
+
+NOTE: this module and everything it imports at the top stay light (no torch, no tokenizers):
+`arle --help` must answer in well under a second. Commands import the engine when they run.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+import arle
+from arle.cli.common import DebugOption, GlobalOptions, LogFormatOption
+from arle.cli.complete import complete
+
+app = typer.Typer(
+    name="arle",
+    help="arle: a small LLM inference engine. One-shot completions from the command line.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"arle {arle.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version, help="Print the version and exit.",
+    )] = False,
+    log_format: LogFormatOption = None,
+    debug: DebugOption = False,
+) -> None:
+    # The commands accept --log-format/--debug too; these apply when a command leaves them out.
+    ctx.obj = GlobalOptions(log_format=log_format, debug=debug)
+
+
+app.command("complete")(complete)
+
+
+def main() -> None:
+    app(prog_name="arle")
