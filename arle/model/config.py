@@ -52,8 +52,15 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            # Qwen2 has q/k/v biases without saying so; others say it with `attention_bias`.
-            bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
+            # Qwen2 always has q/k/v biases (transformers ignores `attention_bias` there); others
+            # say it with `attention_bias`.
+            bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+            max_pos = int(cfg.get("max_position_embeddings", 4096))
+            window = cfg.get("sliding_window")
+            if isinstance(window, int) and cfg.get("use_sliding_window", True):
+                # NOTE: no sliding-window attention here yet. Within one window it equals full
+                # attention, so cap the context there rather than silently attend past it.
+                max_pos = min(max_pos, window)
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -66,11 +73,11 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(cfg.get("rope_theta")
                                  or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                max_position_embeddings=max_pos,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
                 attention_bias=bias,
-                rope_scaling=_rope_scaling(cfg),
+                rope_scaling=_rope_scaling(cfg, source),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -85,7 +92,11 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
 
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+#: rope scaling types rope.py implements.
+ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn")
+
+
+def _rope_scaling(cfg: dict[str, Any], source: object) -> dict[str, Any] | None:
     # transformers 5 moved rope settings into `rope_parameters`; older configs use `rope_scaling`.
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     if not rs:
@@ -93,4 +104,10 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     kind = rs.get("rope_type") or rs.get("type") or "default"
     if kind == "default":
         return None
+    if kind not in ROPE_SCALING_TYPES:
+        raise ModelLoadError(source, f"unsupported rope scaling type {kind!r} "
+                                     f"(supported: {', '.join(ROPE_SCALING_TYPES)})")
+    if kind in ("llama3", "yarn"):
+        # As transformers: without it, the configured context is the pretrained one.
+        rs = {"original_max_position_embeddings": cfg.get("max_position_embeddings", 4096), **rs}
     return {**rs, "rope_type": kind}
