@@ -67,7 +67,7 @@ def load_model(path: str | Path, dtype: str = "auto",
         config = ModelConfig.from_hf(cfg_dict, path / "config.json")
         tokenizer = Tokenizer.from_hf_dir(path)
         gen_defaults = _read_json(path / "generation_config.json", required=False)
-        tensors = _iter_safetensors(path)
+        tensors = _iter_safetensors(_safetensors_files(path))  # checks files before allocating
     elif path.suffix == ".gguf" or _looks_like_gguf(path):
         from arle.model.gguf_io import read_gguf
 
@@ -122,10 +122,8 @@ def _read_json(path: Path, required: bool) -> dict[str, Any]:
     return data
 
 
-def _iter_safetensors(root: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    """Every tensor of a single or sharded checkpoint, memory-mapped, one at a time."""
-    from safetensors import SafetensorError, safe_open
-
+def _safetensors_files(root: Path) -> list[Path]:
+    """The checkpoint's files, single or sharded (index json); all must exist."""
     index = root / "model.safetensors.index.json"
     if index.exists():
         weight_map = _read_json(index, required=True).get("weight_map", {})
@@ -137,6 +135,14 @@ def _iter_safetensors(root: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
     for file in files:
         if not file.exists():
             raise ModelLoadError(file, "missing (listed in model.safetensors.index.json)")
+    return files
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """Every tensor of the checkpoint, memory-mapped, one at a time."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
