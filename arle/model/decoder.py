@@ -41,9 +41,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: normalise in fp32, then scale in the model dtype, as HF Llama/Qwen do.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return normed.to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
@@ -66,16 +65,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
-        t = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        q_size, kv_size = h * d, self.num_kv_heads * d
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side: one rotary pass serves both (fewer small kernels).
+        qk = qkv[:, :q_size + kv_size].view(t, -1, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = backend.attend(self.layer, q, k, v)
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
+        qk = apply_rotary(qk, cos, sin)
+        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, d)
+        o = backend.attend(self.layer, qk[:, :h], qk[:, h:], v)
         return self.o_proj(o.reshape(t, q_size))
 
 
