@@ -70,13 +70,13 @@ def hf_run(model: Any, ids: list[int], new_tokens: int) -> dict[str, float]:
             "decode_tok_s": (n - 1) / (total - ttft), "prefill_tok_s": len(ids) / ttft}
 
 
-def load_hf(path: Path) -> Any:
+def load_hf(path: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
     if path.is_dir():
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+                                                dtype=dtype).eval()
 
 
 def median(rows: list[dict[str, float]], key: str) -> float:
@@ -90,14 +90,15 @@ async def main() -> None:
     ap.add_argument("--short-prompt-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     path = resolve_model_path(args.model)
-    engine = await AsyncEngine.create(EngineConfig(model=str(path), dtype="float32",
+    engine = await AsyncEngine.create(EngineConfig(model=str(path), dtype=args.dtype,
                                                    enable_prefix_cache=False))
-    hf = None if args.skip_hf else load_hf(path)
+    hf = None if args.skip_hf else load_hf(path, getattr(torch, args.dtype))
     short = long_prompt(engine.tokenizer, args.short_prompt_tokens)
     long = long_prompt(engine.tokenizer, args.prompt_tokens)
     # warm-up both
@@ -132,11 +133,12 @@ async def main() -> None:
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability()},
-        "model": str(path), "dtype": "float32", "new_tokens": args.new_tokens,
+        "model": str(path), "dtype": args.dtype, "new_tokens": args.new_tokens,
         "short_prompt_tokens": args.short_prompt_tokens, "prompt_tokens": args.prompt_tokens,
         "summary": summary, "raw": results,
     }
-    out = Path(args.out or f"docs/benchmarks/cpu-{datetime.date.today().isoformat()}.json")
+    out = Path(args.out or
+               f"docs/benchmarks/cpu-{args.dtype}-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"{'engine':<14}{'decode tok/s':>14}{'prefill tok/s':>15}")
