@@ -11,12 +11,17 @@ from typing import Annotated
 import typer
 
 import arle
+from arle.cli.bench import bench
+from arle.cli.chat import chat
 from arle.cli.common import DebugOption, GlobalOptions, LogFormatOption
 from arle.cli.complete import complete
+from arle.cli.diagnostics import doctor, warmup
+from arle.cli.serve import serve
 
 app = typer.Typer(
     name="arle",
-    help="arle: a small LLM inference engine. One-shot completions from the command line.",
+    help="arle: a small, fast LLM inference engine. One-shot completions, an interactive "
+         "chat, an OpenAI-compatible server and its benchmark, and diagnostics.",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",
@@ -44,6 +49,11 @@ def _root(
 
 
 app.command("complete")(complete)
+app.command("serve")(serve)
+app.command("bench")(bench)
+app.command("chat")(chat)
+app.command("warmup")(warmup)
+app.command("doctor")(doctor)
 
 
 def main() -> None:

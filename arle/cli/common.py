@@ -127,14 +127,14 @@ def build_engine_config(
     *, model: str | None, dtype: DTypeChoice, device: DeviceChoice, max_model_len: int | None,
     max_running_requests: int, max_batched_tokens: int, chunked_prefill_size: int,
     kv_cache_tokens: int | None, no_prefix_cache: bool, disable_overlap: bool,
-    threads: int | None,
+    threads: int | None, resolve_model: bool = True,
 ) -> EngineConfig:
-    """The EngineConfig the engine flags describe. Resolves the model path first, so a missing
-    model fails at once instead of after torch has loaded."""
-    path = resolve_model_path(model)
+    """The EngineConfig the engine flags describe. Resolves the model path first (unless told
+    not to), so a missing model fails at once instead of after torch has loaded."""
+    path = str(resolve_model_path(model)) if resolve_model else model
     try:
         return EngineConfig(
-            model=str(path), dtype=cast(DType, dtype.value), device=cast(Device, device.value),
+            model=path, dtype=cast(DType, dtype.value), device=cast(Device, device.value),
             max_model_len=max_model_len, max_running_requests=max_running_requests,
             max_batched_tokens=max_batched_tokens, chunked_prefill_size=chunked_prefill_size,
             kv_cache_tokens=kv_cache_tokens, enable_prefix_cache=not no_prefix_cache,
@@ -180,9 +180,12 @@ def report_errors(debug: bool) -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
-def arle_command(*, engine: bool = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def arle_command(*, engine: bool = False, resolve_model: bool = True
+                 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Decorate a command: add `--log-format`/`--debug` (and the engine options when `engine`),
-    configure logging, report errors. With `engine`, the command takes `config: EngineConfig`."""
+    configure logging, report errors. With `engine`, the command takes `config: EngineConfig`;
+    `resolve_model=False` leaves the model path to be resolved when an engine is built (for a
+    command that may not build one, like `chat --url`)."""
 
     def decorate(fn: Callable[..., None]) -> Callable[..., None]:
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
@@ -197,7 +200,8 @@ def arle_command(*, engine: bool = False) -> Callable[[Callable[..., None]], Cal
             outer = root if isinstance(root, GlobalOptions) else GlobalOptions()
             log_format = kwargs.pop("log_format") or outer.log_format
             debug = kwargs.pop("debug") or outer.debug
-            engine_flags = {name: kwargs.pop(name) for name in _ENGINE_NAMES if name in kwargs}
+            engine_flags = ({name: kwargs.pop(name) for name in _ENGINE_NAMES if name in kwargs}
+                            if engine else {})
             with report_errors(debug):
                 fmt = resolve_log_format(log_format.value if log_format else None)
                 # NOTE: console logs are for a person reading the answer: warnings only (info
@@ -206,7 +210,8 @@ def arle_command(*, engine: bool = False) -> Callable[[Callable[..., None]], Cal
                 level = "debug" if debug else "info" if fmt == "json" else "warning"
                 configure_logging(fmt, level)
                 if engine:
-                    kwargs["config"] = build_engine_config(**engine_flags)
+                    kwargs["config"] = build_engine_config(**engine_flags,
+                                                           resolve_model=resolve_model)
                 fn(**kwargs)
 
         # NOTE: typer builds the options from the signature and the annotations: present the

@@ -1,0 +1,167 @@
+"""`arle serve`: the OpenAI-compatible HTTP server (uvicorn, on the engine's event loop).
+
+Start-up order: load the model, warm it (one short generation), bind, then log "listening on":
+a client that sees the port open finds the server ready. SIGINT/SIGTERM stop accepting, let
+running requests finish for `--grace-period` seconds (then abort them) and exit 0; a second
+SIGINT exits at once.
+
+NOTE: uvicorn, the engine and torch are imported inside the command: `arle --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import socket
+import sys
+from dataclasses import replace
+from types import FrameType
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from arle.cli.common import arle_command
+from arle.config import EngineConfig
+from arle.errors import ArleError
+from arle.logging import get_logger
+from arle.server import DEFAULT_MAX_BODY_BYTES
+
+if TYPE_CHECKING:
+    from arle.engine.async_engine import AsyncEngine
+
+SERVER_PANEL = "Server"
+log = get_logger("arle.server")
+
+
+def _server_opt(*decls: str, help: str, **kw: Any) -> Any:
+    return typer.Option(*decls, help=help, rich_help_panel=SERVER_PANEL, **kw)
+
+
+@arle_command(engine=True)
+def serve(
+    host: Annotated[str, _server_opt(
+        "--host", help="Address to bind; 0.0.0.0 exposes the server to the network.")
+    ] = "127.0.0.1",
+    port: Annotated[int, _server_opt("--port", min=0, max=65535, help="TCP port.")] = 8000,
+    api_key: Annotated[str | None, _server_opt(
+        "--api-key", envvar="ARLE_API_KEY", show_envvar=True,
+        help="Require 'Authorization: Bearer KEY' on /v1/* (default: no key).")] = None,
+    served_model_name: Annotated[str | None, _server_opt(
+        "--served-model-name",
+        help="The model name clients send and see (default: the model file's name).")] = None,
+    max_waiting: Annotated[int, _server_opt(
+        "--max-waiting", min=1,
+        help="Requests that may wait for admission; more get 503 with Retry-After.")
+    ] = EngineConfig().max_waiting_requests,
+    max_body_bytes: Annotated[int, _server_opt(
+        "--max-body-bytes", min=1024, help="Largest request body; larger get 413.")
+    ] = DEFAULT_MAX_BODY_BYTES,
+    grace_period: Annotated[float, _server_opt(
+        "--grace-period", min=0.0,
+        help="Seconds running requests may take to finish after SIGINT/SIGTERM.")] = 30.0,
+    *,
+    config: EngineConfig,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
+    /v1/chat/completions, /v1/models, /health, /ready, /metrics, /v1/stats)."""
+    config = replace(config, max_waiting_requests=max_waiting)
+    from arle.server.app import ServerSettings
+
+    settings = ServerSettings(served_model_name=served_model_name, api_key=api_key or None,
+                              max_body_bytes=max_body_bytes)
+    _run(_serve(config, settings, host, port, grace_period))
+
+
+def _run(main: Any) -> None:
+    """asyncio.run, on uvloop where it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    if hasattr(uvloop, "run"):  # uvloop >= 0.18
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
+async def _warm_up(engine: AsyncEngine) -> None:
+    """One short greedy generation: the first step's one-time costs are paid before readiness."""
+    from arle.engine.request import GenerateRequest, SamplingParams
+
+    bos = engine.tokenizer.bos_token_id
+    req = GenerateRequest(prompt=[bos if bos is not None else 0] * 4, route="serve.warmup",
+                          params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    async for _ in engine.generate(req):
+        pass
+
+
+async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
+                 grace_period: float) -> None:
+    import uvicorn
+
+    from arle.engine.async_engine import AsyncEngine
+    from arle.server.app import create_app
+
+    engine = await AsyncEngine.create(config)
+    try:
+        await _warm_up(engine)
+        app = create_app(engine, settings)
+        state = app.state.arle
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+                first = not self.should_exit
+                super().handle_exit(sig, frame)
+                # NOTE: uvicorn re-raises a caught signal after shutting down (exit status
+                # 130/143); a graceful stop is a success here: exit 0.
+                self._captured_signals.clear()
+                state.shutting_down = True
+                if first:
+                    log.info("shutting_down", signal=signal.Signals(sig).name,
+                             grace_period_s=grace_period)
+
+        sock = _bind(host, port)
+        uv_config = uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="off", server_header=False,
+            timeout_graceful_shutdown=math.ceil(grace_period))
+        server = Server(uv_config)
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            state.ready = True
+            url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
+            log.info("listening", url=url, model=state.model_name, pid=os.getpid())
+            _announce(f"listening on {url} (model {state.model_name})")
+        await task
+    finally:
+        await engine.close()
+    log.info("stopped")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a busy port is one clear error (uvicorn would
+    exit the process from inside its task)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise ArleError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _announce(line: str) -> None:
+    """The readiness line for a person: on stderr, unless logs are JSON (then the `listening`
+    event is the line)."""
+    import structlog
+
+    processors = structlog.get_config().get("processors", [])
+    if not any(isinstance(p, structlog.processors.JSONRenderer) for p in processors):
+        sys.stderr.write(f"arle: {line}\n")
+        sys.stderr.flush()

@@ -1,0 +1,519 @@
+"""The OpenAI-compatible ASGI app around one AsyncEngine.
+
+Why Starlette and not FastAPI: every byte of an error matters here (OpenAI's error body, 400 and
+never 422, `param` naming the field, `Allow` / `Retry-After` / `WWW-Authenticate` headers), and
+the streams need their own disconnect handling. FastAPI would validate and answer for us and we
+would spend code undoing it; Starlette is the routing and request/response layer and nothing
+more. The request models are pydantic (protocol.py) and /openapi.json is built from them.
+
+Every response that is not a success goes through `error_response`, the one mapping from an
+exception (arle.errors' `http_status` / `error_type`) to a status and OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import functools
+import hmac
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import orjson
+from pydantic.json_schema import models_json_schema
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from arle.engine.request import Delta, GenerateRequest, TokenLogprob
+from arle.errors import ArleError, EngineStepError, InvalidRequestError, OverloadedError
+from arle.logging import get_logger
+from arle.server import DEFAULT_MAX_BODY_BYTES, protocol
+from arle.server.metrics import CONTENT_TYPE, ServerMetrics
+from arle.server.protocol import ChatCompletionRequest, CompletionRequest, Decoder
+
+if TYPE_CHECKING:
+    from arle.engine.async_engine import AsyncEngine
+
+log = get_logger("arle.server")
+T = TypeVar("T")
+
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: Seconds a client should wait after a 503.
+    retry_after_s: int = 1
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    settings: ServerSettings
+    metrics: ServerMetrics
+    model_name: str
+    ready: bool = False
+    shutting_down: bool = False
+    decoder: Decoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.decoder = Decoder(self.engine.tokenizer)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+class HTTPError(ArleError):
+    """An HTTP-level refusal (401, 404, 405, 413) with its own status, type and headers."""
+
+    def __init__(self, status: int, message: str, error_type: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.http_status = status
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+class ClientGone(Exception):
+    """The client disconnected; nobody is left to answer."""
+
+
+class JSONResponse(Response):
+    """JSON through orjson: fast, and a non-finite float (a -inf logprob) becomes null instead
+    of failing the response."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def error_response(exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
+    """The one mapping from an exception to an HTTP error response."""
+    if isinstance(exc, ArleError):
+        status, type_, message = exc.http_status, exc.error_type, str(exc)
+    else:
+        status, type_, message = 500, "internal_error", f"internal error: {exc!r}"
+    headers = dict(getattr(exc, "headers", None) or {})
+    if isinstance(exc, OverloadedError):
+        headers.setdefault("Retry-After", str(retry_after_s))
+    body = protocol.error_json(message, type_, getattr(exc, "param", None),
+                               getattr(exc, "code", None) or status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+async def _until_disconnect(receive: Receive, aw: Awaitable[T]) -> T:
+    """Await `aw`, cancelling it if the client disconnects first (then raise ClientGone).
+
+    NOTE: cancelling the task that iterates `engine.generate()` runs the generator's `finally`,
+    which aborts the request: its pages return before the next step is planned.
+    """
+    task: asyncio.Future[T] = asyncio.ensure_future(aw)
+
+    async def watch() -> None:
+        while True:
+            if (await receive())["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    both: set[asyncio.Future[Any]] = {task, watcher}
+    try:
+        await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled (shutdown past its grace period): pass it on
+        watcher.cancel()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise
+    watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientGone()
+    return task.result()
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class SSEResponse(Response):
+    """A text/event-stream response that stops (and closes its source, aborting the request)
+    as soon as the client goes away."""
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(media_type="text/event-stream")
+        self.chunks = chunks
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+
+        async def pump() -> None:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await _until_disconnect(receive, pump())
+        except (ClientGone, OSError):
+            pass
+        finally:
+            await self.chunks.aclose()
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+
+class _Handlers:
+    def __init__(self, state: ServerState) -> None:
+        self.s = state
+
+    # -- checks --
+    def _auth(self, request: Request) -> None:
+        key = self.s.settings.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 key.encode()):
+            raise HTTPError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                            "authentication_error", code="invalid_api_key",
+                            headers={"WWW-Authenticate": 'Bearer realm="arle"'})
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self._model_names():
+            raise HTTPError(404, f"the model {model!r} does not exist; this server serves "
+                                 f"{self.s.model_name!r}", "invalid_request_error",
+                            param="model", code="model_not_found")
+
+    def _model_names(self) -> set[str]:
+        return {self.s.model_name, self.s.engine.model_name}
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.s.settings.max_body_bytes
+        too_big = HTTPError(413, f"the request body is over the limit of {limit} bytes",
+                            "invalid_request_error", code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+        try:
+            return orjson.loads(bytes(body))
+        except orjson.JSONDecodeError as e:
+            raise InvalidRequestError(f"malformed JSON body: {e}") from None
+
+    # -- plain routes --
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        if self.s.ready and not self.s.shutting_down:
+            return JSONResponse({"status": "ready", "model": self.s.model_name})
+        status = "shutting_down" if self.s.shutting_down else "loading"
+        return JSONResponse({"status": status}, status_code=503,
+                            headers={"Retry-After": str(self.s.settings.retry_after_s)})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.s.metrics.prometheus_text(), media_type=CONTENT_TYPE)
+
+    async def stats(self, request: Request) -> Response:
+        self._auth(request)
+        return JSONResponse({"model": self.s.model_name, **self.s.metrics.stats()})
+
+    async def models(self, request: Request) -> Response:
+        self._auth(request)
+        info = self.s.engine.model_info
+        card = {"id": self.s.model_name, "object": "model",
+                "created": int(self.s.metrics.started), "owned_by": "arle",
+                "root": info.get("path"), "max_model_len": self.s.engine.max_model_len,
+                # NOTE: an arle extension: `arle bench` draws random prompt token ids below it.
+                "vocab_size": self.s.engine.tokenizer.vocab_size}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_schema())
+
+    # -- generation --
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        self._auth(request)
+        body = await self._read_json(request)
+        model_cls = ChatCompletionRequest if chat else CompletionRequest
+        req = protocol.parse_request(model_cls, body)
+        self._check_model(req.model)
+        engine = self.s.engine
+        params = req.sampling_params(engine.default_params, engine.max_model_len)
+        if self.s.shutting_down:
+            raise OverloadedError("the server is shutting down")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        greq = GenerateRequest(
+            prompt=None if chat else req.prompt_input,
+            messages=req.message_dicts() if chat else None, params=params, request_id=rid,
+            route=request.url.path, stream=req.stream,
+            add_special_tokens=True if chat else req.add_special_tokens)
+        run = _Run(self.s, request.url.path, rid, chat, req)
+        # NOTE: generate() is an async generator; aclose() is what aborts it deterministically.
+        gen = cast(AsyncGenerator[Delta, None], engine.generate(greq))
+        try:
+            # NOTE: the first delta is awaited before any byte is sent, so a request the engine
+            # refuses (prompt too long, queue full) gets a real status, not a broken stream.
+            first = await _until_disconnect(request.receive, gen.__anext__())
+        except BaseException as e:
+            await gen.aclose()
+            if isinstance(e, ClientGone):
+                run.note_if_aborted()
+            raise
+        if req.stream:
+            return SSEResponse(run.stream(first, gen))
+        return JSONResponse(await _until_disconnect(request.receive, run.collect(first, gen)))
+
+
+class _Run:
+    """One generation's deltas turned into OpenAI JSON (whole, or as stream chunks)."""
+
+    def __init__(self, state: ServerState, route: str, rid: str, chat: bool, req: Any) -> None:
+        self.s, self.route, self.rid, self.chat, self.req = state, route, rid, chat, req
+        self.created = protocol.now()
+        self.model = state.model_name
+        self._last_t = time.perf_counter()
+        self.finished = False
+
+    def _seen(self, delta: Delta) -> None:
+        now = time.perf_counter()
+        if delta.token_ids:
+            self.s.metrics.observe_gap(now - self._last_t)
+        self._last_t = now
+        if delta.finish_reason is not None:
+            self.finished = True
+            self.s.metrics.observe_finished(delta.trace)
+
+    def note_if_aborted(self) -> None:
+        if not self.finished:
+            self.s.metrics.requests.labels(self.route, "abort").inc()
+            log.info("request_aborted", request_id=self.rid, route=self.route,
+                     error="ended before it finished (client gone or server shutting down)")
+
+    def _logprobs(self, lps: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+        if lps is None or self.req.logprobs in (None, False):
+            return None
+        dec = self.s.decoder
+        return (protocol.chat_logprobs(lps, dec) if self.chat
+                else protocol.completion_logprobs(lps, dec, offset))
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.rid, "object": kind + (".chunk" if chunk and self.chat else ""),
+                "created": self.created, "model": self.model, "system_fingerprint": None,
+                "choices": choices}
+
+    async def collect(self, first: Delta, gen: AsyncGenerator[Delta, None]) -> dict[str, Any]:
+        text: list[str] = []
+        lps: list[TokenLogprob] = []
+        delta = first
+        try:
+            while True:
+                self._seen(delta)
+                text.append(delta.text)
+                lps.extend(delta.logprobs or ())
+                if delta.finish_reason is not None:
+                    break
+                delta = await gen.__anext__()
+        finally:
+            self.note_if_aborted()
+            await gen.aclose()
+        if delta.finish_reason == "error":
+            raise EngineStepError(delta.error or "generation failed")
+        logprobs = self._logprobs(lps if lps else None, 0)
+        out = "".join(text)
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
+                                                             "content": out},
+                                      "logprobs": logprobs}
+        else:
+            choice = {"index": 0, "text": out, "logprobs": logprobs}
+        choice["finish_reason"] = protocol.finish_reason_json(delta)
+        choice["stop_reason"] = delta.stop_reason
+        return {**self._envelope([choice], chunk=False), "usage": protocol.usage_json(delta.usage)}
+
+    async def stream(self, first: Delta, gen: AsyncGenerator[Delta, None]
+                     ) -> AsyncGenerator[bytes, None]:
+        include_usage = self.req.include_usage
+        offset = 0
+
+        def chunk(choices: list[dict[str, Any]]) -> bytes:
+            body = self._envelope(choices, chunk=True)
+            if include_usage:
+                body["usage"] = None
+            return _sse(body)
+
+        try:
+            if self.chat:
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            delta: Delta | None = first
+            while delta is not None:
+                self._seen(delta)
+                last = delta.finish_reason is not None
+                if last and delta.finish_reason == "error":
+                    err = EngineStepError(delta.error or "generation failed")
+                    yield _sse(protocol.error_json(str(err), err.error_type, None, 500))
+                    break
+                if delta.text or last or delta.logprobs:
+                    c: dict[str, Any] = {"index": 0}
+                    if self.chat:
+                        c["delta"] = {"content": delta.text} if delta.text or not last else {}
+                    else:
+                        c["text"] = delta.text
+                    c["logprobs"] = self._logprobs(delta.logprobs, offset)
+                    c["finish_reason"] = protocol.finish_reason_json(delta)
+                    if last:
+                        c["stop_reason"] = delta.stop_reason
+                    offset += len(delta.text)
+                    yield chunk([c])
+                if last:
+                    if include_usage:
+                        yield _sse({**self._envelope([], chunk=True),
+                                    "usage": protocol.usage_json(delta.usage)})
+                    break
+                delta = await gen.__anext__()
+            yield _DONE
+        finally:
+            self.note_if_aborted()
+            await gen.aclose()
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Starlette:
+    """The app; `app.state.arle` is its ServerState (the server flips `ready` once warm)."""
+    settings = settings or ServerSettings()
+    state = ServerState(engine, settings, ServerMetrics(engine.snapshot),
+                        settings.served_model_name or engine.model_name)
+    h = _Handlers(state)
+
+    def route(path: str, fn: Callable[[Request], Awaitable[Response]], method: str) -> Route:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it; ends the ASGI call cleanly
+            except Exception as e:
+                return _fail(request, e)
+        return Route(path, endpoint, methods=[method])
+
+    def _fail(request: Request, exc: BaseException) -> Response:
+        resp = error_response(exc, settings.retry_after_s)
+        state.metrics.observe_http_error(request.url.path, resp.status_code)
+        # NOTE: a request refused before the engine saw it still leaves one trace line.
+        fields = {"route": request.url.path, "status": resp.status_code, "error": str(exc)}
+        if resp.status_code >= 500:
+            log.error("request_trace", **fields, exc_info=not isinstance(exc, ArleError))
+        else:
+            log.info("request_trace", **fields)
+        return resp
+
+    async def http_exception(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            err = HTTPError(404, f"no route {request.method} {request.url.path}",
+                            "not_found_error", code="not_found")
+        elif exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            err = HTTPError(405, f"method {request.method} is not allowed on "
+                                 f"{request.url.path} (allowed: {allow})",
+                            "invalid_request_error", code="method_not_allowed",
+                            headers={"Allow": allow})
+        else:
+            err = HTTPError(exc.status_code, str(exc.detail), "invalid_request_error",
+                            headers=dict(exc.headers or {}))
+        return _fail(request, err)
+
+    routes = [
+        route("/health", h.health, "GET"),
+        route("/ready", h.ready, "GET"),
+        route("/metrics", h.metrics, "GET"),
+        route("/openapi.json", h.openapi, "GET"),
+        route("/v1/models", h.models, "GET"),
+        route("/v1/stats", h.stats, "GET"),
+        route("/v1/completions", h.completions, "POST"),
+        route("/v1/chat/completions", h.chat_completions, "POST"),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_exception})
+    app.state.arle = state
+    return app
+
+
+def openapi_schema() -> dict[str, Any]:
+    """OpenAPI 3.1 for the routes, with the request bodies' JSON schema from protocol.py."""
+    return copy.deepcopy(_openapi_schema())
+
+
+@functools.cache
+def _openapi_schema() -> dict[str, Any]:
+    _, defs = models_json_schema(
+        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+        ref_template="#/components/schemas/{model}")
+    error = {"description": "An error (OpenAI's body)", "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    schemas = {**defs.get("$defs", {}), "ErrorResponse": {
+        "type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]},
+                           "code": {"type": ["string", "integer", "null"]}}}}}}
+
+    def get(summary: str) -> dict[str, Any]:
+        return {"get": {"summary": summary, "responses": {
+            "200": {"description": "OK", "content": {"application/json": {"schema": {}}}},
+            "default": error}}}
+
+    def post(summary: str, model: str) -> dict[str, Any]:
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}},
+            "responses": {"200": {"description": "A completion, or an SSE stream with "
+                                                 "stream: true"},
+                          "400": error, "401": error, "404": error, "413": error,
+                          "503": error, "default": error}}}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "arle", "version": "1", "description": "OpenAI-compatible API"},
+        "paths": {
+            "/v1/completions": post("Text completion", "CompletionRequest"),
+            "/v1/chat/completions": post("Chat completion", "ChatCompletionRequest"),
+            "/v1/models": get("The served model"),
+            "/v1/stats": get("Server and engine statistics (JSON)"),
+            "/health": get("Liveness"),
+            "/ready": get("Readiness: the model is loaded and warm"),
+        },
+        "components": {"schemas": schemas},
+    }
