@@ -61,13 +61,14 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     Causal: new token i (position seq_len - n + i) sees positions <= its own. q [n, H, D]."""
     n, h, _ = q.shape
     kv_heads = k_cache.shape[2]
-    k = gather_pages(k_cache, page_table, seq_len)
-    v = gather_pages(v_cache, page_table, seq_len)
-    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+    k = gather_pages(k_cache, page_table, seq_len).transpose(0, 1)[None].to(q.dtype)
+    v = gather_pages(v_cache, page_table, seq_len).transpose(0, 1)[None].to(q.dtype)
+    mask = None
+    if n != seq_len:  # a cached prefix: the causal diagonal is offset by its length
+        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+        mask = (torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None])[None, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype),
-        v.transpose(0, 1)[None].to(q.dtype), attn_mask=mask[None, None], scale=scale,
+        q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
         enable_gqa=h != kv_heads)
     return out[0].transpose(0, 1)
 

@@ -16,6 +16,7 @@ from helpers import require_smollm2_gguf
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import Delta, GenerateRequest, SamplingParams
+from arle.executor.cpu import torch_thread
 from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
 from arle.model.loader import LoadedModel, load_model
@@ -23,8 +24,10 @@ from arle.model.loader import LoadedModel, load_model
 
 @pytest.fixture(scope="session")
 def smol() -> LoadedModel:
-    """SmolLM2-135M-Instruct from the default GGUF, fp32 (~7 s, once per session)."""
-    return load_model(require_smollm2_gguf(), "float32", "cpu")
+    """SmolLM2-135M-Instruct from the default GGUF, fp32 (~7 s, once per session). Loaded on the
+    engine's torch thread, as AsyncEngine.create does (see torch_thread)."""
+    path = require_smollm2_gguf()
+    return torch_thread().submit(load_model, path, "float32", "cpu").result()
 
 
 def tiny_config(vocab_size: int, **overrides: Any) -> ModelConfig:

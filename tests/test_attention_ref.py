@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from arle_kernels.attention import paged_attention_ref, write_kv
 
 

@@ -83,8 +83,10 @@ class AsyncEngine:
     # ---- construction -----------------------------------------------------------------------
     @classmethod
     async def create(cls, config: EngineConfig) -> AsyncEngine:
-        """Load the model (in a worker thread) and build the engine for it."""
-        return await asyncio.to_thread(cls.build, config)
+        """Load the model (on the thread that will run its steps) and build the engine."""
+        from arle.executor.cpu import torch_thread
+
+        return await asyncio.wrap_future(torch_thread().submit(cls.build, config))
 
     @classmethod
     def build(cls, config: EngineConfig) -> AsyncEngine:

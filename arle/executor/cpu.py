@@ -16,13 +16,29 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import torch
-from arle_kernels.attention import decode_gather_index, paged_attention_ref, write_kv
 
 from arle.engine.request import TokenLogprob
 from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import PenaltyState, SampleOutput, SamplingBatch, sample
 from arle.model.decoder import DecoderLM
+from arle_kernels.attention import decode_gather_index, paged_attention_ref, write_kv
+
+_TORCH_THREAD: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def torch_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that runs heavy CPU torch work: model loading and every step.
+
+    NOTE: each thread that enters an OpenMP parallel region gets its own team of worker threads,
+    which spin while idle. Two teams on a 2-core machine fight for the cores: a SmolLM2 decode
+    step measured 26 ms with all torch work on one thread and 46 ms with loading on another.
+    Light torch calls (building small tensors) on other threads start no parallel region.
+    """
+    global _TORCH_THREAD
+    if _TORCH_THREAD is None:
+        _TORCH_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arle-torch")
+    return _TORCH_THREAD
 
 
 @dataclass
@@ -79,7 +95,7 @@ class CPUExecutor:
         self.penalties = PenaltyState(num_slots, cfg.vocab_size, "cpu")
         self.generator = torch.Generator().manual_seed(seed)
         # NOTE: one worker thread: steps run in launch order, as on a CUDA stream.
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arle-cpu")
+        self._worker = torch_thread()
 
     # ---- the caller's thread -------------------------------------------------------------
     def launch(self, plan: StepPlan) -> Awaitable[StepOutput]:
@@ -176,7 +192,8 @@ class CPUExecutor:
         return result
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        # The thread is shared (see torch_thread): wait for this executor's steps, keep it.
+        self._worker.submit(lambda: None).result()
 
 
 def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int = 16,
