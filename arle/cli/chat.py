@@ -13,19 +13,15 @@ from typing import Annotated, Any
 
 import typer
 
-from arle.cli.common import arle_command
+from arle.cli.common import arle_command, panel_option, sampling_option
 from arle.config import EngineConfig
 
-SAMPLING_PANEL = "Sampling"
 CHAT_PANEL = "Chat"
 
 
 def _chat_opt(*decls: str, help: str, **kw: Any) -> Any:
-    return typer.Option(*decls, help=help, rich_help_panel=CHAT_PANEL, **kw)
+    return panel_option(CHAT_PANEL, *decls, help=help, **kw)
 
-
-def _sampling_opt(*decls: str, help: str, **kw: Any) -> Any:
-    return typer.Option(*decls, help=help, rich_help_panel=SAMPLING_PANEL, **kw)
 
 
 @arle_command(engine=True, resolve_model=False)
@@ -46,14 +42,14 @@ def chat(
     no_stats: Annotated[bool, _chat_opt(
         "--no-stats", help="No status line after each answer (/set stats on brings it back).")
     ] = False,
-    max_tokens: Annotated[int, _sampling_opt(
+    max_tokens: Annotated[int, sampling_option(
         "--max-tokens", min=1, help="Most tokens of one answer.")] = 1024,
-    temperature: Annotated[float | None, _sampling_opt(
+    temperature: Annotated[float | None, sampling_option(
         "--temperature", min=0.0, help="Sampling temperature (default: the model's).")] = None,
-    top_p: Annotated[float | None, _sampling_opt("--top-p", help="Nucleus sampling mass.")] = None,
-    top_k: Annotated[int | None, _sampling_opt("--top-k", help="Sample among the k likeliest.")
+    top_p: Annotated[float | None, sampling_option("--top-p", help="Nucleus sampling mass.")] = None,
+    top_k: Annotated[int | None, sampling_option("--top-k", help="Sample among the k likeliest.")
                      ] = None,
-    seed: Annotated[int | None, _sampling_opt("--seed", help="Seed of the sampling.")] = None,
+    seed: Annotated[int | None, sampling_option("--seed", help="Seed of the sampling.")] = None,
     *,
     config: EngineConfig,
 ) -> None:

@@ -123,6 +123,19 @@ _ENGINE_PARAMS = [
 _ENGINE_NAMES = [p.name for p in _ENGINE_PARAMS]
 
 
+SAMPLING_PANEL = "Sampling"
+
+
+def panel_option(panel: str, *decls: str, help: str, **kw: Any) -> Any:
+    """A typer option shown under `panel` in --help."""
+    return typer.Option(*decls, help=help, rich_help_panel=panel, **kw)
+
+
+def sampling_option(*decls: str, help: str, **kw: Any) -> Any:
+    """A sampling option: the same panel in every command."""
+    return panel_option(SAMPLING_PANEL, *decls, help=help, **kw)
+
+
 def build_engine_config(
     *, model: str | None, dtype: DTypeChoice, device: DeviceChoice, max_model_len: int | None,
     max_running_requests: int, max_batched_tokens: int, chunked_prefill_size: int,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import orjson
 import typer
 
-from arle.cli.common import arle_command
+from arle.cli.common import arle_command, panel_option, sampling_option
 from arle.config import EngineConfig
 from arle.engine.request import SamplingParams
 from arle.errors import EngineStepError, InvalidRequestError
@@ -22,16 +22,12 @@ from arle.errors import EngineStepError, InvalidRequestError
 if TYPE_CHECKING:
     from arle.engine.request import Delta, TokenLogprob
 
-SAMPLING_PANEL = "Sampling"
 OUTPUT_PANEL = "Prompt and output"
 
 
-def _sampling_opt(*decls: str, help: str, **kw: Any) -> Any:
-    return typer.Option(*decls, help=help, rich_help_panel=SAMPLING_PANEL, **kw)
-
 
 def _output_opt(*decls: str, help: str, **kw: Any) -> Any:
-    return typer.Option(*decls, help=help, rich_help_panel=OUTPUT_PANEL, **kw)
+    return panel_option(OUTPUT_PANEL, *decls, help=help, **kw)
 
 
 @dataclass
@@ -48,22 +44,22 @@ class _Result:
 def complete(
     prompt: Annotated[str, typer.Argument(
         help="The prompt; '-' reads it from stdin.", show_default=False)],
-    max_tokens: Annotated[int, _sampling_opt(
+    max_tokens: Annotated[int, sampling_option(
         "--max-tokens", min=1, help="Most tokens to generate.")] = 256,
-    temperature: Annotated[float, _sampling_opt(
+    temperature: Annotated[float, sampling_option(
         "--temperature", min=0.0,
         help="0 is greedy: a one-shot answer is deterministic unless you ask otherwise.")] = 0.0,
-    top_p: Annotated[float | None, _sampling_opt(
+    top_p: Annotated[float | None, sampling_option(
         "--top-p", help="Nucleus sampling mass (default: the model's, else 1).")] = None,
-    top_k: Annotated[int | None, _sampling_opt(
+    top_k: Annotated[int | None, sampling_option(
         "--top-k", help="Sample among the k likeliest; 0 disables (default: the model's).")] = None,
-    min_p: Annotated[float | None, _sampling_opt(
+    min_p: Annotated[float | None, sampling_option(
         "--min-p", help="Drop tokens below min_p x the top probability.")] = None,
-    seed: Annotated[int | None, _sampling_opt(
+    seed: Annotated[int | None, sampling_option(
         "--seed", help="Seed of this request's sampling (reproducible output).")] = None,
-    stop: Annotated[list[str] | None, _sampling_opt(
+    stop: Annotated[list[str] | None, sampling_option(
         "--stop", help="Stop before this string; repeat for several.")] = None,
-    ignore_eos: Annotated[bool, _sampling_opt(
+    ignore_eos: Annotated[bool, sampling_option(
         "--ignore-eos", help="Go on past the end-of-sequence token.")] = False,
     system: Annotated[str | None, _output_opt(
         "--system", help="A system message (default: the chat template's).")] = None,

@@ -88,14 +88,13 @@ def _run(main: Any) -> None:
 
 
 async def _warm_up(engine: AsyncEngine) -> None:
-    """One short greedy generation: the first step's one-time costs are paid before readiness."""
-    from arle.engine.request import GenerateRequest, SamplingParams
+    """The warm-up passes `arle warmup` reports: their one-time costs are paid before readiness."""
+    from arle.diagnostics import Phase, warmup_passes
 
-    bos = engine.tokenizer.bos_token_id
-    req = GenerateRequest(prompt=[bos if bos is not None else 0] * 4, route="serve.warmup",
-                          params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    async for _ in engine.generate(req):
-        pass
+    phases: list[Phase] = []
+    if not await warmup_passes(engine, phases):
+        failed = next(p for p in phases if not p.ok)
+        raise ArleError(f"warm-up failed in phase {failed.name}: {failed.error}")
 
 
 async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
