@@ -286,6 +286,7 @@ class AsyncEngine:
         time.perf_counter()
         exec_us = out.exec_s * 1e6
         width = len(plan.rows)
+        admitted = {ns.slot for ns in plan.new_slots}
         k = 0
         for row in plan.rows:
             seq: Sequence = row.owner
@@ -298,7 +299,7 @@ class AsyncEngine:
             else:
                 tl.prefill_us += exec_us
                 tl.prefill_tokens += row.num_tokens
-            if plan.new_slots and any(ns.slot == row.slot for ns in plan.new_slots):
+            if row.slot in admitted:
                 tl.admission_us += plan.schedule_us
             if not row.sample:
                 continue

@@ -74,7 +74,9 @@ class Scheduler:
 
         # 1. decode rows, oldest first; preempt the newest when pages run out.
         for seq in list(self.running):
-            if seq not in self.running or seq.in_prefill or not seq.wants_more_samples():
+            # NOTE: a request preempted earlier in this loop is WAITING now (victims are the
+            # newest, so never one that already has a row).
+            if seq.status is not Status.RUNNING or seq.in_prefill or not seq.wants_more_samples():
                 continue
             if budget < 1:
                 break
