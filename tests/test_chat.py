@@ -262,11 +262,13 @@ async def test_piped_mode_and_exit(engine: AsyncEngine) -> None:
     session, out = new_session(engine, max_tokens=4)
     status = io.StringIO()
     session.status_out = status
-    await session.run_piped(["Hi\n", "\n", "/set max_tokens 2\n", "Bye\n", "/quit\n", "Nope\n"])
-    assert [m.content for m in session.conversation.messages if m.role == "user"] == ["Hi", "Bye"]
+    await session.run_piped(["Hi\n", "\n", "/set max_tokens 2\n", "Bye\n", " //etc\n",
+                             "/quit\n", "Nope\n"])
+    users = [m.content for m in session.conversation.messages if m.role == "user"]
+    assert users == ["Hi", "Bye", " /etc"]  # `//` escapes a leading slash, even after a space
     answers = [m.content for m in session.conversation.messages if m.role == "assistant"]
-    assert out.getvalue() == f"{answers[0]}\nmax_tokens = 2\n{answers[1]}\n"
-    assert len(status.getvalue().splitlines()) == 2  # the status lines go to their own stream
+    assert out.getvalue() == f"{answers[0]}\nmax_tokens = 2\n{answers[1]}\n{answers[2]}\n"
+    assert len(status.getvalue().splitlines()) == 3  # the status lines go to their own stream
 
 
 async def test_request_error_is_one_line(tiny: LoadedModel,
@@ -276,6 +278,23 @@ async def test_request_error_is_one_line(tiny: LoadedModel,
     await session.handle("word " * 100)
     assert out.getvalue().startswith("error: the prompt has ")
     assert session.conversation.messages == []  # the failed message is not kept
+
+
+async def test_history_beyond_the_context_says_reset(tiny: LoadedModel,
+                                                     make_engine: Callable[..., AsyncEngine]
+                                                     ) -> None:
+    engine = make_engine(tiny, max_model_len=64)
+    session, out = new_session(engine)
+    session.conversation.add("user", "word " * 20)
+    session.conversation.add("assistant", "word " * 20)
+    await session.handle("hi")
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("error: the prompt has ")
+    assert lines[1] == "the conversation is too long for the model's context: /reset starts over"
+    assert len(session.conversation.messages) == 2  # the failed message is not kept
+    await session.handle("/reset")
+    await session.handle("hi")
+    assert [m.role for m in session.conversation.messages] == ["user", "assistant"]
 
 
 # ---- the remote backend against a fake server ------------------------------------------------
@@ -345,6 +364,28 @@ async def test_remote_backend_streams_sse() -> None:
         assert seen[0]["stream"] is True and seen[0]["temperature"] == 0.2
         assert seen[0]["messages"] == [{"role": "user", "content": "hi"}]
         assert [m.content for m in session.conversation.messages] == ["hi", "Hello!"]
+    finally:
+        await backend.close()
+        server.close()
+
+
+async def test_remote_history_beyond_the_context_says_reset() -> None:
+    def handler(method: str, path: str, body: dict[str, Any] | None) -> list[bytes]:
+        return [_http("400 Bad Request", json.dumps({"error": {
+            "message": "the prompt has 99 tokens but the context is 64 tokens",
+            "type": "invalid_request_error", "param": "prompt", "code": 400}}).encode())]
+
+    server, url = await fake_server(handler)
+    backend = RemoteBackend(url)
+    try:
+        session = ChatSession(backend, out=(out := io.StringIO()), color=False)
+        session.conversation.add("user", "earlier")
+        session.conversation.add("assistant", "answer")
+        await session.handle("hi")
+        assert out.getvalue().splitlines() == [
+            "error: server error 400: the prompt has 99 tokens but the context is 64 tokens",
+            "the conversation is too long for the model's context: /reset starts over"]
+        assert len(session.conversation.messages) == 2
     finally:
         await backend.close()
         server.close()

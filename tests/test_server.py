@@ -126,6 +126,38 @@ def test_token_id_prompt_and_logprobs(client: openai.OpenAI) -> None:
         assert chosen == pytest.approx(max(top.values()), abs=1e-4)
 
 
+def test_completion_logprobs_zero(server: ServerProcess) -> None:
+    """logprobs=0 asks for the chosen tokens' logprobs and no alternatives (0 is not False)."""
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp is not None and len(lp["token_logprobs"]) == 3
+    assert all(x <= 0 for x in lp["token_logprobs"]) and lp["top_logprobs"] == [{}] * 3
+    r = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=30)
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    streamed = [x for e in events for x in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-4)
+
+
+def test_null_means_default(server: ServerProcess) -> None:
+    """OpenAI's spec lets n, stream, echo, best_of, suffix and logprobs be null; some clients
+    send every field."""
+    nulls = {"n": None, "stream": None, "stream_options": None, "stop": None, "seed": None}
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "prompt": "x", "max_tokens": 2, **nulls, "echo": None, "best_of": None,
+        "suffix": None, "logprobs": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **nulls,
+        "logprobs": None, "top_logprobs": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
+
+
 def test_chat_and_stream_shape(client: openai.OpenAI) -> None:
     messages: Any = [{"role": "system", "content": "Be brief."},
                      {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
@@ -264,6 +296,13 @@ BAD: list[tuple[str, str, bytes | dict[str, Any], int, str | None]] = [
     ("GET", "/v1/completions", b"", 405, None),
     ("DELETE", "/v1/models", b"", 405, None),
     ("POST", "/v1/completions", {"prompt": "x" * (MAX_BODY + 10)}, 413, None),
+    # The engine's range checks name the field the client wrote, not SamplingParams' own.
+    ("POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 25},
+     400, "top_logprobs"),
 ]
 
 
@@ -448,6 +487,26 @@ async def test_step_failure_is_500_and_serving_goes_on(stream: bool) -> None:
             assert err["type"] == "internal_error" and "boom" in err["message"]
         ok = await http.post("/v1/completions", json={**body, "stream": False})
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "tu"
+
+
+async def test_itl_metric_and_unknown_paths() -> None:
+    """ITL counts the gaps between tokens (not the wait for the first: that is TTFT), and
+    unknown paths share one metric label (a scanner must not grow /metrics for good)."""
+    engine = _FailingEngine()
+    engine.calls = 1  # the next request succeeds with two tokens
+    app = create_app(engine)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://test") as http:
+        r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "tu"
+        for path in ("/a", "/b/c", "/wp-login.php"):
+            assert (await http.get(path)).status_code == 404
+        bad_model = {"prompt": "x", "model": "nope"}
+        assert (await http.post("/v1/completions", json=bad_model)).status_code == 404
+        s = (await http.get("/v1/stats")).json()
+    assert s["arle_inter_token_latency_seconds"]["count"] == 1
+    errors = {(e["route"], e["status"]): e["value"] for e in s["arle_http_errors"]}
+    assert errors == {("unmatched", "404"): 3.0, ("/v1/completions", "404"): 1.0}
 
 
 # ---- a second server: small queue, an API key, shutdown ------------------------------------------

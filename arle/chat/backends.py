@@ -143,6 +143,11 @@ class EngineBackend:
 class RemoteError(ArleError):
     """The server could not be reached or answered with an error."""
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        #: The request parameter the server's error names (OpenAI's error JSON), if any.
+        self.param = param
+
 
 class RemoteBackend:
     """Answers from a running arle (or any OpenAI-compatible) server: POST
@@ -192,8 +197,8 @@ class RemoteBackend:
         try:
             async with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 if resp.status_code != 200:
-                    raise RemoteError(_error_message(resp.status_code,
-                                                     (await resp.aread()).decode(errors="replace")))
+                    text = (await resp.aread()).decode(errors="replace")
+                    raise RemoteError(_error_message(resp.status_code, text), _error_param(text))
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue  # blank separators, comments (": ping"), event names
@@ -252,6 +257,14 @@ def _apply_chunk(chunk: dict[str, Any], stats: TurnStats) -> str:
         details = usage.get("prompt_tokens_details") or {}
         stats.cached_tokens = int(details.get("cached_tokens") or 0)
     return "".join(text)
+
+
+def _error_param(body: str) -> str | None:
+    try:
+        param = json.loads(body)["error"]["param"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return param if isinstance(param, str) else None
 
 
 def _error_message(status: int, body: str) -> str:

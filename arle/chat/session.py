@@ -130,7 +130,7 @@ class ChatSession:
             return True
         if not text.startswith("/") or text.startswith("//"):
             # NOTE: `//` escapes a message that really begins with a slash.
-            await self.send(line.removeprefix("/") if text.startswith("//") else line)
+            await self.send(line.replace("/", "", 1) if text.startswith("//") else line)
             return True
         try:
             return await self._command(text)
@@ -173,6 +173,11 @@ class ChatSession:
             if pieces:
                 self._write("\n")
             self.say(f"error: {' '.join(str(e).splitlines())}")
+            if getattr(e, "param", None) == "prompt" and len(self.conversation.messages) > 1:
+                # NOTE: the prompt is the whole conversation: once it outgrows the context,
+                # every next message fails the same way until the history is cut.
+                self.say("the conversation is too long for the model's context: "
+                         "/reset starts over")
             return None
         finally:
             self._answer_task = None

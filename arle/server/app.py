@@ -280,7 +280,7 @@ class _Handlers:
         greq = GenerateRequest(
             prompt=None if chat else req.prompt_input,
             messages=req.message_dicts() if chat else None, params=params, request_id=rid,
-            route=request.url.path, stream=req.stream,
+            route=request.url.path, stream=bool(req.stream),
             add_special_tokens=True if chat else req.add_special_tokens)
         run = _Run(self.s, request.url.path, rid, chat, req)
         # NOTE: generate() is an async generator; aclose() is what aborts it deterministically.
@@ -306,14 +306,16 @@ class _Run:
         self.s, self.route, self.rid, self.chat, self.req = state, route, rid, chat, req
         self.created = protocol.now()
         self.model = state.model_name
-        self._last_t = time.perf_counter()
+        #: When the previous token arrived; None until the first (its wait is TTFT, not ITL).
+        self._last_t: float | None = None
         self.finished = False
 
     def _seen(self, delta: Delta) -> None:
-        now = time.perf_counter()
         if delta.token_ids:
-            self.s.metrics.observe_gap(now - self._last_t)
-        self._last_t = now
+            now = time.perf_counter()
+            if self._last_t is not None:
+                self.s.metrics.observe_gap(now - self._last_t)
+            self._last_t = now
         if delta.finish_reason is not None:
             self.finished = True
             self.s.metrics.observe_finished(delta.trace)
@@ -325,7 +327,9 @@ class _Run:
                      error="ended before it finished (client gone or server shutting down)")
 
     def _logprobs(self, lps: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
-        if lps is None or self.req.logprobs in (None, False):
+        # NOTE: not `in (None, False)`: 0 == False, and completions' logprobs=0 asks for the
+        # chosen tokens' logprobs.
+        if lps is None or self.req.logprobs is None or self.req.logprobs is False:
             return None
         dec = self.s.decoder
         return (protocol.chat_logprobs(lps, dec) if self.chat
@@ -432,7 +436,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> S
 
     def _fail(request: Request, exc: BaseException) -> Response:
         resp = error_response(exc, settings.retry_after_s)
-        state.metrics.observe_http_error(request.url.path, resp.status_code)
+        # NOTE: an unknown path is the client's text: one label for all of them, or every
+        # scanner's guess would add a metric series for good.
+        path = request.url.path
+        state.metrics.observe_http_error(path if path in known else "unmatched", resp.status_code)
         # NOTE: a request refused before the engine saw it still leaves one trace line.
         fields = {"route": request.url.path, "status": resp.status_code, "error": str(exc)}
         if resp.status_code >= 500:
@@ -467,6 +474,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> S
         route("/v1/completions", h.completions, "POST"),
         route("/v1/chat/completions", h.chat_completions, "POST"),
     ]
+    known = {r.path for r in routes}
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_exception})
     app.state.arle = state
     return app

@@ -46,10 +46,12 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    stream: bool = False
+    # NOTE: OpenAI's spec lets n, stream, echo and chat's logprobs be null (some clients send
+    # every field): null means the default.
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int = 1
+    n: int | None = 1
     logit_bias: dict[str, float] | None = None
 
     def _sampling(self, engine_defaults: Any, max_tokens: int | None, logprobs: int | None,
@@ -71,7 +73,7 @@ class _SamplingFields(BaseModel):
         return params
 
     def _check_common(self) -> None:
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise InvalidRequestError(f"n must be 1 (arle returns one choice), got {self.n}",
                                       param="n")
         if self.logit_bias:
@@ -90,7 +92,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
@@ -139,7 +141,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -168,12 +170,19 @@ class ChatCompletionRequest(_SamplingFields):
         limit = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        # NOTE: no limit given: up to the context (the engine stops at max_model_len).
-        params = self._sampling(engine_defaults, limit, logprobs, max_model_len)
-        if limit is not None and self.max_completion_tokens is not None and limit < 1:
-            raise InvalidRequestError(f"max_completion_tokens must be >= 1, got {limit}",
-                                      param="max_completion_tokens")
-        return params
+        try:
+            # NOTE: no limit given: up to the context (the engine stops at max_model_len).
+            return self._sampling(engine_defaults, limit, logprobs, max_model_len)
+        except InvalidRequestError as e:
+            # SamplingParams names its own fields; the error names the one the client wrote.
+            aliases = {"logprobs": "top_logprobs"}
+            if self.max_completion_tokens is not None:
+                aliases["max_tokens"] = "max_completion_tokens"
+            alias = aliases.get(e.param or "")
+            if alias is None:
+                raise
+            raise InvalidRequestError(str(e).replace(e.param or "", alias, 1),
+                                      param=alias) from None
 
 
 def parse_request(model: type[CompletionRequest] | type[ChatCompletionRequest],
