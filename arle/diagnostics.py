@@ -309,7 +309,7 @@ def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
     return {"weights_bytes": engine.model_info.get("bytes"),
             "kv_pool": {"tokens": pool.num_tokens, "pages": pool.num_pages,
                         "page_size": pool.page_size, "bytes": pool.bytes,
-                        "dtype": str(pool.dtype).removeprefix("torch.")},
+                        "dtype": pool.dtype},
             # NOTE: the CPU executor allocates activations per step; the CUDA one will reserve
             # a fixed workspace and report it here.
             "workspace_bytes": None,

@@ -116,8 +116,7 @@ class AsyncEngine:
                  dtype=_dtype_name(loaded.dtype), bytes=loaded.num_bytes,
                  ms=round(loaded.load_ms, 1))
         kv_dtype = loaded.dtype
-        bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-                           * torch.finfo(kv_dtype).bits // 8)
+        bytes_per_token = cfg.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8)
         tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 / bytes_per_token)
         max_len = min(config.max_model_len or cfg.max_position_embeddings,
                       cfg.max_position_embeddings)
@@ -126,7 +125,7 @@ class AsyncEngine:
                                seed=config.seed)
         pool = executor.kv_pool
         log.info("kv_pool", tokens=pool.num_tokens, pages=pool.num_pages,
-                 page_size=pool.page_size, bytes=pool.bytes, dtype=_dtype_name(pool.dtype))
+                 page_size=pool.page_size, bytes=pool.bytes, dtype=pool.dtype)
         info = {"architecture": cfg.architecture, "parameters": loaded.num_parameters,
                 "dtype": _dtype_name(loaded.dtype), "bytes": loaded.num_bytes,
                 "context": cfg.max_position_embeddings, "path": str(loaded.path),

@@ -30,7 +30,7 @@ class KVPoolInfo:
     num_pages: int
     page_size: int
     bytes: int
-    dtype: str
+    dtype: str  # "float32", "bfloat16", ... (no "torch." prefix)
 
     @property
     def num_tokens(self) -> int:

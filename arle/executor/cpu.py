@@ -89,7 +89,8 @@ class CPUExecutor:
         self.kv = torch.zeros(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads,
                               cfg.head_dim, dtype=kv_dtype)
         self.kv_pool = KVPoolInfo(num_pages, page_size,
-                                  self.kv.numel() * self.kv.element_size(), str(kv_dtype))
+                                  self.kv.numel() * self.kv.element_size(),
+                                  str(kv_dtype).removeprefix("torch."))
         self.scale = cfg.head_dim ** -0.5
         self.token_buffer = torch.zeros(num_slots, dtype=torch.long)
         self.penalties = PenaltyState(num_slots, cfg.vocab_size, "cpu")

@@ -86,10 +86,9 @@ class ModelConfig:
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(source, f"bad config field: {e!r}") from None
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token for all layers at 2 bytes per element (bf16/fp16)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """Bytes of K and V per token, all layers, at `element_bytes` per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
 
 
 #: rope scaling types rope.py implements.
