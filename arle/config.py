@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
+KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3"]
+
+#: Defaults that depend on the device: (CPU, CUDA). A GPU wants wide steps and many rows.
+DEVICE_DEFAULTS = {
+    "max_running_requests": (64, 256),
+    "max_batched_tokens": (2048, 16384),
+    "chunked_prefill_size": (512, 8192),
+}
 
 
 @dataclass(frozen=True)
@@ -22,12 +30,12 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     #: Longest prompt + output a request may have; None: the model's context length.
     max_model_len: int | None = None
-    #: Most requests decoding at once.
-    max_running_requests: int = 64
-    #: Token budget of one step (prefill chunk tokens + one per decode row).
-    max_batched_tokens: int = 2048
-    #: Longest prefill chunk of one request in one step.
-    chunked_prefill_size: int = 512
+    #: Most requests decoding at once (None: 64 on CPU, 256 on CUDA).
+    max_running_requests: int | None = None
+    #: Token budget of one step, prefill chunk tokens + one per decode row (None: 2048 / 16384).
+    max_batched_tokens: int | None = None
+    #: Longest prefill chunk of one request in one step (None: 512 / 8192).
+    chunked_prefill_size: int | None = None
     #: Bound of the waiting queue; over it `generate` raises OverloadedError.
     max_waiting_requests: int = 256
     enable_prefix_cache: bool = True
@@ -36,11 +44,31 @@ class EngineConfig:
     #: CPU threads for torch (None: torch's default).
     num_threads: int | None = None
     seed: int = 0
+    # ---- CUDA only ----
+    #: Share of GPU memory for weights, activations and the KV pool; the pool takes what the
+    #: weights and a profile run at the largest step leave (as SGLang's flag).
+    mem_fraction_static: float = 0.85
+    #: KV cache format; auto: the model dtype. fp8_e4m3 halves the pool's bytes per token.
+    kv_cache_dtype: KVCacheDType = "auto"
+    #: Replay decode steps as CUDA graphs (captured at start-up for a ladder of batch sizes).
+    cuda_graph: bool = True
+    #: Largest decode batch captured (None: max_running_requests).
+    cuda_graph_max_bs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "max_batched_tokens",
-                     "chunked_prefill_size", "max_waiting_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                     "chunked_prefill_size", "max_waiting_requests", "cuda_graph_max_bs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(f"kv_cache_tokens must be >= page_size ({self.page_size})")
+
+    def for_device(self, device: str) -> EngineConfig:
+        """A copy with the device-dependent defaults (None fields) filled in."""
+        col = 1 if device == "cuda" else 0
+        filled = {name: values[col] for name, values in DEVICE_DEFAULTS.items()
+                  if getattr(self, name) is None}
+        return replace(self, device=device, **filled)  # type: ignore[arg-type]

@@ -286,7 +286,8 @@ async def _drain(engine: AsyncEngine, **request: Any) -> dict[str, Any]:
 
 async def warmup_passes(engine: AsyncEngine, phases: list[Phase]) -> bool:
     """The passes that make the first real request fast. CPU: one prefill of a full chunk and
-    a few decode steps. (CUDA will add graph capture per batch size and kernel autotuning.)"""
+    a few decode steps (on CUDA the graphs were captured at start-up: these passes compile the
+    remaining Triton kernel variants)."""
     ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. ",
                                   add_special_tokens=False) or [0]
     n = max(1, min(engine.scheduler.config.chunked_prefill_size, engine.max_model_len - 2, 512))
@@ -310,9 +311,10 @@ def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
             "kv_pool": {"tokens": pool.num_tokens, "pages": pool.num_pages,
                         "page_size": pool.page_size, "bytes": pool.bytes,
                         "dtype": pool.dtype},
-            # NOTE: the CPU executor allocates activations per step; the CUDA one will reserve
-            # a fixed workspace and report it here.
-            "workspace_bytes": None,
+            # NOTE: the CPU executor allocates activations per step; the CUDA one measures its
+            # peak in a profile run at start-up (and its CUDA graphs' capture).
+            "cuda": engine.model_info.get("memory_plan"),
+            "cuda_graphs": engine.model_info.get("cuda_graphs"),
             "max_model_len": engine.max_model_len,
             "max_running_requests": engine.scheduler.config.max_running_requests,
             "max_batched_tokens": engine.config.max_batched_tokens}
@@ -339,6 +341,7 @@ async def run_warmup(config: Any, prompt: str = "Say hello in one short sentence
     try:
         if engine is not None:
             report["model"] = {"name": engine.model_name, **engine.model_info}
+            report["device"] = engine.model_info.get("device", "cpu")
             report["memory"] = memory_plan(engine)
             ok = ok and await warmup_passes(engine, phases)
 

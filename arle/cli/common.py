@@ -22,7 +22,7 @@ from typing import Annotated, Any, cast
 
 import typer
 
-from arle.config import Device, DType, EngineConfig
+from arle.config import Device, DType, EngineConfig, KVCacheDType
 from arle.errors import ArleError, InvalidRequestError
 from arle.logging import configure_logging, resolve_log_format
 from arle.model.default import resolve_model_path
@@ -44,6 +44,14 @@ class DeviceChoice(str, Enum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
+
+
+class KVCacheDTypeChoice(str, Enum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+    fp8_e4m3 = "fp8_e4m3"
 
 
 @dataclass(frozen=True)
@@ -99,14 +107,17 @@ _ENGINE_PARAMS = [
         "--max-model-len", min=1,
         help="Longest prompt + output of a request (default: the model's context length).")],
         _D.max_model_len),
-    _option("max_running_requests", Annotated[int, _engine_opt(
-        "--max-running-requests", min=1, help="Most requests decoding at once.")],
+    _option("max_running_requests", Annotated[int | None, _engine_opt(
+        "--max-running-requests", min=1,
+        help="Most requests decoding at once (default: 64 on CPU, 256 on CUDA).")],
         _D.max_running_requests),
-    _option("max_batched_tokens", Annotated[int, _engine_opt(
-        "--max-batched-tokens", min=1, help="Token budget of one engine step.")],
+    _option("max_batched_tokens", Annotated[int | None, _engine_opt(
+        "--max-batched-tokens", min=1,
+        help="Token budget of one engine step (default: 2048 on CPU, 16384 on CUDA).")],
         _D.max_batched_tokens),
-    _option("chunked_prefill_size", Annotated[int, _engine_opt(
-        "--chunked-prefill-size", min=1, help="Longest prefill chunk of one request per step.")],
+    _option("chunked_prefill_size", Annotated[int | None, _engine_opt(
+        "--chunked-prefill-size", min=1,
+        help="Longest prefill chunk of one request per step (default: 512 / 8192).")],
         _D.chunked_prefill_size),
     _option("kv_cache_tokens", Annotated[int | None, _engine_opt(
         "--kv-cache-tokens", min=1,
@@ -119,6 +130,20 @@ _ENGINE_PARAMS = [
         not _D.overlap),
     _option("threads", Annotated[int | None, _engine_opt(
         "--threads", min=1, help="CPU threads for torch (default: torch's).")], _D.num_threads),
+    _option("mem_fraction_static", Annotated[float, _engine_opt(
+        "--mem-fraction-static", min=0.05, max=0.99,
+        help="CUDA: share of GPU memory for weights, activations and the KV pool.")],
+        _D.mem_fraction_static),
+    _option("kv_cache_dtype", Annotated[KVCacheDTypeChoice, _engine_opt(
+        "--kv-cache-dtype", help="CUDA: KV cache format (auto: the model dtype).")],
+        KVCacheDTypeChoice(_D.kv_cache_dtype)),
+    _option("disable_cuda_graph", Annotated[bool, _engine_opt(
+        "--disable-cuda-graph", help="CUDA: run decode steps eagerly (no graph replay).")],
+        not _D.cuda_graph),
+    _option("cuda_graph_max_bs", Annotated[int | None, _engine_opt(
+        "--cuda-graph-max-bs", min=1,
+        help="CUDA: largest decode batch captured (default: --max-running-requests).")],
+        _D.cuda_graph_max_bs),
 ]
 _ENGINE_NAMES = [p.name for p in _ENGINE_PARAMS]
 
@@ -138,9 +163,12 @@ def sampling_option(*decls: str, help: str, **kw: Any) -> Any:
 
 def build_engine_config(
     *, model: str | None, dtype: DTypeChoice, device: DeviceChoice, max_model_len: int | None,
-    max_running_requests: int, max_batched_tokens: int, chunked_prefill_size: int,
-    kv_cache_tokens: int | None, no_prefix_cache: bool, disable_overlap: bool,
-    threads: int | None, resolve_model: bool = True,
+    max_running_requests: int | None, max_batched_tokens: int | None,
+    chunked_prefill_size: int | None, kv_cache_tokens: int | None, no_prefix_cache: bool,
+    disable_overlap: bool, threads: int | None, mem_fraction_static: float = _D.mem_fraction_static,
+    kv_cache_dtype: KVCacheDTypeChoice = KVCacheDTypeChoice.auto,
+    disable_cuda_graph: bool = False, cuda_graph_max_bs: int | None = None,
+    resolve_model: bool = True,
 ) -> EngineConfig:
     """The EngineConfig the engine flags describe. Resolves the model path first (unless told
     not to), so a missing model fails at once instead of after torch has loaded."""
@@ -152,6 +180,9 @@ def build_engine_config(
             max_batched_tokens=max_batched_tokens, chunked_prefill_size=chunked_prefill_size,
             kv_cache_tokens=kv_cache_tokens, enable_prefix_cache=not no_prefix_cache,
             overlap=not disable_overlap, num_threads=threads,
+            mem_fraction_static=mem_fraction_static,
+            kv_cache_dtype=cast(KVCacheDType, kv_cache_dtype.value),
+            cuda_graph=not disable_cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
         )
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None

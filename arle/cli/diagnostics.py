@@ -108,7 +108,14 @@ def _print_report(r: dict[str, Any]) -> None:
         out(f"  weights    {_size(mem['weights_bytes'])}")
         out(f"  kv pool    {kv['tokens']} tokens = {kv['pages']} pages x {kv['page_size']}, "
             f"{_size(kv['bytes'])} ({kv['dtype']})")
-        out(f"  workspace  {_size(mem['workspace_bytes'])}")
+        if mem.get("cuda"):
+            cuda = mem["cuda"]
+            out(f"  activations {_size(cuda['activation_peak_bytes'])} (profile run peak), "
+                f"mem-fraction-static {cuda['mem_fraction_static']}")
+        graphs = mem.get("cuda_graphs")
+        if graphs:
+            out(f"  cuda graphs {len(graphs['batch_sizes'])} batch sizes up to "
+                f"{graphs['batch_sizes'][-1]}, captured in {graphs['capture_s']:.2f} s")
     out("phases")
     for p in r["phases"]:
         status = "ok" if p["ok"] else f"FAILED: {p['error']}"

@@ -62,6 +62,10 @@ class AsyncEngine:
         self.max_model_len = min(max_model_len, pool.num_tokens - 1)
         self.cache = CacheManager(pool.num_pages, pool.page_size, executor.num_slots,
                                   config.enable_prefix_cache)
+        config = config.for_device(config.device if config.device != "auto" else "cpu")
+        assert config.max_running_requests is not None and config.max_batched_tokens is not None
+        assert config.chunked_prefill_size is not None
+        self.config = config
         self.scheduler = Scheduler(SchedulerConfig(
             max_running_requests=min(config.max_running_requests, executor.num_slots),
             max_batched_tokens=config.max_batched_tokens,
@@ -97,41 +101,80 @@ class AsyncEngine:
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        device = "cpu" if config.device in ("auto", "cpu") else config.device
-        if device != "cpu":
-            raise ArleError(f"device {device!r} is not supported yet (the GPU path comes later)")
+        device = config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            raise ArleError("--device cuda: no CUDA GPU is visible to torch "
+                            f"(torch {torch.__version__}); use --device cpu")
+        config = config.for_device(device)
         loaded = load_model(resolve_model_path(config.model), config.dtype, device)
         return cls.from_loaded(config, loaded)
 
     @classmethod
     def from_loaded(cls, config: EngineConfig, loaded: LoadedModel) -> AsyncEngine:
         """Size the KV pool, build the executor and the engine around a loaded model."""
-        import torch
-
-        from arle.executor.cpu import CPUExecutor
-
         cfg = loaded.config
+        config = config.for_device(loaded.device.type)
         log.info("model_loaded", model=loaded.name, path=str(loaded.path),
                  architecture=cfg.architecture, parameters=loaded.num_parameters,
                  dtype=_dtype_name(loaded.dtype), bytes=loaded.num_bytes,
-                 ms=round(loaded.load_ms, 1))
-        kv_dtype = loaded.dtype
-        bytes_per_token = cfg.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8)
-        tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 / bytes_per_token)
+                 device=str(loaded.device), ms=round(loaded.load_ms, 1))
         max_len = min(config.max_model_len or cfg.max_position_embeddings,
                       cfg.max_position_embeddings)
-        executor = CPUExecutor(loaded.model, max(tokens // config.page_size, 2), config.page_size,
-                               num_slots=config.max_running_requests + 1, kv_dtype=kv_dtype,
-                               seed=config.seed)
+        assert config.max_running_requests is not None
+        num_slots = config.max_running_requests + 1
+        executor: Executor
+        if loaded.device.type == "cuda":
+            executor = cls._cuda_executor(config, loaded, max_len, num_slots)
+        else:
+            executor = cls._cpu_executor(config, loaded, max_len, num_slots)
         pool = executor.kv_pool
         log.info("kv_pool", tokens=pool.num_tokens, pages=pool.num_pages,
                  page_size=pool.page_size, bytes=pool.bytes, dtype=pool.dtype)
         info = {"architecture": cfg.architecture, "parameters": loaded.num_parameters,
                 "dtype": _dtype_name(loaded.dtype), "bytes": loaded.num_bytes,
                 "context": cfg.max_position_embeddings, "path": str(loaded.path),
-                "load_ms": round(loaded.load_ms, 1)}
+                "load_ms": round(loaded.load_ms, 1), "device": str(loaded.device),
+                **getattr(executor, "startup_info", {})}
         return cls(config, loaded.tokenizer, executor, loaded.name, max_len,
                    loaded.generation_defaults, info)
+
+    @staticmethod
+    def _cpu_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
+                      num_slots: int) -> Executor:
+        import torch
+
+        from arle.executor.cpu import CPUExecutor
+
+        if config.kv_cache_dtype not in ("auto", _dtype_name(loaded.dtype)):
+            raise ArleError(f"--kv-cache-dtype {config.kv_cache_dtype} needs --device cuda "
+                            "(the CPU cache is in the model dtype)")
+        bytes_per_token = loaded.config.kv_bytes_per_token(torch.finfo(loaded.dtype).bits // 8)
+        tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 / bytes_per_token)
+        return CPUExecutor(loaded.model, max(tokens // config.page_size, 2), config.page_size,
+                           num_slots=num_slots, kv_dtype=loaded.dtype, max_positions=max_len + 1,
+                           seed=config.seed)
+
+    @staticmethod
+    def _cuda_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
+                       num_slots: int) -> Executor:
+        import torch
+
+        from arle.executor.cuda import CUDAExecutor, CUDAExecutorConfig
+
+        kv_dtype = {"auto": loaded.dtype, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                    "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn
+                    }[config.kv_cache_dtype]
+        assert config.max_batched_tokens is not None and config.max_running_requests is not None
+        graph_bs = (config.cuda_graph_max_bs or config.max_running_requests
+                    if config.cuda_graph else 0)
+        return CUDAExecutor(loaded.model, CUDAExecutorConfig(
+            page_size=config.page_size, num_slots=num_slots,
+            max_batched_tokens=config.max_batched_tokens, max_model_len=max_len,
+            kv_dtype=kv_dtype, mem_fraction_static=config.mem_fraction_static,
+            kv_cache_tokens=config.kv_cache_tokens, cuda_graph_max_bs=graph_bs,
+            seed=config.seed))
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation_config, then the caller's non-None values."""

@@ -17,12 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from arle.engine.request import TokenLogprob
 from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.plan import StepPlan
-from arle.executor.sampler import PenaltyState, SampleOutput, SamplingBatch, sample
+from arle.executor.sampler import PenaltyState, SamplingBatch, logprobs_of, sample
 from arle.model.decoder import DecoderLM
-from arle_kernels.attention import decode_gather_index, paged_attention_ref, write_kv
+from arle_kernels.attention import decode_gather_index, paged_attention_ref
 
 _TORCH_THREAD: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -61,27 +60,35 @@ class StepTensors:
 
 
 class TorchPagedAttention:
-    """The model's attention backend for one step: write K/V to pages, then attend."""
+    """The model's attention backend on the CPU: the torch references of the CUDA kernels
+    (q/k norm + rotary + K/V store, then paged attention)."""
 
-    def __init__(self, kv: torch.Tensor, step: StepTensors, scale: float) -> None:
-        self.kv, self.step, self.scale = kv, step, scale
+    def __init__(self, kv: torch.Tensor, step: StepTensors, rotary: torch.Tensor,
+                 model: DecoderLM) -> None:
+        cfg = model.config
+        self.kv, self.step, self.rotary = kv, step, rotary
+        self.store = model.ops.qk_norm_rope_store_kv
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
         nd = step.num_decode_rows
         # NOTE: the decode rows' gather index is the same for every layer: build it once.
         self.decode_index = decode_gather_index(
             step.page_tables[:nd], torch.tensor(step.seq_lens[:nd]), kv.shape[3]) if nd else None
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, qkv: torch.Tensor, q_norm: torch.Tensor | None,
+               k_norm: torch.Tensor | None) -> torch.Tensor:
         k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]
         s = self.step
-        write_kv(k_cache, v_cache, k, v, s.kv_slots)
-        return paged_attention_ref(q, k_cache, v_cache, s.page_tables, s.seq_lens, s.q_lens,
-                                   s.num_decode_rows, self.scale, self.decode_index)
+        q = self.store(qkv, s.positions, self.rotary, q_norm, k_norm, self.eps, self.num_heads,
+                       self.num_kv_heads, k_cache, v_cache, s.kv_slots)
+        out = paged_attention_ref(q, k_cache, v_cache, s.page_tables, s.seq_lens, s.q_lens,
+                                  s.num_decode_rows, self.scale, self.decode_index)
+        return out.view(q.shape[0], -1)
 
 
 class CPUExecutor:
     def __init__(self, model: DecoderLM, num_pages: int, page_size: int, num_slots: int,
-                 kv_dtype: torch.dtype, seed: int = 0) -> None:
+                 kv_dtype: torch.dtype, max_positions: int, seed: int = 0) -> None:
         cfg = model.config
         self.model = model
         self.page_size = page_size
@@ -91,7 +98,7 @@ class CPUExecutor:
         self.kv_pool = KVPoolInfo(num_pages, page_size,
                                   self.kv.numel() * self.kv.element_size(),
                                   str(kv_dtype).removeprefix("torch."))
-        self.scale = cfg.head_dim ** -0.5
+        self.rotary = model.rotary_table(max_positions)
         self.token_buffer = torch.zeros(num_slots, dtype=torch.long)
         self.penalties = PenaltyState(num_slots, cfg.vocab_size, "cpu")
         self.generator = torch.Generator().manual_seed(seed)
@@ -160,8 +167,7 @@ class CPUExecutor:
         if s.num_decode_rows:
             input_ids = input_ids.clone()
             input_ids[: s.num_decode_rows] = self.token_buffer[s.decode_slots]
-        backend = TorchPagedAttention(self.kv, s, self.scale)
-        hidden = self.model(input_ids, s.positions, backend)
+        hidden = self.model(input_ids, TorchPagedAttention(self.kv, s, self.rotary, self.model))
         if s.sampling is None:
             return StepOutput([], [], time.perf_counter() - t0)
         logits = self.model.logits(hidden[s.sample_index])
@@ -172,25 +178,8 @@ class CPUExecutor:
                      generator=self.generator)
         self.token_buffer[s.sample_slots] = out.token_ids
         self.penalties.update(s.sample_slots, out.token_ids)
-        return StepOutput(out.token_ids.tolist(), self._logprobs(out, s.want_logprobs),
+        return StepOutput(out.token_ids.tolist(), logprobs_of(out, s.want_logprobs),
                           time.perf_counter() - t0)
-
-    @staticmethod
-    def _logprobs(out: SampleOutput, want: list[int | None]) -> list[TokenLogprob | None]:
-        if all(w is None for w in want) or out.logprobs is None:
-            return []
-        ids = out.token_ids.tolist()
-        chosen = out.logprobs.tolist()
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        result: list[TokenLogprob | None] = []
-        for i, w in enumerate(want):
-            if w is None:
-                result.append(None)
-                continue
-            top = tuple(zip(top_ids[i][:w], top_lp[i][:w], strict=False)) if w and top_ids and top_lp else ()
-            result.append(TokenLogprob(ids[i], chosen[i], top))
-        return result
 
     def close(self) -> None:
         # The thread is shared (see torch_thread): wait for this executor's steps, keep it.
@@ -211,6 +200,7 @@ def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int
     pages = list(range(num_pages - 1, -1, -1))
     table = torch.tensor([pages])
     chunk = chunk_size or n
+    rotary = model.rotary_table(n)
     out = []
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
@@ -221,6 +211,6 @@ def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int
             page_tables=table, seq_lens=[end], q_lens=[end - start], num_decode_rows=0,
             sample_index=torch.empty(0, dtype=torch.long), sample_slots=torch.empty(0, dtype=torch.long),
             sampling=None, want_logprobs=[], new_slots=[])
-        backend = TorchPagedAttention(kv, step, cfg.head_dim ** -0.5)
-        out.append(model.logits(model(step.input_ids, pos, backend)))
+        backend = TorchPagedAttention(kv, step, rotary, model)
+        out.append(model.logits(model(step.input_ids, backend)))
     return torch.cat(out)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from arle.engine.request import SamplingParams
+from arle.engine.request import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -150,6 +150,26 @@ def sample(
         if n > 0:
             out.top_logprobs, out.top_ids = logprobs.topk(n, dim=-1)  # sorted, best first
     return out
+
+
+def logprobs_of(out: SampleOutput, want: list[int | None]) -> list[TokenLogprob | None]:
+    """Per row, what it asked for: the chosen token's logprob and its top `want` alternatives
+    (None where it asked for nothing). Reads `out` on the host."""
+    if all(w is None for w in want) or out.logprobs is None:
+        return []
+    ids = out.token_ids.tolist()
+    chosen = out.logprobs.tolist()
+    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+    top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    result: list[TokenLogprob | None] = []
+    for i, w in enumerate(want):
+        if w is None:
+            result.append(None)
+            continue
+        top = (tuple(zip(top_ids[i][:w], top_lp[i][:w], strict=False))
+               if w and top_ids and top_lp else ())
+        result.append(TokenLogprob(ids[i], chosen[i], top))
+    return result
 
 
 def apply_penalties(
@@ -293,8 +313,14 @@ class PenaltyState:
         self.counts[row].zero_()
         self.prompt_mask[row].zero_()
         if len(prompt_ids) > 0:
-            ids = torch.tensor(list(prompt_ids), dtype=torch.int64, device=self.device)
-            self.prompt_mask[row, ids] = True
+            self.prompt_mask[row, self._ids(prompt_ids)] = True
+
+    def _ids(self, ids: Sequence[int]) -> Tensor:
+        """Host ids on the device; on CUDA through pinned memory, so the stream never waits."""
+        host = torch.tensor(list(ids), dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def free_slot(self, slot: int) -> None:
         """Stop tracking `slot`; a no-op for slots never initialised. Its row is zeroed on reuse."""

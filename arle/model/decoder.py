@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from arle.model.config import ModelConfig
@@ -20,29 +19,30 @@ from arle.model.parallel import (
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
+    linear,
 )
-from arle.model.rope import RotaryEmbedding, apply_rotary
+from arle.model.rope import RotaryEmbedding
+from arle_kernels.ops import REFERENCE, Ops
 
 
 class AttentionBackend(Protocol):
-    """Writes this step's K/V into the cache and attends. Set up by the executor per step."""
+    """One step's attention, set up by the executor: q/k norms and rotary at the step's
+    positions, this step's K/V into the paged cache, then attention over each row's pages."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+    def attend(self, layer: int, qkv: torch.Tensor, q_norm: torch.Tensor | None,
+               k_norm: torch.Tensor | None) -> torch.Tensor:
+        """qkv [T, (H + 2 KVH) * D] -> attention output [T, H * D]."""
         ...
 
 
 class RMSNorm(nn.Module):
+    """A weight holder: the norm itself is `ops.rms_norm` / `ops.add_rms_norm` (fp32 statistics,
+    scaled in the model dtype, as HF Llama/Qwen do)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: normalise in fp32, then scale in the model dtype, as HF Llama/Qwen do.
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return normed.to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
@@ -63,19 +63,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend) -> torch.Tensor:
-        t, h, d = x.shape[0], self.num_heads, self.head_dim
-        q_size, kv_size = h * d, self.num_kv_heads * d
-        qkv = self.qkv_proj(x)
-        # q and k heads side by side: one rotary pass serves both (fewer small kernels).
-        qk = qkv[:, :q_size + kv_size].view(t, -1, d)
-        if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
-        qk = apply_rotary(qk, cos, sin)
-        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, d)
-        o = backend.attend(self.layer, qk[:, :h], qk[:, h:], v)
-        return self.o_proj(o.reshape(t, q_size))
+    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        q_norm = self.q_norm.weight if self.q_norm is not None else None
+        k_norm = self.k_norm.weight if self.k_norm is not None else None
+        return self.o_proj(backend.attend(self.layer, self.qkv_proj(x), q_norm, k_norm))
 
 
 class MLP(nn.Module):
@@ -85,9 +76,8 @@ class MLP(nn.Module):
             cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size}, tp=tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -98,10 +88,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, backend: AttentionBackend,
+                ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it).
+
+        NOTE: the residual add is fused into the next norm (`ops.add_rms_norm`): the stream is
+        x + residual, rounded to the model dtype, exactly as `h = h + f(h)` in HF's code."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, backend)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h, ops), residual
 
 
 class DecoderLM(nn.Module):
@@ -116,19 +117,29 @@ class DecoderLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+        #: The glue kernels: plain torch unless the executor swaps in Triton's.
+        self.ops: Ops = REFERENCE
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                backend: AttentionBackend) -> torch.Tensor:
-        cos, sin = self.rotary.cos_sin(positions)
+    def forward(self, input_ids: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]. Positions live in the backend."""
         x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, cos, sin, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, backend, self.ops)
+        assert residual is not None
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def rotary_table(self, max_positions: int) -> torch.Tensor:
+        """cos | sin for positions [0, max_positions): [max_positions, head_dim] float32, the
+        table `ops.qk_norm_rope_store_kv` reads."""
+        cos, sin = self.rotary.cos_sin(torch.arange(max_positions,
+                                                    device=self.rotary.inv_freq.device))
+        return torch.cat([cos, sin], dim=-1).contiguous()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def weight_targets(self) -> dict[str, tuple[nn.Parameter, str | int | None]]:
         """Checkpoint (HF) tensor name -> (parameter, shard id) it loads into."""

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from arle_kernels.gemv import gemv, use_gemv
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -26,6 +28,15 @@ class TPGroup:
 
 
 SINGLE = TPGroup()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias). On CUDA with one or two rows (batch-1/2 decode) our Triton GEMV,
+    which streams the weights faster than cuBLAS there (docs/benchmarks: gemv); else cuBLAS."""
+    if x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "str | int | None"], None]
 
 
@@ -65,7 +76,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data, loaded.narrow(0, self.tp.rank * n, n) if self.tp.size > 1 else loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -111,7 +122,7 @@ class RowParallelLinear(nn.Module):
         _copy(param.data, loaded.narrow(1, self.tp.rank * n, n) if self.tp.size > 1 else loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = self.tp.all_reduce(y)
         # NOTE: the bias is added once, after the reduction, not on every rank.
         return y + self.bias if self.bias is not None else y

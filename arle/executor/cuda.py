@@ -1,0 +1,570 @@
+"""The CUDA executor: the model with Triton kernels on its own stream, overlapped with the loop.
+
+One step, in three threads:
+- the event loop (`launch` -> `prepare`): flattens the plan into one int32 array in pinned
+  memory: positions, cache slots, page tables, ... (no device work, no torch kernels);
+- the launcher thread (`_enqueue`): one host-to-device copy of that array, then the whole step
+  on `self.stream` (a CUDA graph replay for decode-only batches, eager kernels otherwise),
+  sampling, and a device-to-host copy of the sampled ids into pinned memory, followed by an
+  event. It returns as soon as the work is queued: it never waits for the GPU;
+- the waiter thread (`_wait`): blocks on that event (a blocking-sync event: the thread sleeps,
+  no spinning) and hands the ids to the loop.
+The sampled ids also go to `token_buffer[slot]` on the device, where the next step's decode rows
+read their input: step N+1 is queued before the host has seen step N's tokens.
+
+NOTE (stream order): every device-side state change (KV writes, token buffer, penalty counts)
+happens in `_enqueue`, in launch order, on one stream. Nothing here synchronises the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from arle.engine.request import SamplingParams
+from arle.executor.base import KVPoolInfo, StepOutput
+from arle.executor.cpu import torch_thread
+from arle.executor.plan import StepPlan
+from arle.executor.sampler import PenaltyState, SampleOutput, SamplingBatch, logprobs_of, sample
+from arle.logging import get_logger
+from arle.model.decoder import DecoderLM
+from arle_kernels.decode_attention import decode_attention, pick_num_splits
+from arle_kernels.extend_attention import extend_attention
+from arle_kernels.ops import triton_ops
+
+log = get_logger("arle.executor.cuda")
+
+FP8_KV = torch.float8_e4m3fn
+#: The profile run samples with the most memory-hungry path (a sort over the vocabulary).
+_PROFILE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
+
+
+@dataclass(frozen=True)
+class CUDAExecutorConfig:
+    page_size: int
+    num_slots: int
+    max_batched_tokens: int
+    max_model_len: int
+    kv_dtype: torch.dtype
+    #: Share of the GPU's memory for weights, activations and the KV pool (as SGLang's).
+    mem_fraction_static: float = 0.85
+    #: KV pool size in tokens; None: what the memory plan leaves.
+    kv_cache_tokens: int | None = None
+    #: Largest decode batch captured as a CUDA graph; 0 disables graphs.
+    cuda_graph_max_bs: int = 256
+    seed: int = 0
+
+
+@dataclass
+class KVCache:
+    k: torch.Tensor  # [layers, pages, page_size, kv_heads, head_dim]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # [layers, pages, page_size, kv_heads] float32 (FP8 only)
+    v_scale: torch.Tensor | None
+
+    @classmethod
+    def allocate(cls, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> KVCache:
+        shape = (layers, pages, page_size, kv_heads, head_dim)
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        v = torch.zeros(shape, dtype=dtype, device=device)
+        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if dtype == FP8_KV:
+            scales = (torch.ones(shape[:-1], dtype=torch.float32, device=device),
+                      torch.ones(shape[:-1], dtype=torch.float32, device=device))
+        return cls(k, v, *scales)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                     torch.Tensor | None]:
+        ks = self.k_scale[i] if self.k_scale is not None else None
+        vs = self.v_scale[i] if self.v_scale is not None else None
+        return self.k[i], self.v[i], ks, vs
+
+
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of one token in every layer, FP8 scales included."""
+    per_head = head_dim * (torch.finfo(dtype).bits // 8) + (4 if dtype == FP8_KV else 0)
+    return 2 * num_layers * kv_heads * per_head
+
+
+@dataclass
+class DeviceStep:
+    """One step's metadata on the device (views into one buffer) and the host ints that size
+    its kernel grids."""
+
+    input_ids: torch.Tensor  # [T] int32 (decode rows: filled from the token buffer)
+    positions: torch.Tensor  # [T]
+    kv_slots: torch.Tensor  # [T]; -1: do not write (graph padding)
+    seq_lens: torch.Tensor  # [R]
+    cu_q_lens: torch.Tensor  # [R - num_decode + 1] for the extend rows
+    page_table: torch.Tensor  # [R, max_pages]
+    num_decode: int
+    max_q_len: int
+    num_splits: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class TritonPagedAttention:
+    """The model's attention backend on CUDA: fused q/k norm + rotary + K/V store, then the
+    decode kernel over the decode rows and the extend kernel over the prefill rows."""
+
+    def __init__(self, kv: KVCache, step: DeviceStep, rotary: torch.Tensor, model: DecoderLM,
+                 store: Callable[..., torch.Tensor]) -> None:
+        cfg = model.config
+        self.kv, self.step, self.rotary, self.store = kv, step, rotary, store
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
+
+    def attend(self, layer: int, qkv: torch.Tensor, q_norm: torch.Tensor | None,
+               k_norm: torch.Tensor | None) -> torch.Tensor:
+        s = self.step
+        k, v, ks, vs = self.kv.layer(layer)
+        q = self.store(qkv, s.positions, self.rotary, q_norm, k_norm, self.eps, self.num_heads,
+                       self.num_kv_heads, k, v, s.kv_slots, ks, vs)
+        out = torch.empty_like(q)
+        nd = s.num_decode
+        if nd:
+            decode_attention(q[:nd], k, v, s.page_table[:nd], s.seq_lens[:nd], self.scale,
+                             s.num_splits, k_scale=ks, v_scale=vs, out=out[:nd])
+        if s.num_tokens > nd:
+            extend_attention(q[nd:], k, v, s.page_table[nd:], s.cu_q_lens, s.seq_lens[nd:],
+                             self.scale, s.max_q_len, k_scale=ks, v_scale=vs, out=out[nd:])
+        return out.view(q.shape[0], -1)
+
+
+@dataclass
+class HostStep:
+    """A step flattened on the event loop's thread: `meta` is one pinned int32 array."""
+
+    meta: torch.Tensor
+    num_tokens: int
+    num_rows: int
+    num_decode: int
+    max_pages: int
+    max_q_len: int
+    max_seq_len: int
+    graph_bs: int  # > 0: replay the graph of this batch size (rows padded to it)
+    sample_rows: list[int]  # row (graph) or token (eager) index of each sampling row
+    sample_slots: list[int]
+    sampling: SamplingBatch | None
+    want_logprobs: list[int | None]
+    new_slots: list[tuple[int, list[int], int, bool]]
+
+
+class DecodeGraphs:
+    """Decode-only steps captured as CUDA graphs, one per batch size of a ladder.
+
+    NOTE: the graphs read their inputs from static buffers: `meta` [4, max_bs] (decode slots,
+    positions, cache slots, sequence lengths) and `page_table` [max_bs, max_pages]. A step
+    copies its (padded) rows into their top-left corner; padded rows write no K/V (slot -1)
+    and attend to one token of page 0.
+    """
+
+    def __init__(self, max_bs: int, max_pages: int, device: torch.device) -> None:
+        self.sizes = [bs for bs in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160,
+                                    192, 224, 256, 320, 384, 448, 512) if bs < max_bs] + [max_bs]
+        self.max_bs = max_bs
+        self.meta = torch.zeros(4, max_bs, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.num_splits: dict[int, int] = {}
+        self.capture_s = 0.0
+
+    def size_for(self, n: int) -> int:
+        return next(bs for bs in self.sizes if bs >= n)
+
+    def step(self, bs: int, token_buffer: torch.Tensor) -> DeviceStep:
+        slots, positions, kv_slots, seq_lens = self.meta[:, :bs]
+        return DeviceStep(input_ids=token_buffer[slots], positions=positions, kv_slots=kv_slots,
+                          seq_lens=seq_lens, cu_q_lens=seq_lens[:0],
+                          page_table=self.page_table[:bs], num_decode=bs, max_q_len=1,
+                          num_splits=self.num_splits[bs])
+
+
+class CUDAExecutor:
+    def __init__(self, model: DecoderLM, config: CUDAExecutorConfig) -> None:
+        cfg = model.config
+        self.model, self.config = model, config
+        self.device = next(model.parameters()).device
+        self.page_size = config.page_size
+        self.num_slots = config.num_slots
+        self.pad_slot = config.num_slots  # token_buffer has one spare entry for graph padding
+        self.stream = torch.cuda.Stream(self.device)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        ops = triton_ops()
+        model.ops = ops
+        self._store = ops.qk_norm_rope_store_kv
+        self.rotary = model.rotary_table(config.max_model_len + 1)
+        self.token_buffer = torch.zeros(config.num_slots + 1, dtype=torch.int32,
+                                        device=self.device)
+        self.penalties = PenaltyState(config.num_slots, cfg.vocab_size, self.device)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.max_pages = -(-(config.max_model_len + 1) // config.page_size)
+
+        # NOTE: the weights, the rotary table and the token buffer were written on the default
+        # stream; everything after runs on ours.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            weights = torch.cuda.memory_allocated(self.device)
+            t0 = time.perf_counter()
+            peak = self._profile()
+            profile_s = time.perf_counter() - t0
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                           config.kv_dtype)
+            graph_reserve = self._graph_reserve()
+            budget = int(total * config.mem_fraction_static) - peak - graph_reserve
+            tokens = config.kv_cache_tokens or budget // per_token
+            num_pages = max(tokens // config.page_size, 2)
+            if config.kv_cache_tokens is None and budget < 2 * config.page_size * per_token:
+                raise RuntimeError(
+                    f"no memory left for the KV cache: weights {weights / 2**30:.1f} GiB + "
+                    f"activations {(peak - weights) / 2**30:.1f} GiB exceed "
+                    f"--mem-fraction-static {config.mem_fraction_static} of "
+                    f"{total / 2**30:.1f} GiB")
+            self.kv = KVCache.allocate(cfg.num_layers, num_pages, config.page_size,
+                                       cfg.num_kv_heads, cfg.head_dim, config.kv_dtype,
+                                       self.device)
+        fmt = "fp8e4m3" if config.kv_dtype == FP8_KV else str(config.kv_dtype).removeprefix(
+            "torch.")
+        self.kv_pool = KVPoolInfo(num_pages, config.page_size, self.kv.nbytes, fmt)
+        log.info("memory_plan", total_gb=round(total / 1e9, 2), weights_gb=round(weights / 1e9, 2),
+                 activation_peak_gb=round((peak - weights) / 1e9, 2),
+                 graph_reserve_gb=round(graph_reserve / 1e9, 2),
+                 mem_fraction_static=config.mem_fraction_static, profile_s=round(profile_s, 2))
+        log.info(f"KV pool: {num_pages * config.page_size} tokens, {num_pages} pages @ "
+                 f"{config.page_size}, {self.kv.nbytes / 1e9:.2f} GB, format {fmt}")
+
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graph_max_bs > 0:
+            self.graphs = DecodeGraphs(min(config.cuda_graph_max_bs, config.num_slots),
+                                       self.max_pages, self.device)
+            self._capture(self.graphs)
+        #: What start-up measured, for `arle warmup` and the model info.
+        self.startup_info = {
+            "memory_plan": {"total_bytes": total, "weights_bytes": weights,
+                            "activation_peak_bytes": peak - weights,
+                            "graph_reserve_bytes": graph_reserve,
+                            "kv_pool_bytes": self.kv.nbytes, "kv_format": fmt,
+                            "mem_fraction_static": config.mem_fraction_static,
+                            "profile_s": round(profile_s, 3)},
+            "cuda_graphs": ({"batch_sizes": self.graphs.sizes,
+                             "capture_s": round(self.graphs.capture_s, 3)}
+                            if self.graphs is not None else None),
+        }
+        self._launcher = torch_thread()
+        self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arle-wait")
+
+    # ---- start-up ------------------------------------------------------------------------
+    def _profile(self) -> int:
+        """Run the largest step once (a full prefill chunk, every slot sampling) against a
+        scratch cache; return the peak memory it needed, weights included."""
+        cfg = self.model.config
+        n = self.config.max_batched_tokens
+        pages = -(-n // self.page_size) + 1
+        scratch = KVCache.allocate(cfg.num_layers, pages, self.page_size, cfg.num_kv_heads,
+                                   cfg.head_dim, self.config.kv_dtype, self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids = torch.randint(0, cfg.vocab_size, (n,), dtype=torch.int32, device=self.device)
+        pos = torch.arange(n, dtype=torch.int32, device=self.device)
+        table = torch.arange(pages, dtype=torch.int32, device=self.device)[None]
+        step = DeviceStep(ids, pos, pos, torch.tensor([n], dtype=torch.int32, device=self.device),
+                          torch.tensor([0, n], dtype=torch.int32, device=self.device), table,
+                          num_decode=0, max_q_len=n, num_splits=1)
+        with torch.inference_mode():
+            hidden = self.model(ids, TritonPagedAttention(scratch, step, self.rotary, self.model,
+                                                          self._store))
+            rows = min(self.num_slots, n)
+            logits = self.model.logits(hidden[:rows])
+            batch = SamplingBatch.build([_PROFILE_PARAMS] * rows, [0] * rows, self.device)
+            sample(logits, batch, generator=self.generator)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch, hidden, logits
+        torch.cuda.empty_cache()
+        return peak
+
+    def _graph_reserve(self) -> int:
+        """Memory the decode graphs keep: their logits and a margin for their activations."""
+        if self.config.cuda_graph_max_bs <= 0:
+            return 0
+        bs = min(self.config.cuda_graph_max_bs, self.num_slots)
+        return bs * self.model.config.vocab_size * 4 * 2 + (512 << 20)
+
+    def _capture(self, graphs: DecodeGraphs) -> None:
+        """Capture one decode graph per batch size, largest first (they share one pool)."""
+        t0 = time.perf_counter()
+        graphs.meta[0].fill_(self.pad_slot)
+        graphs.meta[1:3].fill_(0)
+        graphs.meta[2].fill_(-1)
+        graphs.meta[3].fill_(1)
+        pool = torch.cuda.graph_pool_handle()
+        cfg = self.model.config
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            for bs in reversed(graphs.sizes):
+                graphs.num_splits[bs] = pick_num_splits(bs, cfg.num_kv_heads,
+                                                        self.config.max_model_len, self.num_sms)
+                step = graphs.step(bs, self.token_buffer)
+                for _ in range(2):  # compile and warm every kernel outside the capture
+                    self._forward_decode(step)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                    step = graphs.step(bs, self.token_buffer)
+                    graphs.logits[bs] = self._forward_decode(step)
+                graphs.graphs[bs] = graph
+        self.stream.synchronize()
+        graphs.capture_s = time.perf_counter() - t0
+        log.info("cuda_graphs_captured", batch_sizes=graphs.sizes,
+                 seconds=round(graphs.capture_s, 2))
+
+    def _forward_decode(self, step: DeviceStep) -> torch.Tensor:
+        backend = TritonPagedAttention(self.kv, step, self.rotary, self.model, self._store)
+        return self.model.logits(self.model(step.input_ids, backend))
+
+    # ---- the event loop's thread ----------------------------------------------------------
+    def launch(self, plan: StepPlan) -> Awaitable[StepOutput]:
+        host = self.prepare(plan)
+        queued = self._launcher.submit(self._enqueue, host)
+        return self._result(queued)
+
+    async def _result(self, queued: concurrent.futures.Future[tuple[torch.cuda.Event, _Pending]]
+                      ) -> StepOutput:
+        event, pending = await asyncio.wrap_future(queued)
+        return await asyncio.wrap_future(self._waiter.submit(self._wait, event, pending))
+
+    def prepare(self, plan: StepPlan) -> HostStep:
+        """Flatten the plan into one int32 array (pinned): see `_views` for its layout."""
+        ps = self.page_size
+        rows = plan.rows
+        nd = plan.num_decode_rows
+        sample_rows = [r for r in rows if r.sample]
+        max_seq = max(r.seq_len for r in rows)
+        max_pages = -(-max_seq // ps)
+        graph_bs = 0
+        if (self.graphs is not None and nd == len(rows) and nd <= self.graphs.max_bs):
+            graph_bs = self.graphs.size_for(nd)
+        meta: list[int] = []
+        if graph_bs:
+            # [slots | positions | kv slots | seq lens] each padded to graph_bs, then the table
+            pad = graph_bs - nd
+            meta += [r.slot for r in rows] + [self.pad_slot] * pad
+            meta += [r.start for r in rows] + [0] * pad
+            meta += [r.pages[r.start // ps] * ps + r.start % ps for r in rows] + [-1] * pad
+            meta += [r.seq_len for r in rows] + [1] * pad
+            for r in rows:
+                n = -(-r.seq_len // ps)
+                meta += r.pages[:n]
+                meta += [0] * (max_pages - n)
+            meta += [0] * (max_pages * pad)
+            sample_at = list(range(nd))
+        else:
+            ids: list[int] = []
+            positions: list[int] = []
+            kv_slots: list[int] = []
+            sample_at = []
+            cu = [0]
+            for r in rows:
+                ids += r.input_ids if r.input_ids is not None else [0]
+                pos = range(r.start, r.seq_len)
+                positions += pos
+                pages = r.pages
+                kv_slots += [pages[p // ps] * ps + p % ps for p in pos]
+                if r.sample:
+                    sample_at.append(len(ids) - 1)
+                if r.input_ids is not None:
+                    cu.append(cu[-1] + r.num_tokens)
+            # [ids | positions | kv slots | seq lens | cu_q_lens | decode slots | table]
+            meta = ids + positions + kv_slots + [r.seq_len for r in rows] + cu
+            meta += [r.slot for r in rows[:nd]]
+            for r in rows:
+                n = -(-r.seq_len // ps)
+                meta += r.pages[:n]
+                meta += [0] * (max_pages - n)
+        sampling = (SamplingBatch.build([r.params for r in sample_rows],
+                                        [r.sample_offset for r in sample_rows], "cpu")
+                    if sample_rows else None)
+        return HostStep(
+            meta=torch.tensor(meta, dtype=torch.int32).pin_memory(),
+            num_tokens=plan.num_tokens, num_rows=len(rows), num_decode=nd, max_pages=max_pages,
+            max_q_len=max((r.num_tokens for r in rows[nd:]), default=1), max_seq_len=max_seq,
+            graph_bs=graph_bs, sample_rows=sample_at,
+            sample_slots=[r.slot for r in sample_rows], sampling=sampling,
+            want_logprobs=[r.params.logprobs for r in sample_rows],
+            new_slots=[(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
+                       for n in plan.new_slots])
+
+    # ---- the launcher thread: queue the step, never wait -----------------------------------
+    def _enqueue(self, h: HostStep) -> tuple[torch.cuda.Event, _Pending]:
+        start = torch.cuda.Event(enable_timing=True)
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            meta = h.meta.to(self.device, non_blocking=True)
+            for slot, tokens, num_prompt, penalized in h.new_slots:
+                self.penalties.free_slot(slot)
+                if penalized:
+                    self.penalties.init_slot(slot, tokens[:num_prompt])
+                    outputs = tokens[num_prompt:]  # a request recomputed after preemption
+                    if outputs:
+                        self.penalties.update(_pinned([slot] * len(outputs), self.device),
+                                              _pinned(outputs, self.device))
+            if h.graph_bs:
+                logits = self._replay(h, meta)
+            else:
+                step, decode_slots = self._views(h, meta)
+                if h.num_decode:
+                    step.input_ids[: h.num_decode] = self.token_buffer[decode_slots]
+                backend = TritonPagedAttention(self.kv, step, self.rotary, self.model,
+                                               self._store)
+                hidden = self.model(step.input_ids, backend)
+                index = _pinned(h.sample_rows, self.device)
+                logits = self.model.logits(hidden[index]) if h.sample_rows else hidden[:0]
+            pending = _Pending(start, h.want_logprobs)
+            if h.sampling is not None:
+                pending.out = self._sample(logits, h)
+            event = torch.cuda.Event(enable_timing=True, blocking=True)
+            event.record(self.stream)
+        return event, pending
+
+    def _replay(self, h: HostStep, meta: torch.Tensor) -> torch.Tensor:
+        g = self.graphs
+        assert g is not None
+        bs, mp = h.graph_bs, h.max_pages
+        g.meta[:, :bs].copy_(meta[: 4 * bs].view(4, bs))
+        g.page_table[:bs, :mp].copy_(meta[4 * bs: 4 * bs + bs * mp].view(bs, mp))
+        g.graphs[bs].replay()
+        return g.logits[bs][: h.num_decode]
+
+    def _views(self, h: HostStep, meta: torch.Tensor) -> tuple[DeviceStep, torch.Tensor]:
+        t, r, nd = h.num_tokens, h.num_rows, h.num_decode
+        sizes = [t, t, t, r, r - nd + 1, nd, r * h.max_pages]
+        ids, pos, kv_slots, seq_lens, cu, slots, table = meta.split(sizes)
+        num_splits = pick_num_splits(nd, self.model.config.num_kv_heads, h.max_seq_len,
+                                     self.num_sms) if nd else 1
+        return DeviceStep(ids, pos, kv_slots, seq_lens, cu, table.view(r, h.max_pages), nd,
+                          h.max_q_len, num_splits), slots
+
+    def _sample(self, logits: torch.Tensor, h: HostStep) -> _Copied:
+        assert h.sampling is not None
+        batch = h.sampling
+        if not (batch.all_greedy and not batch.any_penalty):
+            batch = _to_device(batch, self.device)  # NOTE: greedy rows read no parameter tensor
+        slots = _pinned(h.sample_slots, self.device)
+        counts = mask = None
+        if batch.any_penalty:
+            counts, mask = self.penalties.gather(slots)
+        out = sample(logits, batch, token_counts=counts, prompt_mask=mask,
+                     generator=self.generator)
+        self.token_buffer[slots] = out.token_ids.to(torch.int32)
+        if batch.any_penalty or len(self.penalties):
+            self.penalties.update(slots, out.token_ids)
+        return _Copied.of(out)
+
+    # ---- the waiter thread -----------------------------------------------------------------
+    @staticmethod
+    def _wait(event: torch.cuda.Event, pending: _Pending) -> StepOutput:
+        event.synchronize()  # NOTE: a blocking-sync event: the thread sleeps, the GIL is free
+        exec_s = pending.start.elapsed_time(event) / 1e3
+        if pending.out is None:
+            return StepOutput([], [], exec_s)
+        out = pending.out.host()
+        return StepOutput(out.token_ids.tolist(), logprobs_of(out, pending.want_logprobs),
+                          exec_s)
+
+    def close(self) -> None:
+        self._launcher.submit(lambda: None).result()
+        self._waiter.shutdown(wait=True)
+        torch.cuda.synchronize(self.device)
+
+
+def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int = 16,
+                          chunk_size: int | None = None, kv_dtype: torch.dtype | None = None
+                          ) -> torch.Tensor:
+    """Logits [T, vocab] (float32) at every position of `token_ids` through the Triton path:
+    prefilled in chunks of `chunk_size` (each chunk an extend row over the cached prefix);
+    chunk_size 1 runs every token through the decode kernel instead. For parity checks."""
+    cfg = model.config
+    device = next(model.parameters()).device
+    model.ops = triton_ops()
+    n = len(token_ids)
+    num_pages = -(-n // page_size)
+    kv = KVCache.allocate(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                          kv_dtype or next(model.parameters()).dtype, device)
+    # NOTE: pages in reverse order, so a wrong page-table lookup cannot pass by accident.
+    table = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32, device=device)[None]
+    rotary = model.rotary_table(n)
+    ids = torch.tensor(token_ids, dtype=torch.int32, device=device)
+    chunk = chunk_size or n
+    out = []
+    with torch.inference_mode():
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            pos = torch.arange(start, end, dtype=torch.int32, device=device)
+            slots = table[0, pos // page_size] * page_size + pos % page_size
+            seq_lens = torch.tensor([end], dtype=torch.int32, device=device)
+            decode = end - start == 1 and chunk == 1
+            step = DeviceStep(ids[start:end], pos, slots, seq_lens,
+                              torch.tensor([0, end - start], dtype=torch.int32, device=device),
+                              table, num_decode=1 if decode else 0, max_q_len=end - start,
+                              num_splits=pick_num_splits(1, cfg.num_kv_heads, end) if decode else 1)
+            backend = TritonPagedAttention(kv, step, rotary, model, model.ops.qk_norm_rope_store_kv)
+            out.append(model.logits(model(step.input_ids, backend)))
+    return torch.cat(out)
+
+
+@dataclass
+class _Copied:
+    """A sample's tensors, copied (non-blocking) into pinned host memory."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+
+    @classmethod
+    def of(cls, out: SampleOutput) -> _Copied:
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        ids = copy(out.token_ids)
+        assert ids is not None
+        return cls(ids, copy(out.logprobs), copy(out.top_ids), copy(out.top_logprobs))
+
+    def host(self) -> SampleOutput:
+        return SampleOutput(self.token_ids, self.logprobs, self.top_ids, self.top_logprobs)
+
+
+@dataclass
+class _Pending:
+    start: torch.cuda.Event  # recorded when the step's work began on the stream
+    want_logprobs: list[int | None]
+    out: _Copied | None = None
+
+
+def _pinned(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int64 host list on the device without synchronising (pinned, non-blocking)."""
+    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+
+
+def _to_device(batch: SamplingBatch, device: torch.device) -> SamplingBatch:
+    moved = {name: getattr(batch, name).pin_memory().to(device, non_blocking=True)
+             for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                          "frequency_penalty", "presence_penalty", "seeds", "offsets")}
+    return replace(batch, **moved)
+

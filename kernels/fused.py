@@ -1,0 +1,562 @@
+"""The memory-bound glue of a decoder layer, fused: Triton kernels and their torch references.
+
+Each op is a Triton wrapper `<op>(...)` (the CUDA executor) beside a plain-torch `<op>_ref(...)`
+with the same signature (the CPU executor, and what the kernels are tested against). The refs
+*are* the model's semantics, HF's rounding order included:
+
+- `rms_norm`: statistics and normalisation in fp32, the result rounded to x's dtype, then
+  multiplied by the weight in that dtype (one more rounding), as HF Llama/Qwen3 do.
+- `add_rms_norm`: r = x + residual rounded to the dtype (torch's bf16 add), y = rms_norm(r).
+  NOTE: both versions write r into `residual` in place and return it as the second output.
+- `silu_and_mul`: silu(gate) in fp32 rounded to the dtype, times up rounded again (HF's
+  `act(gate) * up` in bf16).
+- `qk_norm_rope_store_kv`: per-head RMSNorm of q and k (Qwen3; skipped for Llama), neox rotary
+  (halves) in fp32 with fp32 cos/sin rounded once to the dtype, K/V stored at flat cache slots
+  (FP8 caches: quantised per (token, KV head)), q returned.
+- `exponential_noise`: Exp(1) noise per (seed, offset) row, for seeded sampling on the device.
+
+The kernels compute the same function up to fp32 rounding inside (reduction order, FMA
+contraction, Triton's approximate exp; sqrt and division are IEEE): an intermediate may round
+the other way, rarely, which moves a bf16 result by an ulp of that intermediate (<= 2 ulps).
+
+Launches: one per op, one program per token row (a 2-D grid over column blocks for the purely
+elementwise silu and noise). The wrappers read no device tensor on the host and size grids
+from shapes only, so all of them are safe to capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+#: e4m3fn's largest finite value, and the floor of a head's amax (an all-zero head).
+FP8_MAX = 448.0
+FP8_MIN_AMAX = 1e-6
+# A norm row up to this many elements is held in registers (one read); longer rows loop twice.
+_MAX_NORM_BLOCK = 8192
+_SILU_BLOCK = 1024
+_NOISE_BLOCK = 1024
+_MASK64 = (1 << 64) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm and residual add + RMSNorm
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    """x's block in fp32; with a residual, x + residual rounded to the dtype (stored back into
+    the residual row) in fp32."""
+    x = tl.load(x_row + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_row + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        tl.store(r_row + offs, x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _inv_rms(sum_sq, n, eps):
+    """1 / sqrt(mean square + eps), IEEE-rounded (Triton's default `/` and sqrt are approximate)."""
+    zero = tl.zeros_like(sum_sq)  # the operands of div_rn must be fp32 tensors
+    return tl.div_rn(zero + 1.0, tl.sqrt_rn(tl.div_rn(sum_sq, zero + n) + eps))
+
+
+@triton.jit
+def _scale_row(x, inv_rms, w, dtype: tl.constexpr):
+    """HF's rounding: normalised value rounded to the dtype, times the weight rounded again."""
+    return ((x * inv_rms).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+    """One program per row. NUM_BLOCKS == 1 (n <= BLOCK): the row stays in registers, read once.
+    Otherwise pass 1 accumulates the sum of squares block by block (and writes x + residual),
+    pass 2 re-reads the row (from L2) and writes y."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    y_row = y_ptr + row * stride_y
+    dtype = y_ptr.dtype.element_ty
+    if NUM_BLOCKS == 1:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL)
+        inv_rms = _inv_rms(tl.sum(x * x, 0), n, eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        tl.store(y_row + offs, _scale_row(x, inv_rms, w, dtype), mask=mask)
+    else:
+        acc = tl.zeros([BLOCK], tl.float32)
+        for i in range(NUM_BLOCKS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL)
+            acc += x * x
+        inv_rms = _inv_rms(tl.sum(acc, 0), n, eps)
+        # NOTE: pass 2 reads back the summed row pass 1 wrote (same program, same offsets);
+        # the barrier makes those writes visible to every thread of the program.
+        tl.debug_barrier()
+        for i in range(NUM_BLOCKS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            if HAS_RESIDUAL:
+                x = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+            tl.store(y_row + offs, _scale_row(x, inv_rms, w, dtype), mask=mask)
+
+
+def _norm_launch(n: int) -> tuple[int, int, int]:
+    """(BLOCK, NUM_BLOCKS, num_warps) for rows of n elements: the whole row in one block up to
+    _MAX_NORM_BLOCK, ~16 elements (two 16-byte bf16 vectors) per thread, 1..16 warps.
+    NOTE: NUM_BLOCKS is a compile-time constant: one variant per row length (a model has ~2)."""
+    block = min(triton.next_power_of_2(n), _MAX_NORM_BLOCK)
+    return block, triton.cdiv(n, block), max(1, min(16, block // 512))
+
+
+def _check_norm(x: Tensor, weight: Tensor) -> None:
+    assert x.dim() == 2 and x.stride(1) == 1, "x: [T, N], last dim contiguous"
+    assert weight.shape == (x.shape[1],) and weight.stride(0) == 1, "weight: [N]"
+    assert weight.dtype == x.dtype, "the weight must be in x's dtype (HF multiplies in it)"
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """y = (rms_norm_fp32(x)).to(x.dtype) * weight. x [T, N] (last dim contiguous)."""
+    _check_norm(x, weight)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    t, n = x.shape
+    if t == 0:
+        return y
+    block, num_blocks, warps = _norm_launch(n)
+    _rms_norm_kernel[(t,)](x, x, weight, y, n, x.stride(0), 0, y.stride(0), eps,
+                           HAS_RESIDUAL=False, BLOCK=block, NUM_BLOCKS=num_blocks, num_warps=warps)
+    return y
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
+                 eps: float) -> tuple[Tensor, Tensor]:
+    """r = x + residual (rounded to the dtype), y = rms_norm(r). Returns (y, r).
+
+    NOTE: r is written into `residual` in place, and `residual` itself is returned as r."""
+    _check_norm(x, weight)
+    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    t, n = x.shape
+    if t == 0:
+        return y, residual
+    block, num_blocks, warps = _norm_launch(n)
+    _rms_norm_kernel[(t,)](x, residual, weight, y, n, x.stride(0), residual.stride(0),
+                           y.stride(0), eps, HAS_RESIDUAL=True, BLOCK=block, NUM_BLOCKS=num_blocks,
+                           num_warps=warps)
+    return y, residual
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's RMSNorm: normalise over the last dim in fp32, round to x's dtype, times weight."""
+    return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype) * weight
+
+
+def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual), x + residual). NOTE: updates `residual` in place, as the kernel
+    does, and returns it."""
+    residual.add_(x)  # x + residual in the dtype, rounded once (as `h = h + f(h)`)
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU(gate) * up
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _silu_and_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr):
+    """Program (row, j): columns [j*BLOCK, (j+1)*BLOCK) of out = silu(gate) * up for one row of
+    gate_up = [gate | up], with HF's two roundings to the dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gu_row = gu_ptr + row * stride_gu
+    gate = tl.load(gu_row + offs, mask=mask, other=0.0)
+    up = tl.load(gu_row + inter + offs, mask=mask, other=0.0)
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(dtype)
+    out = (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + row * stride_out + offs, out, mask=mask)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [T, 2I] (gate first) -> silu(gate) * up [T, I]."""
+    assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
+    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0:
+        return out
+    grid = (t, triton.cdiv(inter, _SILU_BLOCK))
+    _silu_and_mul_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+                               BLOCK=_SILU_BLOCK, num_warps=4)
+    return out
+
+
+def silu_and_mul_ref(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------
+# q/k norm + rotary + K/V store into the paged cache
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _norm_rope_heads(row_ptr, w_ptr, eps, cos, sin, N_HEADS: tl.constexpr,
+                     BLOCK_HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """N_HEADS consecutive heads of one token (at row_ptr): optional per-head RMSNorm, then
+    neox rotary. Returns the rotated halves [BLOCK_HEADS, BLOCK_HALF] in the input dtype, and
+    their offsets / mask in the [heads, D] layout (second half at + HALF)."""
+    heads = tl.arange(0, BLOCK_HEADS)
+    cols = tl.arange(0, BLOCK_HALF)
+    offs = heads[:, None] * D + cols[None, :]
+    mask = (heads < N_HEADS)[:, None] & (cols < HALF)[None, :]
+    x1 = tl.load(row_ptr + offs, mask=mask, other=0.0)
+    x2 = tl.load(row_ptr + offs + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if HAS_NORM:
+        inv_rms = _inv_rms(tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1), D, eps)
+        w1 = tl.load(w_ptr + cols, mask=cols < HALF, other=0.0)
+        w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0)
+        # NOTE: rounded twice to the dtype, as the ref (HF's RMSNorm), before the fp32 rotary
+        x1 = _scale_row(x1, inv_rms[:, None], w1[None, :], dtype).to(tl.float32)
+        x2 = _scale_row(x2, inv_rms[:, None], w2[None, :], dtype).to(tl.float32)
+    o1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype)
+    o2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
+    return o1, o2, offs, mask
+
+
+@triton.jit
+def _store_kv(cache_ptr, scale_ptr, x1, x2, offs, mask, scale_offs, head_mask,
+              HALF: tl.constexpr, FP8: tl.constexpr):
+    """Store one token's KV heads (halves x1/x2 at cache offsets offs / offs + HALF). FP8: one
+    scale per head, max(amax |x|, 1e-6) / 448, stored at scale_offs; values x / scale."""
+    if FP8:
+        a1 = x1.to(tl.float32)
+        a2 = x2.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(a1), 1), tl.max(tl.abs(a2), 1))
+        scale = tl.div_rn(tl.maximum(amax, 1e-6), 448.0)  # FP8_MIN_AMAX, FP8_MAX
+        tl.store(scale_ptr + scale_offs, scale, mask=head_mask)
+        # NOTE: the clamp only guards a rounding of amax / scale a hair above 448
+        a1 = tl.minimum(tl.maximum(tl.div_rn(a1, scale[:, None]), -448.0), 448.0)
+        a2 = tl.minimum(tl.maximum(tl.div_rn(a2, scale[:, None]), -448.0), 448.0)
+        tl.store(cache_ptr + offs, a1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(cache_ptr + offs + HALF, a2.to(cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(cache_ptr + offs, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(cache_ptr + offs + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_store_kv_kernel(
+    qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, slot_ptr, q_ptr,
+    kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+    eps, page_size, stride_qkv, stride_cs,
+    stride_cp, stride_co, stride_ch, stride_sp, stride_so, stride_sh,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr, FP8: tl.constexpr,
+):
+    """One program per token: its q heads (norm + rope -> q out), then, unless its slot is < 0,
+    its k heads (norm + rope) and v heads into the cache at the slot. Every element of the
+    token's qkv row is read once and q / k / v written once."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    cs_row = cs_ptr + pos * stride_cs
+    cos = tl.load(cs_row + cols, mask=cols < HALF, other=0.0)
+    sin = tl.load(cs_row + HALF + cols, mask=cols < HALF, other=0.0)
+    row = qkv_ptr + t * stride_qkv
+
+    q1, q2, offs, mask = _norm_rope_heads(row, qw_ptr, eps, cos, sin, H, BLOCK_H, D, HALF,
+                                          BLOCK_HALF, HAS_NORM)
+    q_row = q_ptr + t * (H * D)
+    tl.store(q_row + offs, q1, mask=mask)
+    tl.store(q_row + offs + HALF, q2, mask=mask)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # NOTE: slot -1 marks a padding row (CUDA graph): no K/V read or write
+        k1, k2, kv_offs, kv_mask = _norm_rope_heads(row + H * D, kw_ptr, eps, cos, sin, KVH,
+                                                    BLOCK_KVH, D, HALF, BLOCK_HALF, HAS_NORM)
+        v_row = row + (H + KVH) * D
+        v1 = tl.load(v_row + kv_offs, mask=kv_mask, other=0.0)
+        v2 = tl.load(v_row + kv_offs + HALF, mask=kv_mask, other=0.0)
+        heads = tl.arange(0, BLOCK_KVH)
+        page = slot // page_size
+        in_page = slot % page_size
+        c_offs = page * stride_cp + in_page * stride_co + heads[:, None] * stride_ch + cols[None, :]
+        s_offs = page * stride_sp + in_page * stride_so + heads * stride_sh
+        head_mask = heads < KVH
+        _store_kv(kc_ptr, ks_ptr, k1, k2, c_offs, kv_mask, s_offs, head_mask, HALF, FP8)
+        _store_kv(vc_ptr, vs_ptr, v1, v2, c_offs, kv_mask, s_offs, head_mask, HALF, FP8)
+
+
+def _check_qk(qkv: Tensor, positions: Tensor, cos_sin: Tensor, q_norm: Tensor | None,
+              k_norm: Tensor | None, num_heads: int, num_kv_heads: int, k_cache: Tensor,
+              v_cache: Tensor, kv_slots: Tensor, k_scale: Tensor | None,
+              v_scale: Tensor | None) -> None:
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    assert qkv.dim() == 2 and qkv.stride(1) == 1, "qkv: [T, (H + 2 KVH) * D], rows contiguous"
+    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d, f"qkv width {qkv.shape[1]}"
+    assert d % 2 == 0, "rotary pairs halves of the head dim"
+    assert positions.shape == (t,) and kv_slots.shape == (t,)
+    assert positions.stride(0) == 1 and kv_slots.stride(0) == 1
+    assert cos_sin.dtype == torch.float32 and cos_sin.dim() == 2 and cos_sin.shape[1] == d
+    assert cos_sin.stride(1) == 1
+    assert (q_norm is None) == (k_norm is None), "q and k norms come together"
+    for w in (q_norm, k_norm):
+        assert w is None or (w.shape == (d,) and w.dtype == qkv.dtype and w.stride(0) == 1)
+    assert k_cache.dim() == 4 and k_cache.shape[2] == num_kv_heads
+    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+    assert v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1
+    if k_cache.dtype == torch.float8_e4m3fn:
+        assert k_scale is not None and v_scale is not None, "fp8 KV needs k_scale and v_scale"
+        assert k_scale.shape == k_cache.shape[:3] and v_scale.shape == v_cache.shape[:3]
+        assert k_scale.dtype == torch.float32 and v_scale.dtype == torch.float32
+        assert k_scale.stride() == v_scale.stride()
+    else:
+        assert k_scale is None and v_scale is None, "scales are for fp8 KV only"
+
+
+def qk_norm_rope_store_kv(qkv: Tensor, positions: Tensor, cos_sin: Tensor,
+                          q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
+                          num_heads: int, num_kv_heads: int,
+                          k_cache: Tensor, v_cache: Tensor, kv_slots: Tensor,
+                          k_scale: Tensor | None = None,
+                          v_scale: Tensor | None = None) -> Tensor:
+    """Per-head RMSNorm of q and k (if q_norm/k_norm are given), neox rotary on both, K/V
+    written into the paged caches at kv_slots (FP8: quantised, scales into k_scale/v_scale).
+
+    qkv [T, (H + 2 KVH) * D]: q heads, k heads, v heads. positions [T] (int, < len(cos_sin)).
+    cos_sin [max_pos, D] float32: cos | sin of the D/2 rotary pairs per position.
+    k_cache / v_cache [num_pages, page_size, KVH, D]; kv_slots [T] page * page_size + offset,
+    < 0: do not write. Returns q [T, H, D] in qkv's dtype."""
+    _check_qk(qkv, positions, cos_sin, q_norm, k_norm, num_heads, num_kv_heads, k_cache,
+              v_cache, kv_slots, k_scale, v_scale)
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    # Unused pointer / stride arguments get harmless stand-ins (their branches compile away).
+    ks = k_scale if k_scale is not None else k_cache
+    vs = v_scale if v_scale is not None else v_cache
+    s_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
+    qw = q_norm if q_norm is not None else qkv
+    kw = k_norm if k_norm is not None else qkv
+    half = d // 2
+    block_h = triton.next_power_of_2(num_heads)
+    _qk_norm_rope_store_kv_kernel[(t,)](
+        qkv, positions, cos_sin, qw, kw, kv_slots, q, k_cache, v_cache, ks, vs,
+        eps, k_cache.shape[1], qkv.stride(0), cos_sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *s_strides,
+        H=num_heads, KVH=num_kv_heads, D=d, HALF=half, BLOCK_H=block_h,
+        BLOCK_KVH=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
+        HAS_NORM=q_norm is not None, FP8=fp8, num_warps=4 if block_h * d <= 4096 else 8)
+    return q
+
+
+def quantize_fp8_ref(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-(token, head) FP8 of x [..., D]: (x / scale as e4m3fn, scale [...] float32) with
+    scale = max(amax |x|, 1e-6) / 448. Dequantised: stored.float() * scale."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(FP8_MIN_AMAX) / FP8_MAX
+    stored = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return stored, scale
+
+
+def _write_cache_ref(cache: Tensor, scale: Tensor | None, x: Tensor, slots: Tensor) -> None:
+    flat = cache.view(-1, *cache.shape[2:])
+    if cache.dtype == torch.float8_e4m3fn:
+        assert scale is not None
+        stored, s = quantize_fp8_ref(x)
+        # index_copy_ has no fp8 kernel everywhere: move the bytes
+        flat.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))
+        scale.view(-1, scale.shape[-1]).index_copy_(0, slots, s)
+    else:
+        flat.index_copy_(0, slots, x.to(cache.dtype))
+
+
+def rotary_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Neox rotary on x [T, heads, D] with cos/sin [T, D/2]: fp32 math, rounded once to x's
+    dtype (arle.model.rope's convention)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def qk_norm_rope_store_kv_ref(qkv: Tensor, positions: Tensor, cos_sin: Tensor,
+                              q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
+                              num_heads: int, num_kv_heads: int,
+                              k_cache: Tensor, v_cache: Tensor, kv_slots: Tensor,
+                              k_scale: Tensor | None = None,
+                              v_scale: Tensor | None = None) -> Tensor:
+    """The plain-torch `qk_norm_rope_store_kv` (same contract). Reads kv_slots on the host
+    (drops the < 0 ones): not for CUDA graphs."""
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    h, kvh = num_heads, num_kv_heads
+    qk = qkv[:, :(h + kvh) * d].view(t, h + kvh, d)
+    if q_norm is not None and k_norm is not None:
+        qk = torch.cat([rms_norm_ref(qk[:, :h], q_norm, eps),
+                        rms_norm_ref(qk[:, h:], k_norm, eps)], dim=1)
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    qk = rotary_ref(qk, cos, sin)
+    v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
+    keep = kv_slots >= 0
+    slots = kv_slots[keep].long()
+    _write_cache_ref(k_cache, k_scale, qk[:, h:][keep], slots)
+    _write_cache_ref(v_cache, v_scale, v[keep], slots)
+    return qk[:, :h].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Exp(1) noise for seeded sampling
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _exponential_noise_kernel(seed_ptr, offset_ptr, out_ptr, vocab, stride_out,
+                              BLOCK: tl.constexpr):
+    """Program (b, j): columns [j*BLOCK, (j+1)*BLOCK) of row b. Philox-4x32 keyed by the row's
+    64-bit seed, counter (column, offset low 32 bits, offset high 32 bits, 0): a function of
+    (seed, offset, column) only. E = -log(u), u uniform in (0, 1)."""
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    seed = tl.load(seed_ptr + b).to(tl.int64)
+    offset = tl.load(offset_ptr + b).to(tl.int64)
+    zero = cols.to(tl.uint32) * 0
+    off_lo = zero + (offset & 0xFFFFFFFF).to(tl.uint32)
+    off_hi = zero + ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    bits, _, _, _ = tl.philox(seed, cols.to(tl.uint32), off_lo, off_hi, zero)
+    u = tl.uint_to_uniform_float(bits)  # [0, 1 - 2^-24]
+    # NOTE: u == 0 (odds 2^-31) is lifted to 2^-32, so E stays finite (<= 22.2) and > 0
+    noise = -tl.log(tl.maximum(u, 2.3283064365386963e-10))
+    tl.store(out_ptr + b * stride_out + cols, noise.to(out_ptr.dtype.element_ty),
+             mask=cols < vocab)
+
+
+def exponential_noise(seeds: Tensor, offsets: Tensor, vocab: int,
+                      out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """Per-row Exp(1) noise [B, vocab]: row b depends only on (seeds[b], offsets[b]) (int
+    tensors [B], on the device), not on b or the batch.
+
+    NOTE: not the same stream as `exponential_noise_ref` (Philox here, torch's generator there):
+    the same seed samples differently on the CPU and the GPU executors."""
+    assert seeds.shape == offsets.shape and seeds.dim() == 1
+    b = seeds.shape[0]
+    out = torch.empty(b, vocab, dtype=out_dtype, device=seeds.device)
+    if b == 0 or vocab == 0:
+        return out
+    grid = (b, triton.cdiv(vocab, _NOISE_BLOCK))
+    _exponential_noise_kernel[grid](seeds, offsets, out, vocab, out.stride(0),
+                                    BLOCK=_NOISE_BLOCK, num_warps=4)
+    return out
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def exponential_noise_ref(seeds: Tensor, offsets: Tensor, vocab: int,
+                          out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """The CPU stream: one torch generator per row, seeded with
+    splitmix64(splitmix64(seed) + offset), drawing `exponential_` over the vocab (the draws the
+    CPU sampler makes for seeded rows), floored at float32's tiny so every value is > 0.
+    Reads seeds/offsets on the host."""
+    out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
+    for row, (seed, offset) in enumerate(zip(seeds.tolist(), offsets.tolist(), strict=True)):
+        gen = torch.Generator(device=seeds.device)
+        gen.manual_seed(_splitmix64((_splitmix64(seed & _MASK64) + offset) & _MASK64))
+        out[row] = torch.empty(vocab, device=seeds.device).exponential_(generator=gen)
+    return out.clamp_min_(torch.finfo(torch.float32).tiny).to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-benchmark (GPU): `python -m arle_kernels.fused`
+# ---------------------------------------------------------------------------------------------
+
+def bench_fused(tokens: tuple[int, ...] = (1, 4096), batches: tuple[int, ...] = (1, 64),
+                device: str = "cuda", num_pages: int = 8192,
+                timer: Callable[[Callable[[], object]], float] | None = None
+                ) -> list[dict[str, object]]:
+    """Each kernel vs its torch ref at Qwen3-4B shapes (hidden 2560, 32/8 heads, head dim 128,
+    intermediate 9728, vocab 151936), bf16, bf16 and fp8 caches. Prints a table; returns rows.
+    GB/s counts the bytes the op must read and write once. NOTE: the qk and noise refs read
+    device tensors on the host (a sync each): that is part of what the kernels replace.
+    timer: fn -> ms, default triton.testing.do_bench (others only to smoke-test this code)."""
+    from triton.testing import do_bench
+
+    time_ms = timer or do_bench
+    dev, dt, eps = device, torch.bfloat16, 1e-6
+    hidden, h, kvh, d, inter, vocab = 2560, 32, 8, 128, 9728, 151936
+    page_size, max_pos = 16, 32768
+    gen = torch.Generator(device=dev).manual_seed(0)
+    cos_sin = torch.rand(max_pos, d, device=dev, generator=gen)
+    rows: list[dict[str, object]] = []
+
+    def record(op: str, t: int, nbytes: int, fn: Callable[[], object],
+               ref: Callable[[], object]) -> None:
+        ms, ms_ref = time_ms(fn), time_ms(ref)
+        rows.append({"op": op, "T": t, "triton_us": ms * 1e3, "torch_us": ms_ref * 1e3,
+                     "speedup": ms_ref / ms, "triton_GBps": nbytes / ms / 1e6})
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, device=dev, dtype=dt, generator=gen)
+
+    for t in tokens:
+        x, res, gu = randn(t, hidden), randn(t, hidden), randn(t, 2 * inter)
+        w = randn(hidden).abs() + 0.5
+        e = x.element_size()
+        record("rms_norm", t, 2 * t * hidden * e,
+               partial(rms_norm, x, w, eps), partial(rms_norm_ref, x, w, eps))
+        record("add_rms_norm", t, 4 * t * hidden * e,
+               partial(add_rms_norm, x, res, w, eps), partial(add_rms_norm_ref, x, res, w, eps))
+        record("silu_and_mul", t, 3 * t * inter * e,
+               partial(silu_and_mul, gu), partial(silu_and_mul_ref, gu))
+        qkv = randn(t, (h + 2 * kvh) * d)
+        pos = torch.randint(0, max_pos, (t,), device=dev, generator=gen)
+        slots = torch.randperm(num_pages * page_size, device=dev, generator=gen)[:t]
+        qn, kn = randn(d).abs() + 0.5, randn(d).abs() + 0.5
+        for cache_dt in (dt, torch.float8_e4m3fn):
+            kc = torch.zeros(num_pages, page_size, kvh, d, device=dev, dtype=cache_dt)
+            vc = torch.zeros_like(kc)
+            fp8 = cache_dt == torch.float8_e4m3fn
+            ks = torch.zeros(kc.shape[:3], device=dev) if fp8 else None
+            vs = torch.zeros(kc.shape[:3], device=dev) if fp8 else None
+            args = (qkv, pos, cos_sin, qn, kn, eps, h, kvh, kc, vc, slots, ks, vs)
+            nbytes = t * ((2 * h + 2 * kvh) * d * e + 2 * kvh * d * kc.element_size())
+            record(f"qk_norm_rope_store_kv {'fp8' if fp8 else 'bf16'} kv", t, nbytes,
+                   partial(qk_norm_rope_store_kv, *args), partial(qk_norm_rope_store_kv_ref, *args))
+    for b in batches:
+        seeds, offs = torch.arange(b, device=dev), torch.full((b,), 7, device=dev)
+        record("exponential_noise", b, b * vocab * 4, partial(exponential_noise, seeds, offs, vocab),
+               partial(exponential_noise_ref, seeds, offs, vocab))
+
+    print(f"{'op':34} {'T':>5} {'triton us':>10} {'torch us':>10} {'x':>6} {'GB/s':>7}")
+    for r in rows:
+        print(f"{r['op']!s:34} {r['T']!s:>5} {r['triton_us']:10.2f} {r['torch_us']:10.2f} "
+              f"{r['speedup']:6.2f} {r['triton_GBps']:7.0f}")
+    return rows
+
+
+if __name__ == "__main__":
+    bench_fused()

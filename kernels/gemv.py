@@ -1,0 +1,331 @@
+"""Decode-time linear layer y = x @ W^T for a few rows (GEMV): a Triton kernel and its reference.
+
+At batch 1 a decode step reads every weight once and does ~1 FLOP per byte, so a linear layer
+is bound by how fast W streams from HBM. This kernel is built for that: W [N, K] row-major (as
+nn.Linear stores it), x [M, K] with M small (1..8), fp32 accumulation, output in x's dtype.
+
+- Each program owns BLOCK_N output columns for *all* M rows, so W is read exactly once per
+  step whatever M is; x (a few KB) is re-read by every program, from L1/L2.
+- It walks its K range in BLOCK_K chunks: a [BLOCK_N, BLOCK_K] tile of W per step, 16-byte
+  vector loads along K (BLOCK_K = 8 bf16 x 32 lanes x warps x runs per lane). Each thread sums
+  the products of its 8-element runs in registers into an fp32 accumulator; the sum across
+  lanes and warps happens once, after the loop (no cross-thread traffic inside it).
+- At M = 1 a program is one warp and one output row: N programs (2560..151936) keep enough
+  loads in flight on all 132 SMs without splitting K. When N gives too few programs anyway
+  (N < 264), K is split over programs that write fp32 partials, and a second small kernel
+  sums them in a fixed order (deterministic: no atomics), adds the bias and casts.
+
+One config per (M, N, K), picked by `_pick_config` (no autotune). The wrapper reads no device
+tensor on the host and sizes its grid from shapes only, so it is safe to capture in a CUDA graph.
+`use_gemv(m, n, k)` is the rule for when to call it instead of F.linear (cuBLAS);
+`bench_gemv()` measures both (`python -c "from arle_kernels.gemv import bench_gemv;
+bench_gemv()"`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+#: rows up to this many run through the kernel (beyond it cuBLAS's GEMM is the right tool)
+MAX_M = 16
+#: use_gemv's bound on M (from bench_gemv on the H200: see use_gemv)
+USE_GEMV_MAX_M = 2
+_NUM_SMS = 132  # H200; only shapes the choice of split (a guess elsewhere is still correct)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters: BLOCK_N outputs per program, BLOCK_K elements of K per loop step,
+    split_k programs along K (1: no split), and num_warps / num_stages.
+
+    NOTE: on a GPU, block_k should be 8 * 32 * num_warps times a power of two: then the x and
+    W tiles get the same register layout (see the kernel). Any power of two >= 8 is correct."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+    split_k: int = 1
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
+                 stride_xm, stride_wn, stride_ym, stride_ys,
+                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (j, s): columns [j*BLOCK_N, (j+1)*BLOCK_N) of y for all M rows, summed over
+    K range [s*k_per_split, (s+1)*k_per_split).
+
+    Not PARTIAL: adds the bias and stores y in its dtype. PARTIAL (split K): y is an fp32
+    buffer [splits, M, N] (stride_ys between splits) that takes the program's partial sums.
+    NOTE: k_per_split is a multiple of BLOCK_K; EVEN_K means K is too, and every split is
+    full (no masks at all).
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, M_PAD)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # A K chunk is viewed as [BLOCK_K // 8, 8]: a thread owns runs of 8 contiguous elements
+    # (one 16-byte bf16 load) and sums its products over a run at once, in registers; lanes and
+    # warps span BLOCK_K // 8, and the sum across them happens once, after the loop.
+    # NOTE: the x and W tiles are both 4-D with this same [BLOCK_K // 8, 8] tail, so Triton
+    # gives them one register layout and the broadcast multiply moves no data between threads.
+    kk = (tl.arange(0, BLOCK_K // 8) * 8)[:, None] + tl.arange(0, 8)[None, :]
+    kk = kk[None, None, :, :]  # [1, 1, BLOCK_K // 8, 8]
+    # NOTE: padded rows (m >= M) and columns (n >= N) re-read the last valid row of x / W, so
+    # no load needs a mask for them; their sums are never stored.
+    rows_x = tl.minimum(offs_m, M - 1)
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows_x[:, None, None, None] * stride_xm + kk  # [M_PAD, 1, BK/8, 8]
+    w_ptrs = w_ptr + rows_w[None, :, None, None] * stride_wn + kk  # [1, BLOCK_N, BK/8, 8]
+    k_lo = pid_k * k_per_split
+    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    # NOTE: the last split may run past K (whole chunks of masked loads: no memory traffic)
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        # W is streamed once: evict it first from L2, keep x (read by every program)
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs + k0, eviction_policy="evict_last")
+        else:
+            k_ok = k0 + kk < K
+            w = tl.load(w_ptrs + k0, mask=k_ok, other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0, eviction_policy="evict_last")
+        acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=3)
+    y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
+    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if PARTIAL:
+        y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, y, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0)
+            y += b.to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_reduce_kernel(p_ptr, b_ptr, y_ptr, N, splits, stride_ps, stride_pm, stride_ym,
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (j, m): y[m, j*BLOCK : (j+1)*BLOCK] = the fp32 partials summed over splits
+    0, 1, 2, ... in that order (so the result is deterministic), plus the bias, in y's dtype."""
+    m = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_REDUCE_BLOCK = 1024
+
+
+def _pick_config(m: int, n: int, k: int) -> GemvConfig:
+    """One config per shape family, from a sweep on the H200 (CUDA-graph timings, Qwen3-4B's
+    shapes; see use_gemv for the numbers):
+
+    - M = 1: one warp per output row, 4 runs of 8 per lane (BLOCK_K 1024): thousands of small
+      programs keep every SM's memory pipe full, and the final sum is a warp shuffle.
+    - M = 2: two rows per program; for few rows (N < 4096, o_proj / down) 2-4 warps share a row's
+      K range, else one warp.
+    - M >= 3 (slower than cuBLAS; use_gemv says no): BLOCK_N = M_PAD rows, 2 warps.
+    - split K only when N gives fewer than 2 programs per SM (N < 264 at M = 1): each split
+      at least 2 BLOCK_K chunks, up to ~4 programs per SM.
+    """
+    m_pad = triton.next_power_of_2(max(m, 1))
+    if m_pad == 1:
+        cfg = GemvConfig(block_n=1, block_k=1024, num_warps=1)
+    elif m_pad == 2 and n >= 4096:
+        cfg = GemvConfig(block_n=2, block_k=512, num_warps=1)
+    elif m_pad == 2:
+        cfg = GemvConfig(block_n=2, block_k=1024, num_warps=2) if k < 8192 else \
+            GemvConfig(block_n=2, block_k=2048, num_warps=4)
+    else:
+        cfg = GemvConfig(block_n=min(m_pad, 64 // m_pad), block_k=512, num_warps=2)
+    programs = triton.cdiv(n, cfg.block_n)
+    if programs < 2 * _NUM_SMS:
+        chunks = triton.cdiv(k, cfg.block_k)
+        split = min(max(1, chunks // 2), triton.cdiv(4 * _NUM_SMS, programs))
+        cfg = replace(cfg, split_k=split)
+    return cfg
+
+
+def _check(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None) -> None:
+    assert x.dim() == 2 and weight.dim() == 2, "x: [M, K], weight: [N, K]"
+    assert x.shape[1] == weight.shape[1], f"K mismatch: x {tuple(x.shape)}, W {tuple(weight.shape)}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight: last dim contiguous"
+    assert x.dtype == weight.dtype, "x and weight must share a dtype"
+    assert x.shape[0] <= MAX_M, f"gemv is for M <= {MAX_M} rows (use F.linear)"
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],) and bias.stride(0) == 1, "bias: [N]"
+    if out is not None:
+        assert out.shape == (x.shape[0], weight.shape[0]) and out.dtype == x.dtype, "out: [M, N]"
+        assert out.stride(1) == 1, "out: last dim contiguous"
+
+
+def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
+            cfg: GemvConfig) -> Tensor:
+    """Run `cfg` (gemv picks it; tests and tuning pass their own)."""
+    _check(x, weight, bias, out)
+    m, k = x.shape
+    n = weight.shape[0]
+    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    # NOTE: every split's K range is a whole number of BLOCK_K chunks (the kernel relies on it)
+    chunks = triton.cdiv(k, cfg.block_k)
+    k_per_split = triton.cdiv(chunks, max(1, min(cfg.split_k, chunks))) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)  # no empty splits
+    has_bias = bias is not None
+    b = bias if bias is not None else y  # a dummy pointer when there is no bias
+    meta = {"HAS_BIAS": has_bias, "PARTIAL": splits > 1, "EVEN_K": k % k_per_split == 0,
+            "M_PAD": triton.next_power_of_2(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    grid = (triton.cdiv(n, cfg.block_n), splits)
+    if splits == 1:
+        _gemv_kernel[grid](x, weight, b, y, m, n, k, k_per_split, x.stride(0),
+                           weight.stride(0), y.stride(0), 0, **meta)
+        return y
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    _gemv_kernel[grid](x, weight, b, part, m, n, k, k_per_split, x.stride(0),
+                       weight.stride(0), part.stride(1), part.stride(0), **meta)
+    _split_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
+        part, b, y, n, splits, part.stride(0), part.stride(1), y.stride(0), HAS_BIAS=has_bias,
+        BLOCK=_REDUCE_BLOCK, num_warps=4)
+    return y
+
+
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+         out: Tensor | None = None) -> Tensor:
+    """y = x @ weight^T (+ bias): x [M, K] (M <= MAX_M), weight [N, K], bias [N] or None, all in
+    one dtype (last dims contiguous); fp32 accumulation; y [M, N] in x's dtype, written into
+    `out` when given (a view with a row stride is fine) and returned."""
+    cfg = _pick_config(x.shape[0], weight.shape[0], x.shape[1])
+    return _launch(x, weight, bias, out, cfg)
+
+
+def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+             out: Tensor | None = None) -> Tensor:
+    """The reference: F.linear in fp32, cast to x's dtype (into `out` when given)."""
+    b = bias.float() if bias is not None else None
+    y = F.linear(x.float(), weight.float(), b).to(x.dtype)
+    return y if out is None else out.copy_(y)
+
+
+def use_gemv(m: int, n: int, k: int) -> bool:
+    """Whether a linear layer of m rows and an [n, k] weight should use gemv over F.linear.
+
+    Measured on the H200 (triton 3.6, bf16, per call back to back in a CUDA graph), Qwen3-4B's
+    qkv / o_proj / gate_up / down / lm_head: at M = 1 gemv takes 10.0 / 7.0 / 24.6 / 13.8 / 170
+    us against cuBLAS's 11.1 / 10.3 / 28.6 / 17.3 / 179 (a decode step's linears: 2.16 ms
+    against 2.60 ms); at M = 2 it wins on each shape with its M = 2 configs (step 2.4-2.5 ms
+    against 2.62). At M >= 3 it is 1.3-4x slower than cuBLAS (the per-element FMAs grow with
+    M, cuBLAS's tensor cores don't care), so: M <= USE_GEMV_MAX_M (2), any shape.
+    """
+    return 1 <= m <= USE_GEMV_MAX_M
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark (H200): gemv against F.linear (cuBLAS) on Qwen3-4B's decode shapes
+# ---------------------------------------------------------------------------------------------
+
+#: (N, K) of Qwen3-4B's linear layers, bf16
+BENCH_SHAPES: dict[str, tuple[int, int]] = {
+    "qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560),
+    "down": (2560, 9728), "lm_head": (151936, 2560),
+}
+
+
+def _time_us(fn: Callable[[Tensor, Tensor], object], x: Tensor, weights: list[Tensor],
+             graph: bool = True) -> float:
+    """Median microseconds of one fn(x, W), W rotating over `weights` (together several times
+    L2's 50 MB, so L2 serves none of them).
+
+    graph: as a decode step runs it, back to back in a CUDA graph (no CPU launch cost): a graph
+    of `calls` calls replayed 7 times. Otherwise eager, one call at a time, with triton's
+    do_bench (which clears L2 before each call; a small kernel then also pays its CPU launch).
+    """
+    from triton.testing import do_bench
+
+    turn = itertools.count()
+
+    def call() -> object:
+        return fn(x, weights[next(turn) % len(weights)])
+
+    if not graph:
+        return float(do_bench(call, warmup=10, rep=50, return_mode="median")) * 1e3
+    call()  # compile and warm up outside the capture
+    calls = max(32, 2 * len(weights))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            call()
+    times = []
+    for _ in range(8):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del g
+    return sorted(times[1:])[3]  # the median of the last 7 (the first warms up)
+
+
+def bench_gemv(shapes: dict[str, tuple[int, int]] | None = None,
+               ms: tuple[int, ...] = (1, 2, 4, 8),
+               dtype: torch.dtype = torch.bfloat16) -> list[dict[str, object]]:
+    """Time gemv and F.linear (cuBLAS) for each shape and M; print a table and return its rows.
+
+    Times are medians per call: `graph` columns back to back in a CUDA graph (the decode
+    setting: what to decide on), `eager` with triton's do_bench (one call at a time, L2
+    cleared, the CPU launch included). GB/s = weight bytes / graph time. Needs a CUDA GPU."""
+    assert torch.cuda.is_available(), "bench_gemv needs a CUDA GPU"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict[str, object]] = []
+    print(f"{'shape':8} {'M':>2} {'N':>6} {'K':>5} | graph us: {'gemv':>6} {'cuBLAS':>6} | "
+          f"GB/s: {'gemv':>5} {'cuBLAS':>6} | speedup | eager us: {'gemv':>6} {'cuBLAS':>6} | "
+          f"use config")
+    for name, (n, k) in (shapes or BENCH_SHAPES).items():
+        w_bytes = n * k * torch.finfo(dtype).bits // 8
+        copies = max(2, -(-400_000_000 // w_bytes))  # a copy comes back after ~400 MB
+        weights = [(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).to(dtype)
+                   for _ in range(copies)]
+        for m in ms:
+            x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+            g_us, c_us = _time_us(gemv, x, weights), _time_us(F.linear, x, weights)
+            g_eager = _time_us(gemv, x, weights, graph=False)
+            c_eager = _time_us(F.linear, x, weights, graph=False)
+            cfg = _pick_config(m, n, k)
+            row: dict[str, object] = {
+                "shape": name, "m": m, "n": n, "k": k, "gemv_us": g_us, "cublas_us": c_us,
+                "gemv_gbs": w_bytes / g_us / 1e3, "cublas_gbs": w_bytes / c_us / 1e3,
+                "speedup": c_us / g_us, "gemv_eager_us": g_eager, "cublas_eager_us": c_eager,
+                "use_gemv": use_gemv(m, n, k), "config": cfg}
+            rows.append(row)
+            print(f"{name:8} {m:>2} {n:>6} {k:>5} | {g_us:16.1f} {c_us:6.1f} | "
+                  f"{w_bytes / g_us / 1e3:11.0f} {w_bytes / c_us / 1e3:6.0f} | {c_us / g_us:7.2f} | "
+                  f"{g_eager:16.1f} {c_eager:6.1f} | {'yes' if row['use_gemv'] else 'no ':3} "
+                  f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.split_k}")
+        del weights
+        torch.cuda.empty_cache()
+    return rows

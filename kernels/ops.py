@@ -1,0 +1,33 @@
+"""The two implementations of a decoder layer's glue ops, chosen once per executor.
+
+`REFERENCE` is plain torch (the CPU executor, and what every kernel is tested against);
+`triton_ops()` is the Triton kernels of `fused.py` (the CUDA executor). Both compute the same
+function: the model code calls `ops.<op>` and never knows which it got.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from arle_kernels import fused
+
+
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    #: (x, residual, weight, eps) -> (normed, x + residual); may update `residual` in place
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    silu_and_mul: Callable[[Tensor], Tensor]
+    qk_norm_rope_store_kv: Callable[..., Tensor]
+
+
+REFERENCE = Ops(fused.rms_norm_ref, fused.add_rms_norm_ref, fused.silu_and_mul_ref,
+                fused.qk_norm_rope_store_kv_ref)
+
+
+def triton_ops() -> Ops:
+    return Ops(fused.rms_norm, fused.add_rms_norm, fused.silu_and_mul,
+               fused.qk_norm_rope_store_kv)

@@ -1,0 +1,262 @@
+"""GPU benchmarks of arle (issue 5's figures), one phase per subcommand, each writing JSON.
+
+    python scripts/bench_gpu.py ceilings --out ceil.json          # read bandwidth, bf16 GEMM rate
+    python scripts/bench_gpu.py decode MODEL_DIR --out d.json     # batch-1/8 decode vs the floor
+    python scripts/bench_gpu.py prefill MODEL_DIR --out p.json    # TTFT of a 4096-token prompt
+    python scripts/bench_gpu.py offline MODEL_DIR --out o.json    # nano-vllm's 256-request run
+    python scripts/bench_gpu.py serve MODEL_DIR --out s.json -- [arle serve flags]
+
+Floors come from ceilings measured in the same run (`ceilings`), never from datasheets: decode
+floor = weight bytes / read bandwidth; prefill floor = FLOPs / bf16 GEMM rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arle.config import EngineConfig
+from arle.engine.async_engine import AsyncEngine
+from arle.engine.request import GenerateRequest, SamplingParams
+
+
+def _write(path: str, data: dict[str, Any]) -> None:
+    data = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "commit": os.environ.get("ARLE_COMMIT"), **data}
+    Path(path).write_text(json.dumps(data, indent=1))
+    print(json.dumps(data)[:2000])
+
+
+def _median_ms(fn: Any, iters: int = 20) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=50, rep=max(iters * 5, 200),
+                                         return_mode="median"))
+
+
+def ceilings(args: argparse.Namespace) -> None:
+    """Read bandwidth: sum over 8 GB of bf16 (bytes read / time). GEMM: 8192^3 bf16."""
+    x = torch.randn(4 << 30, dtype=torch.bfloat16, device="cuda")
+    ms = _median_ms(x.sum)
+    read_tbps = x.numel() * 2 / ms / 1e9
+    x = torch.empty(0)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms_mm = _median_ms(lambda: a @ b)
+    _write(args.out, {"phase": "ceilings", "read_TBps": read_tbps,
+                      "bf16_gemm_TFLOPs": 2 * 8192**3 / ms_mm / 1e9})
+
+
+def _engine_config(args: argparse.Namespace, **kw: Any) -> EngineConfig:
+    base: dict[str, Any] = {"model": args.model, "device": "cuda", "dtype": "bfloat16",
+                            "overlap": not args.disable_overlap,
+                            "cuda_graph": not args.disable_cuda_graph,
+                            "kv_cache_dtype": args.kv_cache_dtype}
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+async def _generate(engine: AsyncEngine, prompt: list[int], max_tokens: int
+                    ) -> tuple[float, list[float]]:
+    """(start time, arrival time of every token)."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    async for d in engine.generate(GenerateRequest(prompt=prompt, params=params)):
+        times += [time.perf_counter()] * len(d.token_ids)
+    return t0, times
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _weight_bytes(engine: AsyncEngine) -> int:
+    """Bytes a decode step must read: every weight once (a tied embedding counts once: the
+    lm_head read; the embedding lookup reads one row)."""
+    model = engine.executor.model  # type: ignore[attr-defined]
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if "embed_tokens" not in n or model.config.tie_word_embeddings)
+
+
+async def _decode(args: argparse.Namespace) -> dict[str, Any]:
+    engine = await AsyncEngine.create(_engine_config(args, max_running_requests=64))
+    vocab = engine.tokenizer.vocab_size
+    out: dict[str, Any] = {"phase": "decode", "model": args.model, "flags": {k: v for k, v in vars(args).items() if k != "fn"},
+                           "weight_bytes": _weight_bytes(engine)}
+    await _generate(engine, _prompts(1, 64, vocab, 9)[0], 16)  # warm-up
+    for batch in (1, 8, 32, 64):
+        prompts = _prompts(batch, args.input_len, vocab, batch)
+        runs = await asyncio.gather(*(_generate(engine, p, args.output_len) for p in prompts))
+        tpot = [(t[-1] - t[0]) / (len(t) - 1) for _, t in runs]
+        ttft = [t[0] - t0 for t0, t in runs]
+        end = max(t[-1] for _, t in runs)
+        start = min(t0 for t0, _ in runs)
+        out[f"batch{batch}"] = {
+            "mean_tpot_ms": statistics.mean(tpot) * 1e3, "mean_ttft_ms": statistics.mean(ttft) * 1e3,
+            "output_tok_s": batch * args.output_len / (end - start),
+            "decode_tok_s_per_request": 1 / statistics.mean(tpot)}
+    ex = engine.executor
+    graphs = getattr(ex, "graphs", None)
+    if graphs is not None:
+        # The device time of one decode step: replay the batch-1 graph with the last context.
+        g = graphs.graphs[1]
+        with torch.cuda.stream(ex.stream):  # type: ignore[attr-defined]
+            out["graph_replay_bs1_ms"] = _median_ms(g.replay)
+    out["startup"] = engine.model_info.get("cuda_graphs")
+    await engine.close()
+    return out
+
+
+def decode(args: argparse.Namespace) -> None:
+    _write(args.out, asyncio.run(_decode(args)))
+
+
+async def _prefill(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.prompt_len
+    engine = await AsyncEngine.create(_engine_config(
+        args, max_running_requests=8, chunked_prefill_size=max(n, 8192),
+        max_batched_tokens=max(n, 8192) + 8, enable_prefix_cache=False))
+    vocab = engine.tokenizer.vocab_size
+    ttfts = []
+    for i in range(args.repeats + 1):
+        t0, times = await _generate(engine, _prompts(1, n, vocab, 100 + i)[0], 1)
+        ttfts.append(times[0] - t0)
+    ttfts = ttfts[1:]  # the first run compiles the kernels for this shape
+    cfg = engine.executor.model.config  # type: ignore[attr-defined]
+    linear = 2 * n * (_weight_bytes(engine) // 2 - cfg.vocab_size * cfg.hidden_size
+                      + cfg.hidden_size)  # every weight but the lm_head: one token samples
+    lm_head = 2 * cfg.vocab_size * cfg.hidden_size
+    attention = cfg.num_layers * 2 * 2 * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
+    flops = linear + lm_head + attention
+    ttft = statistics.median(ttfts)
+    await engine.close()
+    return {"phase": "prefill", "model": args.model, "prompt_len": n, "ttft_ms": ttft * 1e3,
+            "ttft_all_ms": [t * 1e3 for t in ttfts], "flops": flops,
+            "achieved_TFLOPs": flops / ttft / 1e12}
+
+
+def prefill(args: argparse.Namespace) -> None:
+    _write(args.out, asyncio.run(_prefill(args)))
+
+
+async def _offline(args: argparse.Namespace) -> dict[str, Any]:
+    """nano-vllm's bench: 256 requests, prompt and output lengths uniform in [100, 1024]."""
+    engine = await AsyncEngine.create(_engine_config(args, max_running_requests=256))
+    vocab = engine.tokenizer.vocab_size
+    rng = random.Random(0)
+    reqs = [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))],
+             rng.randint(100, 1024)) for _ in range(args.num_requests)]
+    await _generate(engine, reqs[0][0][:32], 8)  # warm-up
+    t0 = time.perf_counter()
+    await asyncio.gather(*(_generate(engine, p, n) for p, n in reqs))
+    dt = time.perf_counter() - t0
+    out_tokens = sum(n for _, n in reqs)
+    stats = engine.snapshot()
+    await engine.close()
+    return {"phase": "offline", "model": args.model, "requests": len(reqs), "seconds": dt,
+            "output_tokens": out_tokens, "prompt_tokens": sum(len(p) for p, _ in reqs),
+            "output_tok_s": out_tokens / dt, "preemptions": stats.get("preemptions")}
+
+
+def offline(args: argparse.Namespace) -> None:
+    _write(args.out, asyncio.run(_offline(args)))
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Start `arle serve`, time it to ready, run `arle bench` at each concurrency, stop it."""
+    import httpx
+
+    from arle.bench import BenchConfig, run_bench
+
+    port = args.port
+    cmd = [sys.executable, "-m", "arle", "serve", "--model", args.model, "--port", str(port),
+           "--log-format", "json", *args.serve_args]
+    t0 = time.perf_counter()
+    log = open(f"/tmp/serve-{port}-{int(t0)}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    ready = None
+    while time.perf_counter() - t0 < 300 and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                ready = time.perf_counter() - t0
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    out: dict[str, Any] = {"phase": "serve", "model": args.model, "cmd": cmd,
+                           "time_to_ready_s": ready, "runs": {}}
+    try:
+        if ready is None:
+            raise RuntimeError(f"server not ready (exit {proc.poll()})")
+        for conc in args.concurrency:
+            cfg = BenchConfig(base_url=f"http://127.0.0.1:{port}", num_prompts=args.num_prompts,
+                              input_len=args.input_len, output_len=args.output_len,
+                              max_concurrency=conc, warmup_requests=2, seed=1)
+            s = asyncio.run(run_bench(cfg))
+            out["runs"][str(conc)] = s
+            print(f"concurrency {conc}: {s['output_throughput']:.0f} tok/s, "
+                  f"TPOT {s['mean_tpot_ms']:.2f} ms, TTFT {s['mean_ttft_ms']:.1f} ms", flush=True)
+    except Exception as e:
+        out["error"] = repr(e)
+        log.flush()
+        out["server_log_tail"] = Path(log.name).read_text()[-4000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        _write(args.out, out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="phase", required=True)
+    c = sub.add_parser("ceilings")
+    c.add_argument("--out", required=True)
+    c.set_defaults(fn=ceilings)
+    for name, fn in (("decode", decode), ("prefill", prefill), ("offline", offline)):
+        s = sub.add_parser(name)
+        s.add_argument("model")
+        s.add_argument("--out", required=True)
+        s.add_argument("--input-len", type=int, default=512)
+        s.add_argument("--output-len", type=int, default=128)
+        s.add_argument("--prompt-len", type=int, default=4096)
+        s.add_argument("--repeats", type=int, default=5)
+        s.add_argument("--num-requests", type=int, default=256)
+        s.add_argument("--disable-overlap", action="store_true")
+        s.add_argument("--disable-cuda-graph", action="store_true")
+        s.add_argument("--kv-cache-dtype", default="auto")
+        s.set_defaults(fn=fn)
+    s = sub.add_parser("serve")
+    s.add_argument("model")
+    s.add_argument("--out", required=True)
+    s.add_argument("--port", type=int, default=8123)
+    s.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 64])
+    s.add_argument("--num-prompts", type=int, default=64)
+    s.add_argument("--input-len", type=int, default=512)
+    s.add_argument("--output-len", type=int, default=128)
+    s.add_argument("serve_args", nargs="*")
+    s.set_defaults(fn=serve)
+    args = p.parse_args()
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

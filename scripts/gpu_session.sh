@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One device call: the GPU tests and benchmarks of issue 5, phase by phase, each under a timeout.
+#   bash scripts/gpu_session.sh PHASE...    (phases: tests parity ceilings decode prefill serve
+#                                            serve_ablation hf offline decode8b)
+# Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/results.json (every phase's
+# JSON, merged), $OUT/log.txt and $OUT/pytest.txt (at most 8 files come back from $OUT).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/models
+RES=$OUT  # each phase writes its JSON here at once: a call cut short still returns them
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD ARLE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)
+# arle_kernels is the kernels/ folder (setuptools maps it at install time)
+ln -sfn "$PWD/kernels" /tmp/site/arle_kernels
+LOG="$OUT/log.txt"
+say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+model() {  # name -> directory (made once)
+  local d=/tmp/models/$1
+  [ -f "$d/config.json" ] || python3 scripts/make_random_model.py "$1" "$d" >>"$LOG" 2>&1
+  echo "$d"
+}
+phase() {  # name timeout command...
+  local name=$1 t=$2; shift 2
+  say "$name (timeout $t s)"
+  local t0=$SECONDS
+  timeout "$t" "$@" >>"$LOG" 2>&1; local rc=$?
+  say "$name rc=$rc in $((SECONDS - t0)) s"
+}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
+for p in "$@"; do
+  case $p in
+    tests) say tests; timeout 150 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
+             tests/test_kernels_decode_attention.py tests/test_kernels_extend_attention.py \
+             tests/test_kernels_fused.py tests/test_kernels_gemv.py tests/test_cuda.py \
+             >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"; tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;
+    kbench) phase kbench 120 python3 -c "
+from arle_kernels.gemv import bench_gemv; bench_gemv()
+from arle_kernels.fused import bench_fused; bench_fused()
+import tests.test_kernels_extend_attention as t; t.bench_extend(4096)" ;;
+    parity) d=$(model qwen3-4b); phase parity 150 python3 scripts/check_gpu_parity.py "$d" \
+              --prompts 2 --len 512 --out $RES/parity.json ;;
+    ceilings) phase ceilings 60 python3 scripts/bench_gpu.py ceilings --out $RES/ceilings.json ;;
+    decode) d=$(model qwen3-4b); phase decode 120 python3 scripts/bench_gpu.py decode "$d" \
+              --out $RES/decode_4b.json ;;
+    prefill) d=$(model qwen3-4b); phase prefill 90 python3 scripts/bench_gpu.py prefill "$d" \
+              --out $RES/prefill_4b.json ;;
+    serve) d=$(model qwen3-4b); rm -rf ~/.triton/cache  # time to ready: cold Triton cache
+           phase serve 240 python3 scripts/bench_gpu.py serve "$d" --out $RES/serve_4b.json ;;
+    serve_warm) d=$(model qwen3-4b)  # time to ready with the Triton cache warm
+           phase serve_warm 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 8 \
+              --num-prompts 16 --out $RES/serve_warm.json ;;
+    serve_ablation) d=$(model qwen3-4b)
+           phase serve_no_overlap 150 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 8 \
+              --out $RES/serve_no_overlap.json -- --disable-overlap
+           phase serve_no_graph 150 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 8 \
+              --out $RES/serve_no_graph.json -- --disable-cuda-graph ;;
+    hf) d=$(model qwen3-4b); phase hf 400 python3 scripts/bench_hf.py "$d" --batch 1 8 \
+              --modes eager static --repeats 1 --out $RES/hf_4b.json ;;
+    hf_eager) d=$(model qwen3-4b); phase hf_eager 120 python3 scripts/bench_hf.py "$d" \
+              --batch 1 8 --modes eager --repeats 1 --out $RES/hf_eager_4b.json ;;
+    offline) d=$(model qwen3-0.6b); phase offline 200 python3 scripts/bench_gpu.py offline "$d" \
+              --out $RES/offline_0.6b.json ;;
+    decode8b) d=$(model qwen3-8b); phase decode8b 200 python3 scripts/bench_gpu.py decode "$d" \
+              --out $RES/decode_8b.json ;;
+    *) say "unknown phase $p" ;;
+  esac
+done
+say done

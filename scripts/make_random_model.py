@@ -1,0 +1,393 @@
+#!/usr/bin/env python3
+"""Write a random-weight Hugging Face model directory with a real Qwen3 shape.
+
+For benchmarks and loader/parity tests on machines with no network (the GPU box): the config is
+the real config.json of the named model, the tensors have the exact HF names, shapes and dtype,
+and a small byte-level BPE tokenizer (trained here in about a second) stands in for the real one,
+with the real special-token ids. Only the weight values (and the text the tokenizer knows) are
+fake.
+
+    python scripts/make_random_model.py qwen3-4b /tmp/models/qwen3-4b \\
+        [--dtype bfloat16] [--seed 0] [--device cuda] [--shard-gb 4] [--check] [--force]
+
+Names: qwen3-0.6b, qwen3-4b, qwen3-8b, and `tiny` (2 layers, hidden 256: quick tests).
+
+Weights (why these scales): linear weights are N(0, 1/fan_in) (std 0.0198 for Qwen3-4B's q_proj:
+the usual 0.02 at these sizes, but it keeps `tiny` from going flat), so every projection keeps its
+input's scale and each layer's attention and MLP visibly move the residual stream: logits depend
+on the whole context, not only on the last token (which matters for catching attention bugs). The
+embedding and lm_head are N(0, (3/sqrt(hidden))^2), so the final-normed hidden state (rms ~1)
+gives logits with a std of ~3 over the vocab (the 0.02 init would give ~1 for Qwen3-4B): a mean
+top-1/top-2 gap of 0.6-1.2 instead of ~0.2, and a softmax less flat than noise, though far flatter
+than a trained model's. Norm weights are 1 + 0.1*N(0,1) (positive, not the identity, so a loader
+that skipped them would show). `--check` measures these with a transformers forward, including
+how often transformers' own bf16 and fp32 forwards agree on the top-1 token: that, not the logit
+scale, bounds greedy agreement between a bf16 engine and a reference (bf16 rounding perturbs the
+hidden state by a few percent of its size, and the logits move with it). Compare engines on
+teacher-forced logits (max |diff|, top-k overlap, KL) and against that ceiling.
+Measured on the H200 (transformers 5.17, 4 x 64 random ids): logit std 3.0, mean top-2 gap 0.57
+(8B) to 0.91 (4B), top-1 probability 6-10%, bf16-vs-fp32 top-1 agreement 94-96%.
+
+Each tensor is drawn from its own generator, seeded from (--seed, tensor name): the weights do not
+depend on the shard layout or the order of writing, but CPU and CUDA generators differ, so the
+same seed gives different weights on --device cpu and --device cuda.
+
+Speed: tensors are drawn on --device, copied to the host one at a time and streamed into the
+safetensors files by one thread per shard (the format is an 8-byte header length, a JSON header
+and the raw bytes, so no second host copy is needed). The tokenizer is trained on the running
+interpreter's standard-library sources: it differs between Python versions, which only changes
+how text is split, never the model's shapes or special ids. It knows ~16k ids: the rest of the
+151936 (which a random model generates freely) decode to nothing. Qwen3-8B (16.4 GB) takes ~14 s
+to write on the H200 box, ~20 s with interpreter start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import sysconfig
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB_SIZE = 151936
+#: Qwen's special tokens, at their real ids (the real vocab has 151643 BPE tokens before them).
+SPECIAL_TOKENS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
+BOS_ID, EOS_ID = 151643, 151645
+
+#: Fields shared by the real Qwen3 config.json files (Qwen/Qwen3-*, transformers 4.51 era).
+_QWEN3_BASE: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "use_cache": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "vocab_size": VOCAB_SIZE,
+}
+
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tied: bool,
+           **extra: Any) -> dict[str, Any]:
+    return {**_QWEN3_BASE, "hidden_size": hidden, "intermediate_size": intermediate,
+            "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "max_window_layers": layers,
+            "tie_word_embeddings": tied, **extra}
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, tied=True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, tied=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, tied=False),
+    # Not a real model: the Qwen3 layout at test size (same vocab, tokenizer and special ids).
+    "tiny": _qwen3(256, 512, 2, 4, 2, tied=True, head_dim=64),
+}
+
+#: Qwen3's generation_config.json.
+GENERATION_CONFIG: dict[str, Any] = {
+    "bos_token_id": BOS_ID, "pad_token_id": BOS_ID, "eos_token_id": [EOS_ID, BOS_ID],
+    "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+    "transformers_version": "4.51.0",
+}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+#: Qwen2/3's pre-tokenizer split (as in their tokenizer.json), so text splits like the real one.
+_QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TOKENIZER_VOCAB = 16000
+_CORPUS_CHARS = 4_000_000
+
+LOGIT_STD = 3.0  # target std of the logits over the vocab (see the module docstring)
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    #: normal std for weights; None for norm weights (1 + 0.1*N(0,1))
+    std: float | None
+
+
+def tensor_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
+    """Every tensor of the HF Qwen3 checkpoint, in the order HF writes them."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    emb_std = LOGIT_STD / math.sqrt(h)
+
+    def linear(name: str, out: int, inp: int) -> TensorSpec:
+        return TensorSpec(name, (out, inp), inp ** -0.5)
+
+    specs = [TensorSpec("model.embed_tokens.weight", (cfg["vocab_size"], h), emb_std)]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs += [
+            TensorSpec(p + "input_layernorm.weight", (h,), None),
+            linear(p + "self_attn.q_proj.weight", nq * hd, h),
+            linear(p + "self_attn.k_proj.weight", nkv * hd, h),
+            linear(p + "self_attn.v_proj.weight", nkv * hd, h),
+            linear(p + "self_attn.o_proj.weight", h, nq * hd),
+            TensorSpec(p + "self_attn.q_norm.weight", (hd,), None),
+            TensorSpec(p + "self_attn.k_norm.weight", (hd,), None),
+            TensorSpec(p + "post_attention_layernorm.weight", (h,), None),
+            linear(p + "mlp.gate_proj.weight", inter, h),
+            linear(p + "mlp.up_proj.weight", inter, h),
+            linear(p + "mlp.down_proj.weight", h, inter),
+        ]
+    specs.append(TensorSpec("model.norm.weight", (h,), None))
+    if not cfg["tie_word_embeddings"]:
+        specs.append(TensorSpec("lm_head.weight", (cfg["vocab_size"], h), emb_std))
+    return specs
+
+
+def make_tensor(spec: TensorSpec, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Draw one tensor; its values depend only on (seed, name, shape, device type)."""
+    gen = torch.Generator(device=device)
+    # NOTE: 32 bits: the CPU generator (mt19937) ignores the seed's higher bits.
+    gen.manual_seed(zlib.crc32(f"{seed}/{spec.name}".encode()))
+    x = torch.randn(spec.shape, generator=gen, device=device, dtype=torch.float32)
+    if spec.std is None:
+        x = (1.0 + 0.1 * x).clamp_(min=0.1)
+    else:
+        x *= spec.std
+    return x.to(dtype)
+
+
+def plan_shards(specs: list[TensorSpec], element_size: int,
+                max_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy, in order: a new shard when the next tensor would overflow this one."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        n = math.prod(spec.shape) * element_size
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += n
+    return shards
+
+
+def write_safetensors(path: Path, specs: list[TensorSpec], dtype: torch.dtype,
+                      produce: Callable[[TensorSpec], torch.Tensor]) -> None:
+    """Stream tensors into a safetensors file: the header is known from the shapes alone."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        n = math.prod(spec.shape) * dtype.itemsize
+        header[spec.name] = {"dtype": _ST_DTYPES[dtype], "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # NOTE: the data must start 8-byte aligned
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for spec in specs:
+            t = produce(spec).contiguous().cpu()
+            assert tuple(t.shape) == spec.shape and t.dtype == dtype, spec.name
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def write_weights(out: Path, cfg: dict[str, Any], dtype: torch.dtype, seed: int,
+                  device: torch.device, shard_bytes: int) -> int:
+    """All shards (+ model.safetensors.index.json when more than one); returns the bytes."""
+    specs = tensor_specs(cfg)
+    shards = plan_shards(specs, dtype.itemsize, shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        return make_tensor(spec, seed, dtype, device)
+
+    # Threads overlap drawing, the device-to-host copy and the file write of different shards
+    # (all three release the GIL).
+    workers = max(1, min(len(shards), os.cpu_count() or 1, 8))
+    with ThreadPoolExecutor(workers) as pool:
+        jobs = [pool.submit(write_safetensors, out / name, shard, dtype, produce)
+                for name, shard in zip(names, shards, strict=True)]
+        for job in jobs:
+            job.result()
+    total = sum(math.prod(s.shape) for s in specs) * dtype.itemsize
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total,
+                              "total_parameters": sum(math.prod(s.shape) for s in specs)},
+                 "weight_map": {s.name: name for name, shard in zip(names, shards, strict=True)
+                                for s in shard}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+def _corpus() -> list[str]:
+    """The first few MB of the running interpreter's standard-library sources, sorted by name."""
+    texts: list[str] = []
+    size = 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        size += len(text)
+        if size >= _CORPUS_CHARS:
+            break
+    if not texts:  # an interpreter without sources: a tokenizer of bytes and a few merges
+        texts = ["def main():\n    return 'hello world'\n" * 100]
+    return texts
+
+
+def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
+    """A Qwen-style byte-level BPE (NFC, Qwen's split regex, byte-level) trained on a local
+    corpus, with Qwen's special tokens at their real ids (beyond the trained ids, a gap)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    assert max(SPECIAL_TOKENS.values()) < vocab_size
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer)
+    # NOTE: a special token takes the model-vocab id of the same string when it has one, so
+    # putting them in the BPE vocab is what pins their ids (an added token would get id 16000).
+    data = json.loads(tok.to_str())
+    data["model"]["vocab"].update(SPECIAL_TOKENS)
+    data["added_tokens"] = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for t, i in SPECIAL_TOKENS.items()]
+    tok = Tokenizer.from_str(json.dumps(data))
+    for t, i in SPECIAL_TOKENS.items():
+        assert tok.token_to_id(t) == i and tok.encode(t).ids == [i], t
+    return tok
+
+
+def write_tokenizer(out: Path, cfg: dict[str, Any]) -> None:
+    build_tokenizer(cfg["vocab_size"]).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        # NOTE: not Qwen2Tokenizer: transformers 5 rebuilds that class's pipeline from the vocab
+        # instead of reading tokenizer.json; this one reads tokenizer.json as it is.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False, "add_prefix_space": False,
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "unk_token": None, "model_max_length": 131072, "chat_template": CHAT_TEMPLATE,
+    }, indent=2) + "\n")
+
+
+def write_model_dir(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0,
+                    device: str = "cpu", shard_gb: float = 4.0, force: bool = False) -> int:
+    """Write config, weights, generation config and tokenizer; returns the weight bytes."""
+    if name not in CONFIGS:
+        raise SystemExit(f"unknown model {name!r} (choose from {', '.join(CONFIGS)})")
+    out.mkdir(parents=True, exist_ok=True)
+    old = [*out.glob("*.safetensors"), *out.glob("model.safetensors.index.json")]
+    if old and not force:
+        raise SystemExit(f"{out} already holds weights (pass --force to replace them)")
+    for path in old:  # stale shards of another layout would confuse loaders
+        path.unlink()
+    cfg = {**CONFIGS[name], "torch_dtype": dtype}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+    write_tokenizer(out, cfg)
+    with torch.no_grad():
+        return write_weights(out, cfg, _DTYPES[dtype], seed, torch.device(device),
+                             int(shard_gb * 1e9))
+
+
+def check_logits(out: Path, device: str, seq_len: int = 64) -> dict[str, float]:
+    """Forward random ids through transformers (bf16, then fp32) and describe the logits."""
+    import transformers
+
+    # transformers 5 renamed `torch_dtype` to `dtype` (4.56+ accepts both, older only the first).
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    kw: dict[str, Any] = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.bfloat16}
+    auto: Any = transformers.AutoModelForCausalLM
+    try:  # straight onto the device; older versions need accelerate for device_map
+        model = auto.from_pretrained(out, device_map=device, **kw)
+    except (ImportError, ValueError):
+        model = auto.from_pretrained(out, **kw).to(device)
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (4, seq_len), generator=gen).to(device)
+    changed = ids.clone()
+    changed[:, 0] = (changed[:, 0] + 1) % model.config.vocab_size
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+        logits2 = model(changed).logits.float()
+        ref = model.float()(ids).logits
+    top2 = ref.topk(2, dim=-1).values
+    gap = top2[..., 0] - top2[..., 1]
+    return {
+        "logit_std": ref.std(dim=-1).mean().item(),
+        "top2_gap_mean": gap.mean().item(),
+        "top2_gap_below_0.05": (gap < 0.05).float().mean().item(),
+        "top1_prob_mean": ref.softmax(-1).amax(-1).mean().item(),
+        # how much the last position's logits move when only the first token changes
+        "context_effect": ((logits2[:, -1] - logits[:, -1]).std()
+                           / logits[:, -1].std()).item(),
+        "bf16_vs_fp32_rel_err": ((logits - ref).std() / ref.std()).item(),
+        "bf16_vs_fp32_top1_agree": (logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+    }
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("name", choices=sorted(CONFIGS))
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shard-gb", type=float, default=4.0, help="max shard size (GB, 1e9 bytes)")
+    ap.add_argument("--force", action="store_true", help="replace existing weights in OUT")
+    ap.add_argument("--check", action="store_true",
+                    help="afterwards, load with transformers and print the logits' spread")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    weight_bytes = write_model_dir(args.name, args.out, args.dtype, args.seed, args.device,
+                                   args.shard_gb, args.force)
+    took = time.perf_counter() - t0
+    print(f"wrote {args.name} to {args.out} in {took:.1f} s: {weight_bytes / 1e9:.2f} GB of "
+          f"weights, {_dir_bytes(args.out) / 1e9:.2f} GB on disk "
+          f"({weight_bytes / 1e9 / took:.2f} GB/s)")
+    if args.check:
+        t0 = time.perf_counter()
+        stats = check_logits(args.out, args.device)
+        print(f"check ({time.perf_counter() - t0:.1f} s): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in stats.items()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

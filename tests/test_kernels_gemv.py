@@ -1,0 +1,209 @@
+"""The decode GEMV (arle_kernels.gemv): the Triton kernel against an fp64 reference, its own
+torch reference and F.linear.
+
+GPU tests (skipped without CUDA) use Qwen3-4B's linear shapes in bf16; the interpreter check runs
+the same kernel on tiny CPU tensors under TRITON_INTERPRET=1, in a subprocess (the variable must
+be set before triton is first imported). Outputs are filled with NaN before each run, so an
+element the kernel does not write shows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from arle_kernels.gemv import (
+    BENCH_SHAPES,
+    GemvConfig,
+    _launch,
+    _pick_config,
+    gemv,
+    gemv_ref,
+    use_gemv,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x ~ N(0, 1), W ~ N(0, 1/K) (outputs ~ N(0, 1)), bias ~ N(0, 1)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device=device) * k ** -0.5).to(dtype)
+    b = torch.randn(n, generator=gen, device=device).to(dtype) if bias else None
+    return x, w, b
+
+
+def exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + b in fp64 from the same (rounded) inputs."""
+    y = x.double() @ w.double().T
+    return y + b.double() if b is not None else y
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| over the whole output; NaN/inf anywhere fails."""
+    assert torch.isfinite(out).all(), "NaN/inf in the output (an element was not written)"
+    diff = (out.double() - ref.double()).norm()
+    return float(diff / ref.double().norm().clamp_min(1e-30))
+
+
+def check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tol: float,
+          cfg: GemvConfig | None = None) -> torch.Tensor:
+    """gemv (or `cfg` through _launch) into a NaN-poisoned output, against the fp64 result and
+    gemv_ref, each within `tol`."""
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    got = gemv(x, w, b, out=out) if cfg is None else _launch(x, w, b, out, cfg)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == x.dtype
+    what = f"M={x.shape[0]} N={w.shape[0]} K={x.shape[1]} bias={b is not None} cfg={cfg}"
+    err = rel_err(got, exact(x, w, b))
+    assert err < tol, f"{what}: rel {err:.2e} vs fp64"
+    err = rel_err(got, gemv_ref(x, w, b))
+    assert err < tol, f"{what}: rel {err:.2e} vs gemv_ref"
+    return got
+
+
+# ---- CPU: the rules, the reference ----------------------------------------------------------
+
+def test_ref_matches_fp64_and_f_linear() -> None:
+    x, w, b = make_inputs(3, 40, 96, torch.float32, "cpu", bias=True)
+    ref = gemv_ref(x, w, b)
+    assert ref.dtype == x.dtype and ref.shape == (3, 40)
+    assert rel_err(ref, exact(x, w, b)) < 1e-6
+    assert torch.allclose(ref, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    out = torch.full((3, 40), float("nan"))
+    assert gemv_ref(x, w, b, out=out) is out and torch.equal(out, ref)
+
+
+def test_use_gemv_rule() -> None:
+    """M = 1 and 2 on every Qwen3-4B shape (where it beat cuBLAS on the H200), never M = 0 or
+    M >= 3 (where it lost)."""
+    for n, k in BENCH_SHAPES.values():
+        assert use_gemv(1, n, k) and use_gemv(2, n, k)
+        assert not any(use_gemv(m, n, k) for m in (0, 3, 4, 8, 64))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("shape", list(BENCH_SHAPES))
+def test_pick_config(m: int, shape: str) -> None:
+    """Configs the GPU layout argument holds for (BLOCK_K a multiple of 8 x 32 x warps), at
+    most one split per BLOCK_K chunk, enough programs for 132 SMs, and at most 64 fp32
+    accumulator registers per thread (M_PAD x BLOCK_N x runs of 8 per thread)."""
+    n, k = BENCH_SHAPES[shape]
+    cfg = _pick_config(m, n, k)
+    assert cfg.block_k % (8 * 32 * cfg.num_warps) == 0
+    assert cfg.block_n & (cfg.block_n - 1) == 0
+    assert 1 <= cfg.split_k <= -(-k // cfg.block_k)
+    assert -(-n // cfg.block_n) * cfg.split_k >= 132
+    assert triton_next_pow2(m) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 8 * 64
+
+
+def test_pick_config_splits_small_n() -> None:
+    """Few rows: K is split so there are programs for every SM, each split >= 2 chunks."""
+    cfg = _pick_config(1, 40, 9728)
+    assert cfg.split_k > 1 and -(-9728 // cfg.block_k) >= 2 * cfg.split_k
+    assert _pick_config(1, 6144, 2560).split_k == 1
+
+
+def triton_next_pow2(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
+# ---- interpreter (CI, CPU) -------------------------------------------------------------------
+
+def interp_check_gemv() -> None:
+    """Tiny shapes through the Triton kernel on CPU; needs TRITON_INTERPRET=1 set before triton
+    is imported."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-3)):
+        for m in (1, 3):
+            for bias in (False, True):
+                x, w, b = make_inputs(m, 40, 96, dtype, "cpu", bias, seed=m)
+                check(x, w, b, tol)  # the config gemv picks (K=96 < BLOCK_K: masked K)
+                # BLOCK_N not dividing N, three K steps (EVEN_K), split K over 3 and 2 programs
+                # (a ragged last split), a partial last K step (BLOCK_K 64 over K=96)
+                for cfg in (GemvConfig(block_n=16, block_k=32, num_warps=1),
+                            GemvConfig(block_n=8, block_k=32, num_warps=1, split_k=3),
+                            GemvConfig(block_n=4, block_k=32, num_warps=1, split_k=2),
+                            GemvConfig(block_n=2, block_k=64, num_warps=1, split_k=2)):
+                    check(x, w, b, tol, cfg)
+    # strided x and out (views into wider buffers); the rest of out's buffer stays untouched
+    x, w, b = make_inputs(3, 40, 96, torch.float32, "cpu", bias=True, seed=7)
+    wide_x = torch.randn(3, 160)
+    wide_x[:, 32:128] = x
+    wide_out = torch.full((3, 100), 7.0)
+    out = wide_out[:, 50:90].fill_(float("nan"))
+    gemv(wide_x[:, 32:128], w, b, out=out)
+    assert rel_err(out, exact(x, w, b)) < 1e-5
+    assert (wide_out[:, :50] == 7.0).all() and (wide_out[:, 90:] == 7.0).all()
+    # M = 8 and 5 rows (padding to 8) with split K
+    for m in (5, 8):
+        x, w, b = make_inputs(m, 24, 64, torch.float32, "cpu", bias=False, seed=m)
+        check(x, w, b, 1e-5)
+        check(x, w, b, 1e-5, GemvConfig(block_n=4, block_k=16, num_warps=1, split_k=4))
+
+
+@pytest.mark.slow
+def test_interpreter() -> None:
+    code = "import tests.test_kernels_gemv as t; t.interp_check_gemv()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("shape", list(BENCH_SHAPES))
+def test_gpu_matches_reference(shape: str, m: int, bias: bool) -> None:
+    n, k = BENCH_SHAPES[shape]
+    x, w, b = make_inputs(m, n, k, torch.bfloat16, "cuda", bias, seed=m)
+    got = check(x, w, b, 1e-2)
+    # and close to what cuBLAS gives (both bf16 outputs)
+    assert rel_err(got, F.linear(x, w, b)) < 1e-2
+    # deterministic: the same bits again (split K reduces in a fixed order, no atomics)
+    assert torch.equal(gemv(x, w, b), got)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_gpu_odd_shapes(m: int) -> None:
+    """N, K off every block size (K % 8 != 0 too: scalar loads), fp16 and fp32, strided x."""
+    for n, k, dtype in ((1000, 2500, torch.bfloat16), (77, 4100, torch.float16),
+                        (3000, 1001, torch.float32), (5, 9728, torch.bfloat16)):
+        x, w, b = make_inputs(m, n, k, dtype, "cuda", bias=True, seed=n)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+        check(x, w, b, tol)
+        wide = torch.zeros(m, k + 64, dtype=dtype, device="cuda")
+        wide[:, 64:] = x
+        check(wide[:, 64:], w, b, tol)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_cuda_graph() -> None:
+    """gemv captured in a CUDA graph (a split-K shape and a plain one) replays with new x."""
+    for n, k in ((40, 9728), BENCH_SHAPES["qkv"]):
+        x, w, b = make_inputs(2, n, k, torch.bfloat16, "cuda", bias=True)
+        gemv(x, w, b)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = gemv(x, w, b)
+        for seed in (1, 2):
+            x.copy_(make_inputs(2, n, k, torch.bfloat16, "cuda", bias=False, seed=seed)[0])
+            y.fill_(float("nan"))
+            graph.replay()
+            assert rel_err(y, exact(x, w, b)) < 1e-2

@@ -1,0 +1,159 @@
+"""scripts/make_random_model.py and scripts/bench_hf.py: the random Qwen3 directory has transformers'
+exact layout, loads in transformers and arle with the same logits, and the transformers baseline
+benchmark runs on it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # NOTE: dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+mrm = _script("make_random_model")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_safetensors_writer_round_trip(tmp_path: Path) -> None:
+    """The hand-written safetensors stream reads back through the safetensors library."""
+    from safetensors import safe_open
+
+    specs = [mrm.TensorSpec("a.weight", (3, 5), 0.5), mrm.TensorSpec("b.norm", (7,), None),
+             mrm.TensorSpec("c.weight", (2, 3, 4), 1.0)]
+    for dtype in (torch.bfloat16, torch.float32):
+        made = {s.name: mrm.make_tensor(s, 1, dtype, torch.device("cpu")) for s in specs}
+        path = tmp_path / f"x-{dtype}.safetensors"
+        mrm.write_safetensors(path, specs, dtype, lambda s: made[s.name])  # noqa: B023
+        with safe_open(str(path), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            assert sorted(f.keys()) == sorted(made)
+            for name, t in made.items():
+                assert torch.equal(f.get_tensor(name), t)
+    assert bool((made["b.norm"] > 0).all())
+    # seeded by name: the same tensor whatever else is drawn, a different one for another seed
+    assert torch.equal(mrm.make_tensor(specs[0], 1, torch.float32, torch.device("cpu")),
+                       made["a.weight"])
+    assert not torch.equal(mrm.make_tensor(specs[0], 2, torch.float32, torch.device("cpu")),
+                           made["a.weight"])
+
+
+def test_plan_shards_bounds_size() -> None:
+    specs = mrm.tensor_specs(mrm.CONFIGS["qwen3-8b"])
+    shards = mrm.plan_shards(specs, 2, 4 * 10**9)
+    assert [s for shard in shards for s in shard] == specs
+    sizes = [sum(math.prod(s.shape) * 2 for s in shard) for shard in shards]
+    assert len(shards) == 5 and max(sizes) <= 4 * 10**9
+    assert sum(sizes) == 8_190_735_360 * 2  # Qwen3-8B's published parameter count, untied
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-4b", "qwen3-8b", "tiny"])
+def test_tensor_layout_matches_transformers(name: str) -> None:
+    """Names and shapes are exactly those of transformers' Qwen3ForCausalLM for the config."""
+    import transformers
+
+    cfg = mrm.CONFIGS[name]
+    config = transformers.AutoConfig.for_model(**cfg)
+    assert type(config).__name__ == "Qwen3Config"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg["tie_word_embeddings"]:
+        expected.pop("lm_head.weight")  # tied: real checkpoints do not store it
+    assert {s.name: s.shape for s in mrm.tensor_specs(cfg)} == expected
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    # Small shards: the embedding alone, then the rest (an index and two files).
+    proc = _run("scripts/make_random_model.py", "tiny", str(out), "--device", "cpu",
+                "--shard-gb", "0.05")
+    assert "wrote tiny" in proc.stdout
+    return out
+
+
+@pytest.mark.slow
+def test_tiny_dir_files(tiny_dir: Path) -> None:
+    index = json.loads((tiny_dir / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["vocab_size"] == 151936
+    assert json.loads((tiny_dir / "generation_config.json").read_text())["eos_token_id"] == [
+        151645, 151643]
+
+
+@pytest.mark.slow
+def test_tiny_loads_with_matching_logits(tiny_dir: Path) -> None:
+    """arle and transformers, both fp32 from the bf16 files, agree on teacher-forced logits; the
+    logits are spread enough that greedy choices are not near-ties."""
+    import transformers
+
+    from arle.executor.cpu import teacher_forced_logits
+    from arle.model.loader import load_model
+
+    ids = torch.randint(0, 151936, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    loaded = load_model(tiny_dir, "float32", "cpu")
+    with torch.no_grad():
+        ours = teacher_forced_logits(loaded.model, ids)
+        hf: Any = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir,
+                                                                    dtype=torch.float32)
+        ref = hf.eval()(torch.tensor([ids])).logits[0]
+    assert ours.shape == ref.shape == (40, 151936)
+    assert (ours - ref).abs().max().item() < 1e-3
+    assert ref.std(dim=-1).min().item() > 1.5
+    top2 = ref.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).mean().item() > 0.3
+
+    # The tokenizer: Qwen's special ids, the same ids and template in both libraries.
+    text = "<|im_start|>user\ndef f(x):\n    return x + 1  # 42 ü<|im_end|>\n"
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    assert loaded.tokenizer.encode(text) == tok(text).input_ids
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [
+        151643, 151644, 151645]
+    assert tok.eos_token_id == 151645 and 151645 in loaded.config.eos_token_ids
+    msgs = [{"role": "user", "content": "hi"}]
+    prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.slow
+def test_bench_hf_runs(tiny_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run("scripts/bench_hf.py", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
+                "--modes", "eager", "--batch", "1", "2", "--input-len", "16",
+                "--output-len", "4", "--repeats", "1", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["environment"]["device"] == "cpu" and data["environment"]["torch"]
+    rows = data["results"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [("eager", 1), ("eager", 2)]
+    for r in rows:
+        assert r["output_len"] == 4 and r["compiled"] is False
+        assert 0 < r["ttft_s"] < r["total_s"] and r["decode_ms_per_token"] > 0
+        assert r["output_tok_s"] == pytest.approx(r["batch"] * 4 / r["total_s"])
+    assert "tok/s" in proc.stdout
