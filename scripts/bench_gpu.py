@@ -210,6 +210,7 @@ def serve(args: argparse.Namespace) -> None:
                               max_concurrency=conc, warmup_requests=2, seed=1)
             s = asyncio.run(run_bench(cfg))
             out["runs"][str(conc)] = s
+            _write(args.out, out)  # after every run: a cut-short call keeps what it measured
             print(f"concurrency {conc}: {s['output_throughput']:.0f} tok/s, "
                   f"TPOT {s['mean_tpot_ms']:.2f} ms, TTFT {s['mean_ttft_ms']:.1f} ms", flush=True)
     except Exception as e:

@@ -30,23 +30,24 @@ phase() {  # name timeout command...
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
   case $p in
-    tests) say tests; timeout 150 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
-             tests/test_kernels_decode_attention.py tests/test_kernels_extend_attention.py \
-             tests/test_kernels_fused.py tests/test_kernels_gemv.py tests/test_cuda.py \
+    tests) say tests; timeout 120 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
+             tests/test_cuda.py tests/test_kernels_decode_attention.py \
+             tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
+             tests/test_kernels_gemv.py \
              >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"; tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;
     kbench) phase kbench 120 python3 -c "
 from arle_kernels.gemv import bench_gemv; bench_gemv()
 from arle_kernels.fused import bench_fused; bench_fused()
 import tests.test_kernels_extend_attention as t; t.bench_extend(4096)" ;;
-    parity) d=$(model qwen3-4b); phase parity 150 python3 scripts/check_gpu_parity.py "$d" \
+    parity) d=$(model qwen3-4b); phase parity 120 python3 scripts/check_gpu_parity.py "$d" \
               --prompts 2 --len 512 --out $RES/parity.json ;;
     ceilings) phase ceilings 60 python3 scripts/bench_gpu.py ceilings --out $RES/ceilings.json ;;
-    decode) d=$(model qwen3-4b); phase decode 120 python3 scripts/bench_gpu.py decode "$d" \
+    decode) d=$(model qwen3-4b); phase decode 100 python3 scripts/bench_gpu.py decode "$d" \
               --out $RES/decode_4b.json ;;
-    prefill) d=$(model qwen3-4b); phase prefill 90 python3 scripts/bench_gpu.py prefill "$d" \
+    prefill) d=$(model qwen3-4b); phase prefill 60 python3 scripts/bench_gpu.py prefill "$d" \
               --out $RES/prefill_4b.json ;;
     serve) d=$(model qwen3-4b); rm -rf ~/.triton/cache  # time to ready: cold Triton cache
-           phase serve 240 python3 scripts/bench_gpu.py serve "$d" --out $RES/serve_4b.json ;;
+           phase serve 200 python3 scripts/bench_gpu.py serve "$d" --out $RES/serve_4b.json ;;
     serve_warm) d=$(model qwen3-4b)  # time to ready with the Triton cache warm
            phase serve_warm 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 8 \
               --num-prompts 16 --out $RES/serve_warm.json ;;
