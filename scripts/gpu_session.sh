@@ -10,7 +10,7 @@ mkdir -p "$OUT" /tmp/models
 RES=$OUT  # each phase writes its JSON here at once: a call cut short still returns them
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD ARLE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)
+export PYTHONPATH=/tmp/site:$PWD ARLE_COMMIT=${ARLE_COMMIT:-unknown}
 # arle_kernels is the kernels/ folder (setuptools maps it at install time)
 ln -sfn "$PWD/kernels" /tmp/site/arle_kernels
 LOG="$OUT/log.txt"

@@ -281,7 +281,18 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
     # NOTE: a special token takes the model-vocab id of the same string when it has one, so
     # putting them in the BPE vocab is what pins their ids (an added token would get id 16000).
     data = json.loads(tok.to_str())
-    data["model"]["vocab"].update(SPECIAL_TOKENS)
+    vocab = data["model"]["vocab"]
+    vocab.update(SPECIAL_TOKENS)
+    # NOTE: every model id decodes to text: ids the trained BPE does not reach get filler words
+    # (" #<id>", never produced by encoding). A random model samples from the whole vocabulary;
+    # with empty strings there, a streaming client would see no text and mis-time TTFT/ITL.
+    taken = set(vocab)
+    for i in sorted(set(range(vocab_size)) - set(vocab.values())):
+        word = f"\u0120#{i}"  # \u0120 is byte-level BPE's space
+        while word in taken:
+            word += "~"
+        vocab[word] = i
+        taken.add(word)
     data["added_tokens"] = [
         {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
          "normalized": False, "special": True} for t, i in SPECIAL_TOKENS.items()]

@@ -102,9 +102,13 @@ async def _greedy(engine: Any, prompts: list[list[int]], n: int) -> list[list[tu
 
 
 def _same_up_to_near_ties(a: list[tuple[int, float]], b: list[tuple[int, float]],
-                          tie: float = 0.05) -> None:
+                          tie: float = 0.2) -> None:
     """Identical tokens, or identical until a step where the top two were within `tie` (bf16
-    GEMMs round differently at other batch sizes: a near-tie may flip, nothing else may)."""
+    GEMMs round differently at other batch sizes: a near-tie may flip, nothing else may).
+
+    NOTE: `tie` is of the size of bf16's own logit error: transformers' bf16 forward of a random
+    Qwen3-4B differs from its fp32 one by up to 0.37 in the logits (docs/benchmarks); on the H200
+    a flip at a margin of 0.0625 was seen between batch sizes 1 and 16."""
     for i, ((ta, ma), (tb, _)) in enumerate(zip(a, b, strict=True)):
         if ta != tb:
             assert ma < tie, f"token {i} differs ({ta} vs {tb}) with a top-2 margin of {ma:.3f}"

@@ -196,8 +196,10 @@ def check_qk_case(case: dict, cache_dtype: torch.dtype, num_pages: int, page_siz
         if is_k:  # k's amax may move by the rotary tolerance
             torch.testing.assert_close(scale, scale_ref, rtol=2.0 ** (1 - _MANTISSA[dtype]),
                                        atol=0.0)
-        else:  # v is stored as read: the same amax, IEEE division on both sides
-            assert torch.equal(scale, scale_ref), "v scales"
+        else:
+            # v is stored as read: the same amax. NOTE: the kernel divides by 448 exactly
+            # (div_rn); torch on CUDA multiplies by the reciprocal: 1 ulp apart, seen on the H200.
+            torch.testing.assert_close(scale, scale_ref, rtol=2.0 ** -22, atol=0.0)
         xf = x.float()
         if fp8_cast is not None:
             # the kernel's logic with the interpreter's conversion: stored == cast(x / scale)
@@ -206,8 +208,9 @@ def check_qk_case(case: dict, cache_dtype: torch.dtype, num_pages: int, page_siz
             same = stored.view(torch.uint8) == expect.view(torch.uint8)
             assert same.float().mean() > 0.97, f"{name}: {int((~same).sum())} fp8 values off"
             continue
-        if not is_k:  # the same quotients, rounded to nearest even on both sides
-            assert torch.equal(stored.view(torch.uint8), stored_ref.view(torch.uint8)), "v fp8"
+        if not is_k:  # nearly the same quotients (scales 1 ulp apart), rounded to nearest even
+            same = stored.view(torch.uint8) == stored_ref.view(torch.uint8)
+            assert same.float().mean() > 0.999, f"v fp8: {int((~same).sum())} values off"
         deq = stored.float() * scale[..., None]
         # e4m3 keeps 3 mantissa bits: rounding moves a value by <= 2^-4 of it (normals) or
         # 2^-10 * scale (subnormals); k: on top of the kernel's own rotary tolerance
