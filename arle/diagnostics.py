@@ -8,6 +8,7 @@ NOTE: torch is imported inside the functions that need it, never at module impor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import importlib.util
@@ -285,24 +286,40 @@ async def _drain(engine: AsyncEngine, **request: Any) -> dict[str, Any]:
 
 
 async def warmup_passes(engine: AsyncEngine, phases: list[Phase]) -> bool:
-    """The passes that make the first real request fast. CPU: one prefill of a full chunk and
-    a few decode steps (on CUDA the graphs were captured at start-up: these passes compile the
-    remaining Triton kernel variants)."""
+    """The passes that make the first real requests fast: one prefill of a full chunk, a few
+    decode steps, and a step that mixes both (a prompt arriving while another request decodes).
+    On CUDA the decode graphs were captured at start-up; these passes compile the remaining
+    Triton kernel variants, which would otherwise stall the engine on first use."""
+    from arle.engine.request import GenerateRequest
+
     ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. ",
                                   add_special_tokens=False) or [0]
     n = max(1, min(engine.scheduler.config.chunked_prefill_size, engine.max_model_len - 2, 512))
     prompt = (ids * (n // len(ids) + 1))[:n]
 
+    def params(tokens: int) -> Any:
+        return engine.default_params(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
     def pass_(prompt_ids: list[int], tokens: int) -> Callable[[], Awaitable[dict[str, Any]]]:
         async def run() -> dict[str, Any]:
-            params = engine.default_params(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-            out = await _drain(engine, prompt=prompt_ids, params=params)
+            out = await _drain(engine, prompt=prompt_ids, params=params(tokens))
             return {"prompt_tokens": out["prompt_tokens"],
                     "completion_tokens": out["completion_tokens"]}
         return run
 
+    async def mixed() -> dict[str, Any]:
+        decoding = engine.generate(GenerateRequest(route="cli.warmup", prompt=ids[:8],
+                                                   params=params(16)))
+        await anext(decoding)  # it decodes now: the next prompt shares its steps
+        other = asyncio.ensure_future(_drain(engine, prompt=prompt[: max(1, n // 2)],
+                                             params=params(2)))
+        async for _ in decoding:
+            pass
+        return {"prompt_tokens": (await other)["prompt_tokens"]}
+
     return (await timed_phase(phases, "prefill", pass_(prompt, 1))
-            and await timed_phase(phases, "decode", pass_(ids[:8], 16)))
+            and await timed_phase(phases, "decode", pass_(ids[:8], 16))
+            and await timed_phase(phases, "mixed", mixed))
 
 
 def memory_plan(engine: AsyncEngine) -> dict[str, Any]:

@@ -15,6 +15,19 @@ import torch
 import torch.nn.functional as F
 
 
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> None:
+    """FP8 caches carry fp32 scales [pages, page_size, kv_heads], strided alike; others none.
+    Host metadata only (no device reads: safe under graph capture)."""
+    if k_cache.dtype == torch.float8_e4m3fn:
+        assert k_scale is not None and v_scale is not None, "fp8 KV needs k_scale and v_scale"
+        assert k_scale.shape == k_cache.shape[:3] and v_scale.shape == v_cache.shape[:3]
+        assert k_scale.dtype == torch.float32 and v_scale.dtype == torch.float32
+        assert k_scale.stride() == v_scale.stride()
+    else:
+        assert k_scale is None and v_scale is None, "scales are for fp8 KV only"
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Store new K/V [T, kv_heads, head_dim] at flat slots (page * page_size + offset)."""

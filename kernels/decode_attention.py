@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from arle_kernels.attention import gather_pages
+from arle_kernels.attention import check_kv_scales, gather_pages
 
 _LOG2E = 1.4426950408889634
 
@@ -167,13 +167,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert page_table.stride(1) == 1 and seq_lens.stride(0) == 1
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert 1 <= num_splits <= 64, f"num_splits {num_splits}"
-    if k_cache.dtype == torch.float8_e4m3fn:
-        assert k_scale is not None and v_scale is not None, "fp8 KV needs k_scale and v_scale"
-        assert k_scale.shape == k_cache.shape[:3] and v_scale.shape == v_cache.shape[:3]
-        assert k_scale.dtype == torch.float32 and v_scale.dtype == torch.float32
-        assert k_scale.stride() == v_scale.stride()
-    else:
-        assert k_scale is None and v_scale is None, "scales are for fp8 KV only"
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if out is not None:
         assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
 

@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from arle_kernels.attention import check_kv_scales
+
 #: e4m3fn's largest finite value, and the floor of a head's amax (an all-zero head).
 FP8_MAX = 448.0
 FP8_MIN_AMAX = 1e-6
@@ -326,13 +328,7 @@ def _check_qk(qkv: Tensor, positions: Tensor, cos_sin: Tensor, q_norm: Tensor | 
     assert k_cache.dim() == 4 and k_cache.shape[2] == num_kv_heads
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
     assert v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1
-    if k_cache.dtype == torch.float8_e4m3fn:
-        assert k_scale is not None and v_scale is not None, "fp8 KV needs k_scale and v_scale"
-        assert k_scale.shape == k_cache.shape[:3] and v_scale.shape == v_cache.shape[:3]
-        assert k_scale.dtype == torch.float32 and v_scale.dtype == torch.float32
-        assert k_scale.stride() == v_scale.stride()
-    else:
-        assert k_scale is None and v_scale is None, "scales are for fp8 KV only"
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale)
 
 
 def qk_norm_rope_store_kv(qkv: Tensor, positions: Tensor, cos_sin: Tensor,

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,3 +47,35 @@ def smollm2_tokenizer() -> Tokenizer:
     from arle.model.gguf_io import read_gguf
 
     return read_gguf(require_smollm2_gguf()).tokenizer
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _interpreter_runs_tensor_loop_bounds() -> bool:
+    """Older interpreters (seen: triton 3.6) turn a tensor loop bound into an int with int() of a
+    1-element array, which NumPy >= 2.4 refuses; triton 3.9's squeezes it first."""
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    try:
+        int(np.array([1]))
+    except TypeError:
+        return "data.squeeze()" in inspect.getsource(interp)
+    return True
+
+
+def run_interpreter_check(module: str, check: str) -> None:
+    """Run `tests.<module>.<check>()` under Triton's interpreter, on the CPU.
+
+    NOTE: a subprocess, because TRITON_INTERPRET must be set before triton is first imported
+    and pytest has imported it by now. Skips where the interpreter cannot run our kernels'
+    loops (triton 3.6 with NumPy >= 2.4, as on the GPU machine; there the GPU tests run)."""
+    if not _interpreter_runs_tensor_loop_bounds():
+        pytest.skip("this triton's interpreter cannot run tensor-bounded loops under this NumPy")
+    code = f"import tests.{module} as t; t.{check}()"
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]

@@ -22,7 +22,7 @@ from arle.model import default as default_model
 from arle.model.loader import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ["load", "prefill", "decode", "request"]
+PHASES = ["load", "prefill", "decode", "mixed", "request"]
 
 
 def invoke(*args: str) -> Any:

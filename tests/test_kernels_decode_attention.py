@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_interpreter_check
 
 from arle_kernels.attention import decode_attention_ref as sdpa_decode_ref
 from arle_kernels.attention import decode_gather_index
@@ -28,7 +26,6 @@ from arle_kernels.decode_attention import (
     pick_num_splits,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGE = 16
 FP8 = torch.float8_e4m3fn
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -201,11 +198,7 @@ def interp_check_decode_attention() -> None:
 
 @pytest.mark.slow
 def test_interpreter() -> None:
-    code = "import tests.test_kernels_decode_attention as t; t.interp_check_decode_attention()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_interpreter_check("test_kernels_decode_attention", "interp_check_decode_attention")
 
 
 # ---- GPU -------------------------------------------------------------------------------------

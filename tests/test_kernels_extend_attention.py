@@ -14,22 +14,17 @@ against torch SDPA (flash) on a dense copy.
 
 from __future__ import annotations
 
-import inspect
 import itertools
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_interpreter_check
 
 from arle_kernels.attention import extend_attention_ref as row_extend_ref
 from arle_kernels.extend_attention import _launch, extend_attention, extend_attention_ref
 
 PAGE = 16
-ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # (cached prefix, new tokens) per row: single tokens, page boundaries, a long prompt, prefix hits
@@ -182,29 +177,9 @@ def interp_check_extend_attention() -> None:
     check(case, out, rel_tol=5e-2, abs_tol=2e-1, plain=True)
 
 
-def _interpreter_runs_tensor_loop_bounds() -> bool:
-    """Older interpreters (seen: triton 3.6) turn a tensor loop bound into an int with int() of a
-    1-element array, which NumPy >= 2.4 refuses; triton 3.9's squeezes it first."""
-    import numpy as np
-    import triton.runtime.interpreter as interp
-
-    try:
-        int(np.array([1]))
-    except TypeError:
-        return "data.squeeze()" in inspect.getsource(interp)
-    return True
-
-
 @pytest.mark.slow
 def test_interpreter() -> None:
-    if not _interpreter_runs_tensor_loop_bounds():
-        pytest.skip("this triton's interpreter cannot run tensor-bounded loops under this NumPy")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c",
-         "import tests.test_kernels_extend_attention as t; t.interp_check_extend_attention()"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_interpreter_check("test_kernels_extend_attention", "interp_check_extend_attention")
 
 
 # --- GPU ----------------------------------------------------------------------------------------

@@ -12,15 +12,12 @@ Three kinds of test:
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from helpers import run_interpreter_check
 from torch import Tensor
 
 from arle_kernels import fused
@@ -38,7 +35,6 @@ from arle_kernels.fused import (
     silu_and_mul_ref,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FP8 = torch.float8_e4m3fn
 _MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
@@ -424,11 +420,7 @@ def interp_check_fused() -> None:
 
 
 def test_kernels_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", "import tests.test_kernels_fused as t; t.interp_check_fused()"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_interpreter_check("test_kernels_fused", "interp_check_fused")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,13 +10,11 @@ element the kernel does not write shows.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_interpreter_check
 
 from arle_kernels.gemv import (
     BENCH_SHAPES,
@@ -28,7 +26,6 @@ from arle_kernels.gemv import (
     use_gemv,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -152,11 +149,7 @@ def interp_check_gemv() -> None:
 
 @pytest.mark.slow
 def test_interpreter() -> None:
-    code = "import tests.test_kernels_gemv as t; t.interp_check_gemv()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_interpreter_check("test_kernels_gemv", "interp_check_gemv")
 
 
 # ---- GPU -------------------------------------------------------------------------------------

@@ -155,14 +155,8 @@ class CPUExecutor:
     # ---- the worker thread (device order) -------------------------------------------------
     def _run(self, s: StepTensors) -> StepOutput:
         t0 = time.perf_counter()
-        for slot, tokens, num_prompt, penalized in s.new_slots:
-            self.penalties.free_slot(slot)
-            if penalized:
-                self.penalties.init_slot(slot, tokens[:num_prompt])
-                outputs = tokens[num_prompt:]  # a request recomputed after preemption
-                if outputs:
-                    self.penalties.update(torch.full((len(outputs),), slot),
-                                          torch.tensor(outputs))
+        for new_slot in s.new_slots:
+            self.penalties.start_slot(*new_slot)
         input_ids = s.input_ids
         if s.num_decode_rows:
             input_ids = input_ids.clone()

@@ -145,19 +145,106 @@ class TritonPagedAttention:
         return out.view(q.shape[0], -1)
 
 
-@dataclass
-class HostStep:
-    """A step flattened on the event loop's thread: `meta` is one pinned int32 array."""
+#: Segments of the packed step array start at multiples of 4 int32s (16 bytes): Triton
+#: specialises pointer arguments on 16-byte alignment, so unaligned views would compile (and
+#: stall the engine for) a second variant of every kernel.
+_ALIGN = 4
 
-    meta: torch.Tensor
+
+@dataclass
+class PackedStep:
+    """One step's metadata as one int32 list, and where each segment sits in it.
+
+    Eager steps: ids, positions, kv_slots [T]; seq_lens [R]; cu_q_lens [R - nd + 1] (the extend
+    rows'); decode_slots [nd]; page_table [R, max_pages]. Graph steps (decode only, padded to
+    the graph's batch size bs): decode_slots, positions, kv_slots, seq_lens [bs] back to back
+    (the graph's static `meta` block, copied whole), then page_table [bs, max_pages].
+    `sample_rows`: the row (graph) or token (eager) index each sampling row reads its logits at.
+    """
+
+    meta: list[int]
+    offsets: dict[str, tuple[int, int]]  # segment -> (start, length)
     num_tokens: int
     num_rows: int
     num_decode: int
     max_pages: int
     max_q_len: int
     max_seq_len: int
+    sample_rows: list[int]
+
+    def segment(self, name: str) -> list[int]:
+        start, n = self.offsets[name]
+        return self.meta[start:start + n]
+
+
+def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int = 0
+              ) -> PackedStep:
+    """Flatten a plan for the device: plain Python, no torch (runs on the event loop)."""
+    ps = page_size
+    rows = plan.rows
+    nd = plan.num_decode_rows
+    max_seq = max(r.seq_len for r in rows)
+    max_pages = -(-max_seq // ps)
+    meta: list[int] = []
+    offsets: dict[str, tuple[int, int]] = {}
+
+    def put(name: str, values: list[int], align: bool = True) -> None:
+        if align:
+            meta.extend([0] * (-len(meta) % _ALIGN))
+        offsets[name] = (len(meta), len(values))
+        meta.extend(values)
+
+    table: list[int] = []
+    for r in rows:
+        n = -(-r.seq_len // ps)
+        table += r.pages[:n]
+        table += [0] * (max_pages - n)
+    if graph_bs:
+        pad = graph_bs - nd
+        # NOTE: the four [bs] segments stay back to back: one copy fills the graph's meta block
+        put("decode_slots", [r.slot for r in rows] + [pad_slot] * pad)
+        put("positions", [r.start for r in rows] + [0] * pad, align=False)
+        put("kv_slots", [r.pages[r.start // ps] * ps + r.start % ps for r in rows] + [-1] * pad,
+            align=False)
+        put("seq_lens", [r.seq_len for r in rows] + [1] * pad, align=False)
+        put("page_table", table + [0] * (max_pages * pad))
+        sample_at = list(range(nd))
+    else:
+        ids: list[int] = []
+        positions: list[int] = []
+        kv_slots: list[int] = []
+        sample_at = []
+        cu = [0]
+        for r in rows:
+            ids += r.input_ids if r.input_ids is not None else [0]
+            pos = range(r.start, r.seq_len)
+            positions += pos
+            pages = r.pages
+            kv_slots += [pages[p // ps] * ps + p % ps for p in pos]
+            if r.sample:
+                sample_at.append(len(ids) - 1)
+            if r.input_ids is not None:
+                cu.append(cu[-1] + r.num_tokens)
+        put("input_ids", ids)
+        put("positions", positions)
+        put("kv_slots", kv_slots)
+        put("seq_lens", [r.seq_len for r in rows])
+        put("cu_q_lens", cu)
+        put("decode_slots", [r.slot for r in rows[:nd]])
+        put("page_table", table)
+    return PackedStep(meta, offsets, num_tokens=plan.num_tokens, num_rows=len(rows),
+                      num_decode=nd, max_pages=max_pages,
+                      max_q_len=max((r.num_tokens for r in rows[nd:]), default=1),
+                      max_seq_len=max_seq, sample_rows=sample_at)
+
+
+@dataclass
+class HostStep:
+    """A step flattened on the event loop's thread: `meta` is `layout.meta`, pinned."""
+
+    meta: torch.Tensor
+    layout: PackedStep
     graph_bs: int  # > 0: replay the graph of this batch size (rows padded to it)
-    sample_rows: list[int]  # row (graph) or token (eager) index of each sampling row
     sample_slots: list[int]
     sampling: SamplingBatch | None
     want_logprobs: list[int | None]
@@ -347,62 +434,20 @@ class CUDAExecutor:
         return await asyncio.wrap_future(self._waiter.submit(self._wait, event, pending))
 
     def prepare(self, plan: StepPlan) -> HostStep:
-        """Flatten the plan into one int32 array (pinned): see `_views` for its layout."""
-        ps = self.page_size
+        """Flatten the plan on the loop's thread into one pinned int32 array (`pack_step`)."""
         rows = plan.rows
         nd = plan.num_decode_rows
-        sample_rows = [r for r in rows if r.sample]
-        max_seq = max(r.seq_len for r in rows)
-        max_pages = -(-max_seq // ps)
         graph_bs = 0
-        if (self.graphs is not None and nd == len(rows) and nd <= self.graphs.max_bs):
+        if self.graphs is not None and nd == len(rows) and nd <= self.graphs.max_bs:
             graph_bs = self.graphs.size_for(nd)
-        meta: list[int] = []
-        if graph_bs:
-            # [slots | positions | kv slots | seq lens] each padded to graph_bs, then the table
-            pad = graph_bs - nd
-            meta += [r.slot for r in rows] + [self.pad_slot] * pad
-            meta += [r.start for r in rows] + [0] * pad
-            meta += [r.pages[r.start // ps] * ps + r.start % ps for r in rows] + [-1] * pad
-            meta += [r.seq_len for r in rows] + [1] * pad
-            for r in rows:
-                n = -(-r.seq_len // ps)
-                meta += r.pages[:n]
-                meta += [0] * (max_pages - n)
-            meta += [0] * (max_pages * pad)
-            sample_at = list(range(nd))
-        else:
-            ids: list[int] = []
-            positions: list[int] = []
-            kv_slots: list[int] = []
-            sample_at = []
-            cu = [0]
-            for r in rows:
-                ids += r.input_ids if r.input_ids is not None else [0]
-                pos = range(r.start, r.seq_len)
-                positions += pos
-                pages = r.pages
-                kv_slots += [pages[p // ps] * ps + p % ps for p in pos]
-                if r.sample:
-                    sample_at.append(len(ids) - 1)
-                if r.input_ids is not None:
-                    cu.append(cu[-1] + r.num_tokens)
-            # [ids | positions | kv slots | seq lens | cu_q_lens | decode slots | table]
-            meta = ids + positions + kv_slots + [r.seq_len for r in rows] + cu
-            meta += [r.slot for r in rows[:nd]]
-            for r in rows:
-                n = -(-r.seq_len // ps)
-                meta += r.pages[:n]
-                meta += [0] * (max_pages - n)
+        packed = pack_step(plan, self.page_size, graph_bs, self.pad_slot)
+        sample_rows = [r for r in rows if r.sample]
         sampling = (SamplingBatch.build([r.params for r in sample_rows],
                                         [r.sample_offset for r in sample_rows], "cpu")
                     if sample_rows else None)
         return HostStep(
-            meta=torch.tensor(meta, dtype=torch.int32).pin_memory(),
-            num_tokens=plan.num_tokens, num_rows=len(rows), num_decode=nd, max_pages=max_pages,
-            max_q_len=max((r.num_tokens for r in rows[nd:]), default=1), max_seq_len=max_seq,
-            graph_bs=graph_bs, sample_rows=sample_at,
-            sample_slots=[r.slot for r in sample_rows], sampling=sampling,
+            meta=torch.tensor(packed.meta, dtype=torch.int32).pin_memory(), layout=packed,
+            graph_bs=graph_bs, sample_slots=[r.slot for r in sample_rows], sampling=sampling,
             want_logprobs=[r.params.logprobs for r in sample_rows],
             new_slots=[(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
                        for n in plan.new_slots])
@@ -413,25 +458,21 @@ class CUDAExecutor:
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             start.record(self.stream)
             meta = h.meta.to(self.device, non_blocking=True)
-            for slot, tokens, num_prompt, penalized in h.new_slots:
-                self.penalties.free_slot(slot)
-                if penalized:
-                    self.penalties.init_slot(slot, tokens[:num_prompt])
-                    outputs = tokens[num_prompt:]  # a request recomputed after preemption
-                    if outputs:
-                        self.penalties.update(_pinned([slot] * len(outputs), self.device),
-                                              _pinned(outputs, self.device))
+            for new_slot in h.new_slots:
+                self.penalties.start_slot(*new_slot)
             if h.graph_bs:
                 logits = self._replay(h, meta)
             else:
                 step, decode_slots = self._views(h, meta)
-                if h.num_decode:
-                    step.input_ids[: h.num_decode] = self.token_buffer[decode_slots]
+                nd = h.layout.num_decode
+                if nd:
+                    step.input_ids[:nd] = self.token_buffer[decode_slots]
                 backend = TritonPagedAttention(self.kv, step, self.rotary, self.model,
                                                self._store)
                 hidden = self.model(step.input_ids, backend)
-                index = _pinned(h.sample_rows, self.device)
-                logits = self.model.logits(hidden[index]) if h.sample_rows else hidden[:0]
+                rows = h.layout.sample_rows
+                logits = (self.model.logits(hidden[_pinned(rows, self.device)]) if rows
+                          else hidden[:0])
             pending = _Pending(start, h.want_logprobs)
             if h.sampling is not None:
                 pending.out = self._sample(logits, h)
@@ -442,20 +483,39 @@ class CUDAExecutor:
     def _replay(self, h: HostStep, meta: torch.Tensor) -> torch.Tensor:
         g = self.graphs
         assert g is not None
-        bs, mp = h.graph_bs, h.max_pages
-        g.meta[:, :bs].copy_(meta[: 4 * bs].view(4, bs))
-        g.page_table[:bs, :mp].copy_(meta[4 * bs: 4 * bs + bs * mp].view(bs, mp))
+        lay = h.layout
+        bs, mp = h.graph_bs, lay.max_pages
+        start = lay.offsets["decode_slots"][0]
+        g.meta[:, :bs].copy_(meta[start:start + 4 * bs].view(4, bs))
+        start = lay.offsets["page_table"][0]
+        g.page_table[:bs, :mp].copy_(meta[start:start + bs * mp].view(bs, mp))
         g.graphs[bs].replay()
-        return g.logits[bs][: h.num_decode]
+        return g.logits[bs][: lay.num_decode]
 
     def _views(self, h: HostStep, meta: torch.Tensor) -> tuple[DeviceStep, torch.Tensor]:
-        t, r, nd = h.num_tokens, h.num_rows, h.num_decode
-        sizes = [t, t, t, r, r - nd + 1, nd, r * h.max_pages]
-        ids, pos, kv_slots, seq_lens, cu, slots, table = meta.split(sizes)
-        num_splits = pick_num_splits(nd, self.model.config.num_kv_heads, h.max_seq_len,
-                                     self.num_sms) if nd else 1
-        return DeviceStep(ids, pos, kv_slots, seq_lens, cu, table.view(r, h.max_pages), nd,
-                          h.max_q_len, num_splits), slots
+        lay = h.layout
+
+        def seg(name: str) -> torch.Tensor:
+            start, n = lay.offsets[name]
+            return meta[start:start + n]
+
+        nd = lay.num_decode
+        table = seg("page_table").view(lay.num_rows, lay.max_pages)
+        return DeviceStep(seg("input_ids"), seg("positions"), seg("kv_slots"), seg("seq_lens"),
+                          seg("cu_q_lens"), table, nd, lay.max_q_len,
+                          self._num_splits(nd)), seg("decode_slots")
+
+    def _num_splits(self, num_decode: int) -> int:
+        """The decode kernel's split count: the one the graph of that batch size was captured
+        with. NOTE: eager steps then compile no variant the capture did not (a first-use
+        compile stalls every request for a second or more)."""
+        if not num_decode:
+            return 1
+        g = self.graphs
+        if g is not None and num_decode <= g.max_bs:
+            return g.num_splits[g.size_for(num_decode)]
+        return pick_num_splits(num_decode, self.model.config.num_kv_heads,
+                               self.config.max_model_len, self.num_sms)
 
     def _sample(self, logits: torch.Tensor, h: HostStep) -> _Copied:
         assert h.sampling is not None

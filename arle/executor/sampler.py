@@ -322,6 +322,17 @@ class PenaltyState:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
+    def start_slot(self, slot: int, tokens: Sequence[int], num_prompt: int,
+                   penalized: bool) -> None:
+        """A request starts on `slot` (its tokens: prompt, then outputs when it is recomputed
+        after preemption): forget the slot's previous owner, track it if it has penalties."""
+        self.free_slot(slot)
+        if penalized:
+            self.init_slot(slot, tokens[:num_prompt])
+            outputs = tokens[num_prompt:]
+            if outputs:
+                self.update(self._ids([slot] * len(outputs)), self._ids(outputs))
+
     def free_slot(self, slot: int) -> None:
         """Stop tracking `slot`; a no-op for slots never initialised. Its row is zeroed on reuse."""
         row = self._row_of.pop(slot, None)
