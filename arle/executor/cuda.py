@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from arle.engine.request import SamplingParams
+from arle.errors import ArleError
 from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.cpu import torch_thread
 from arle.executor.plan import StepPlan
@@ -89,12 +90,6 @@ class KVCache:
         ks = self.k_scale[i] if self.k_scale is not None else None
         vs = self.v_scale[i] if self.v_scale is not None else None
         return self.k[i], self.v[i], ks, vs
-
-
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of one token in every layer, FP8 scales included."""
-    per_head = head_dim * (torch.finfo(dtype).bits // 8) + (4 if dtype == FP8_KV else 0)
-    return 2 * num_layers * kv_heads * per_head
 
 
 @dataclass
@@ -311,14 +306,14 @@ class CUDAExecutor:
             peak = self._profile()
             profile_s = time.perf_counter() - t0
             total = torch.cuda.get_device_properties(self.device).total_memory
-            per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                           config.kv_dtype)
+            per_token = cfg.kv_bytes_per_token(torch.finfo(config.kv_dtype).bits // 8,
+                                               4 if config.kv_dtype == FP8_KV else 0)
             graph_reserve = self._graph_reserve()
             budget = int(total * config.mem_fraction_static) - peak - graph_reserve
             tokens = config.kv_cache_tokens or budget // per_token
             num_pages = max(tokens // config.page_size, 2)
             if config.kv_cache_tokens is None and budget < 2 * config.page_size * per_token:
-                raise RuntimeError(
+                raise ArleError(
                     f"no memory left for the KV cache: weights {weights / 2**30:.1f} GiB + "
                     f"activations {(peak - weights) / 2**30:.1f} GiB exceed "
                     f"--mem-fraction-static {config.mem_fraction_static} of "

@@ -86,9 +86,11 @@ class ModelConfig:
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(source, f"bad config field: {e!r}") from None
 
-    def kv_bytes_per_token(self, element_bytes: int) -> int:
-        """Bytes of K and V per token, all layers, at `element_bytes` per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+    def kv_bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
+        """Bytes of K and V per token, all layers, at `element_bytes` per element (plus
+        `scale_bytes` per token and KV head: FP8 caches keep an fp32 scale there)."""
+        per_head = self.head_dim * element_bytes + scale_bytes
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 #: rope scaling types rope.py implements.
