@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from arle.cli.app import app
@@ -58,7 +59,9 @@ def test_complete_help_lists_shared_options() -> None:
     for flag in ("--model", "--max-tokens", "--temperature", "--stop", "--raw", "--json",
                  "--dtype", "--device", "--max-model-len", "--kv-cache-tokens",
                  "--no-prefix-cache", "--disable-overlap", "--threads", "--log-format",
-                 "--debug", "--logprobs", "--ignore-eos", "--seed", "--system"):
+                 "--debug", "--logprobs", "--ignore-eos", "--seed", "--system",
+                 "--mem-fraction-static", "--kv-cache-dtype", "--disable-cuda-graph",
+                 "--cuda-graph-max-bs"):
         assert flag in proc.stdout, flag
 
 
@@ -349,6 +352,18 @@ def test_engine_load_error_is_one_line(tmp_path: Path) -> None:
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {bad}"), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine with no GPU")
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--device", "cuda"], "no CUDA GPU"),
+    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3 needs --device cuda")])
+def test_gpu_only_flags_on_a_cpu_machine(flags: list[str], says: str) -> None:
+    proc, _ = _arle("complete", *flags, "hi", "--max-tokens", "1")
+    assert proc.returncode != 0 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
 
 
 @pytest.mark.slow
