@@ -35,11 +35,14 @@ per layer would leave most idle, hence the splits (`pick_num_splits`).
 
 from __future__ import annotations
 
+import threading
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from arle_kernels.attention import check_kv_scales, gather_pages
+from arle_kernels.attention import check_kv_scales, decode_gather_index
 
 _LOG2E = 1.4426950408889634
 
@@ -235,29 +238,58 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          num_splits: int, *, k_scale: torch.Tensor | None = None,
                          v_scale: torch.Tensor | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain torch, row by row, in fp32 (float64 if q is float64); fp8 caches are dequantised
-    with their per-(token, KV head) scales. `num_splits` is accepted and ignored (splitting does
-    not change the math). Reads seq_lens on the host: not for CUDA graphs."""
+    """Plain torch, all rows at once (one gather of each row's tokens, one masked SDPA), in
+    fp32 (float64 if q is float64); fp8 caches are dequantised with their per-(token, KV head)
+    scales. `num_splits` is accepted and ignored (splitting does not change the math). A row
+    of length 0 gives zeros, as the kernel does. Reads seq_lens on the host: not for graphs."""
     b, h, d = q.shape
     kvh = k_cache.shape[2]
-    math_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    res = torch.zeros(b, h, d, dtype=math_dtype, device=q.device)
-    for row, length in enumerate(seq_lens[:b].tolist()):
-        if length == 0:  # a padding row: zeros, as the kernel gives
-            continue
-        k = gather_pages(k_cache, page_table[row], length).to(math_dtype)  # [L, KVH, D]
-        v = gather_pages(v_cache, page_table[row], length).to(math_dtype)
-        if k_scale is not None and v_scale is not None:
-            k = k * gather_pages(k_scale, page_table[row], length).to(math_dtype)[..., None]
-            v = v * gather_pages(v_scale, page_table[row], length).to(math_dtype)[..., None]
-        qg = q[row].to(math_dtype).view(kvh, h // kvh, d)  # [KVH, G, D]
-        scores = torch.einsum("kgd,lkd->kgl", qg, k) * scale
-        probs = torch.softmax(scores, dim=-1)
-        res[row] = torch.einsum("kgl,lkd->kgd", probs, v).reshape(h, d)
     if out is None:
-        return res.to(q.dtype)
-    out.copy_(res)
-    return out
+        out = torch.empty_like(q)
+    if b == 0:
+        return out
+    math_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    slots, valid, ragged, empty_rows = _gather_index(page_table[:b], seq_lens[:b],
+                                                     k_cache.shape[1])
+
+    def tokens(cache: torch.Tensor, cache_scale: torch.Tensor | None) -> torch.Tensor:
+        x = cache.view(-1, kvh, d)[slots].to(math_dtype)  # [B, L, KVH, D]
+        if cache_scale is not None:
+            x = x * cache_scale.view(-1, kvh)[slots].to(math_dtype)[..., None]
+        # NOTE: past a row's end the gather reads other requests' (or unwritten) slots: zero
+        # them, or a NaN there would poison the row through 0 * NaN in P @ V.
+        if ragged:
+            x = torch.where(valid[:, :, None, None], x, 0.0)
+        return x.transpose(1, 2)  # [B, KVH, L, D]
+
+    mask = valid[:, None, None, :] if ragged else None
+    res = F.scaled_dot_product_attention(
+        q[:, :, None, :].to(math_dtype), tokens(k_cache, k_scale), tokens(v_cache, v_scale),
+        attn_mask=mask, scale=scale, enable_gqa=h != kvh)[:, :, 0, :]
+    if empty_rows is not None:
+        res = torch.where(empty_rows[:, None, None], 0.0, res)
+    return out.copy_(res)
+
+
+_MEMO = threading.local()
+
+
+def _gather_index(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]:
+    """The rows' token slots [B, L] and mask, whether rows differ in length, and the rows of
+    length 0 (None if none). Every layer of a step asks for the same rows: the last answer is
+    kept (per thread) and reused while the same page table and lengths come back."""
+    last = getattr(_MEMO, "last", None)
+    if (last is not None and last[2] == page_size and last[0].shape == page_table.shape
+            and last[1].shape == seq_lens.shape and last[0].device == page_table.device
+            and torch.equal(last[0], page_table) and torch.equal(last[1], seq_lens)):
+        return last[3]
+    lens = seq_lens.long()
+    slots, valid = decode_gather_index(page_table.long(), lens.clamp(min=1), page_size)
+    empty = lens == 0
+    result = (slots, valid, not bool(valid.all()), empty if bool(empty.any()) else None)
+    _MEMO.last = (page_table.clone(), seq_lens.clone(), page_size, result)
+    return result
 
 
 def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:

@@ -297,10 +297,12 @@ def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table
         offs = pos % page_size
         k = _dequant(k_cache, k_scale, pages, offs, q.dtype).transpose(0, 1)[None]
         v = _dequant(v_cache, v_scale, pages, offs, q.dtype).transpose(0, 1)[None]
-        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        mask = pos[None, :] <= q_pos[:, None]  # [n, seq_len]
+        mask = None
+        if n != seq_len:  # a cached prefix: the causal diagonal is offset by its length
+            q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+            mask = pos[None, :] <= q_pos[:, None]  # [n, seq_len]
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale,
-            enable_gqa=h != kv_heads)
+            q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
+            scale=scale, enable_gqa=h != kv_heads)
         out[start:end] = o[0].transpose(0, 1).to(out.dtype)
     return out

@@ -415,10 +415,13 @@ def qk_norm_rope_store_kv_ref(qkv: Tensor, positions: Tensor, cos_sin: Tensor,
     cos, sin = cos_sin[positions].chunk(2, dim=-1)
     qk = rotary_ref(qk, cos, sin)
     v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
-    keep = kv_slots >= 0
-    slots = kv_slots[keep].long()
-    _write_cache_ref(k_cache, k_scale, qk[:, h:][keep], slots)
-    _write_cache_ref(v_cache, v_scale, v[keep], slots)
+    k = qk[:, h:]
+    slots = kv_slots.long()
+    if not bool((kv_slots >= 0).all()):  # padding rows: write nothing (a host read: a reference)
+        keep = kv_slots >= 0
+        k, v, slots = k[keep], v[keep], slots[keep]
+    _write_cache_ref(k_cache, k_scale, k, slots)
+    _write_cache_ref(v_cache, v_scale, v, slots)
     return qk[:, :h].contiguous()
 
 

@@ -1,8 +1,8 @@
-"""The two implementations of a decoder layer's glue ops, chosen once per executor.
+"""The two implementations of a decoder layer's kernels, chosen once per executor.
 
 `REFERENCE` is plain torch (the CPU executor, and what every kernel is tested against);
-`triton_ops()` is the Triton kernels of `fused.py` (the CUDA executor). Both compute the same
-function: the model code calls `ops.<op>` and never knows which it got.
+`triton_ops()` is the Triton kernels (the CUDA executor). Both compute the same function: the
+model and its attention backend call `ops.<op>` and never know which they got.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from arle_kernels import fused
+from arle_kernels import decode_attention, extend_attention, fused
 
 
 @dataclass(frozen=True)
@@ -22,12 +22,17 @@ class Ops:
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]
     qk_norm_rope_store_kv: Callable[..., Tensor]
+    #: paged attention of the decode rows (one query token each) and of the extend rows
+    decode_attention: Callable[..., Tensor]
+    extend_attention: Callable[..., Tensor]
 
 
 REFERENCE = Ops(fused.rms_norm_ref, fused.add_rms_norm_ref, fused.silu_and_mul_ref,
-                fused.qk_norm_rope_store_kv_ref)
+                fused.qk_norm_rope_store_kv_ref, decode_attention.decode_attention_ref,
+                extend_attention.extend_attention_ref)
 
 
 def triton_ops() -> Ops:
     return Ops(fused.rms_norm, fused.add_rms_norm, fused.silu_and_mul,
-               fused.qk_norm_rope_store_kv)
+               fused.qk_norm_rope_store_kv, decode_attention.decode_attention,
+               extend_attention.extend_attention)

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arle.executor.cuda import teacher_forced_logits
+from arle.executor.paged import teacher_forced_logits
 from arle.model.loader import load_model
 
 

@@ -58,7 +58,7 @@ def test_teacher_forced_logits_match_transformers(gpu_model_dir: Path,
     over a cached prefix), and token by token (the decode kernel)."""
     import transformers
 
-    from arle.executor.cuda import teacher_forced_logits
+    from arle.executor.paged import teacher_forced_logits
 
     ids = _prompt(300, 0)
     hf32 = transformers.AutoModelForCausalLM.from_pretrained(
@@ -78,7 +78,7 @@ def test_teacher_forced_logits_match_transformers(gpu_model_dir: Path,
 
 def test_fp8_kv_quality(gpu_model: LoadedModel) -> None:
     """FP8 (e4m3, per token-head scales) KV against bf16 KV, teacher-forced."""
-    from arle.executor.cuda import teacher_forced_logits
+    from arle.executor.paged import teacher_forced_logits
 
     ids = _prompt(400, 1)
     bf16 = teacher_forced_logits(gpu_model.model, ids)

@@ -1,20 +1,19 @@
-"""The CUDA executor's host side, on the CPU: how a plan is flattened for the device.
+"""How a plan is flattened for the device (`pack_step`), in both layouts.
 
-`pack_step` is checked against the CPU executor's `prepare` (the path the parity tests hold to
-transformers): the same ids, positions, cache slots and page tables, in either layout.
+Both executors run every step through it (the engine and parity tests cover it end to end on
+the CPU); these tests pin down the layout the CUDA graphs and the kernels rely on: segment
+alignment, graph padding, page tables.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from types import SimpleNamespace
 
 import pytest
 
 from arle.engine.request import SamplingParams
-from arle.executor.cpu import CPUExecutor
-from arle.executor.cuda import _ALIGN, pack_step
+from arle.executor.paged import _ALIGN, pack_step
 from arle.executor.plan import Row, StepPlan
 
 PS = 16
@@ -42,23 +41,29 @@ def _plan(decode_lens: list[int], prefill: list[tuple[int, int]], seed: int = 0)
 
 @pytest.mark.parametrize(("decode", "prefill"), [
     ([], [(0, 5)]), ([17], []), ([1, 16, 33], [(0, 1), (32, 17)]), ([], [(5, 40), (0, 3)])])
-def test_eager_layout_matches_the_cpu_executor(decode: list[int],
-                                               prefill: list[tuple[int, int]]) -> None:
+def test_eager_layout(decode: list[int], prefill: list[tuple[int, int]]) -> None:
     plan = _plan(decode, prefill)
     packed = pack_step(plan, PS)
-    cpu = CPUExecutor.prepare(SimpleNamespace(page_size=PS), plan)  # type: ignore[arg-type]
     nd = len(decode)
-    assert packed.segment("positions") == cpu.positions.tolist()
-    assert packed.segment("kv_slots") == cpu.kv_slots.tolist()
-    assert packed.segment("input_ids")[nd:] == cpu.input_ids.tolist()[nd:]
-    assert packed.segment("seq_lens") == cpu.seq_lens
-    assert packed.segment("decode_slots") == cpu.decode_slots.tolist()
+    positions, slots, ids = [], [], []
+    for r in plan.rows:  # token by token, straight from the definition of a page table
+        for p in range(r.start, r.seq_len):
+            positions.append(p)
+            slots.append(r.pages[p // PS] * PS + p % PS)
+        ids += r.input_ids if r.input_ids is not None else [0]
+    assert packed.segment("positions") == positions
+    assert packed.segment("kv_slots") == slots
+    assert packed.segment("input_ids") == ids
+    assert packed.segment("seq_lens") == [r.seq_len for r in plan.rows]
+    assert packed.segment("decode_slots") == list(range(nd))
     table = packed.segment("page_table")
-    assert [table[i * packed.max_pages:(i + 1) * packed.max_pages]
-            for i in range(len(plan.rows))] == cpu.page_tables.tolist()
+    for i, r in enumerate(plan.rows):
+        row = table[i * packed.max_pages:(i + 1) * packed.max_pages]
+        assert row[:len(r.pages)] == r.pages and set(row[len(r.pages):]) <= {0}
     cu = packed.segment("cu_q_lens")
-    assert cu[0] == 0 and [b - a for a, b in itertools.pairwise(cu)] == cpu.q_lens[nd:]
-    assert packed.sample_rows == cpu.sample_index.tolist()
+    assert cu[0] == 0 and [b - a for a, b in itertools.pairwise(cu)] == [n for _, n in prefill]
+    ends = list(itertools.accumulate(r.num_tokens for r in plan.rows))
+    assert packed.sample_rows == [e - 1 for e, r in zip(ends, plan.rows, strict=True) if r.sample]
     assert packed.max_q_len == max([n for _, n in prefill], default=1)
     # NOTE: every segment 16-byte aligned (Triton specialises pointers on alignment)
     assert all(start % _ALIGN == 0 for start, _ in packed.offsets.values())

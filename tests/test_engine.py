@@ -205,7 +205,7 @@ async def test_context_length_and_bad_requests(tiny, make_engine):
 
 
 async def test_logprobs_match_a_direct_forward(tiny, make_engine):
-    from arle.executor.cpu import teacher_forced_logits
+    from arle.executor.paged import teacher_forced_logits
 
     engine = make_engine(tiny)
     prompt = list(range(300, 340))

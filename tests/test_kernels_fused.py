@@ -280,8 +280,11 @@ def test_qk_ref_matches_model_rotary_and_writes_the_cache(norm: bool) -> None:
     caches = fresh_caches(case, torch.bfloat16, num_pages, page_size, "cpu")
     q = qk_norm_rope_store_kv_ref(**case, **caches)
 
-    cos, sin = model.rotary.cos_sin(case["positions"])  # on the fly, as the model did
-    assert torch.equal(torch.cat([cos, sin], -1), table[case["positions"]])
+    cos, sin = table[case["positions"]].chunk(2, -1)
+    # the table holds what the rotary computes on the fly (NOTE: torch's vectorised and scalar
+    # cos/sin may differ in the last bit, depending on how the elements are chunked)
+    torch.testing.assert_close(torch.cat(model.rotary.cos_sin(case["positions"]), -1),
+                               table[case["positions"]], rtol=2.0 ** -22, atol=2.0 ** -24)
     qkv = case["qkv"]
     q_in = qkv[:, :h * d].view(t, h, d)
     k_in = qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)

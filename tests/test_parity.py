@@ -18,7 +18,7 @@ from conftest import run, run_many, tokens_of
 from helpers import require_smollm2_gguf
 from model_dirs import GENERATION_CONFIG, VOCAB_SIZE, hf_config, write_model_dir
 
-from arle.executor.cpu import teacher_forced_logits
+from arle.executor.paged import teacher_forced_logits
 from arle.model.loader import LoadedModel, load_model
 
 transformers = pytest.importorskip("transformers")

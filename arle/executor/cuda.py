@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,17 +30,31 @@ from arle.engine.request import SamplingParams
 from arle.errors import ArleError
 from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.cpu import torch_thread
+from arle.executor.paged import (
+    FP8_KV,
+    DeviceStep,
+    KVCache,
+    PackedStep,
+    PagedAttention,
+    pack_step,
+    step_views,
+)
 from arle.executor.plan import StepPlan
-from arle.executor.sampler import PenaltyState, SampleOutput, SamplingBatch, logprobs_of, sample
+from arle.executor.sampler import (
+    PenaltyState,
+    SampleOutput,
+    SamplingBatch,
+    logprobs_of,
+    sample,
+    sample_into,
+)
 from arle.logging import get_logger
 from arle.model.decoder import DecoderLM
-from arle_kernels.decode_attention import decode_attention, pick_num_splits
-from arle_kernels.extend_attention import extend_attention
+from arle_kernels.decode_attention import pick_num_splits
 from arle_kernels.ops import triton_ops
 
 log = get_logger("arle.executor.cuda")
 
-FP8_KV = torch.float8_e4m3fn
 #: The profile run samples with the most memory-hungry path (a sort over the vocabulary).
 _PROFILE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
 
@@ -59,178 +73,6 @@ class CUDAExecutorConfig:
     #: Largest decode batch captured as a CUDA graph; 0 disables graphs.
     cuda_graph_max_bs: int = 256
     seed: int = 0
-
-
-@dataclass
-class KVCache:
-    k: torch.Tensor  # [layers, pages, page_size, kv_heads, head_dim]
-    v: torch.Tensor
-    k_scale: torch.Tensor | None  # [layers, pages, page_size, kv_heads] float32 (FP8 only)
-    v_scale: torch.Tensor | None
-
-    @classmethod
-    def allocate(cls, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> KVCache:
-        shape = (layers, pages, page_size, kv_heads, head_dim)
-        k = torch.zeros(shape, dtype=dtype, device=device)
-        v = torch.zeros(shape, dtype=dtype, device=device)
-        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        if dtype == FP8_KV:
-            scales = (torch.ones(shape[:-1], dtype=torch.float32, device=device),
-                      torch.ones(shape[:-1], dtype=torch.float32, device=device))
-        return cls(k, v, *scales)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                     torch.Tensor | None]:
-        ks = self.k_scale[i] if self.k_scale is not None else None
-        vs = self.v_scale[i] if self.v_scale is not None else None
-        return self.k[i], self.v[i], ks, vs
-
-
-@dataclass
-class DeviceStep:
-    """One step's metadata on the device (views into one buffer) and the host ints that size
-    its kernel grids."""
-
-    input_ids: torch.Tensor  # [T] int32 (decode rows: filled from the token buffer)
-    positions: torch.Tensor  # [T]
-    kv_slots: torch.Tensor  # [T]; -1: do not write (graph padding)
-    seq_lens: torch.Tensor  # [R]
-    cu_q_lens: torch.Tensor  # [R - num_decode + 1] for the extend rows
-    page_table: torch.Tensor  # [R, max_pages]
-    num_decode: int
-    max_q_len: int
-    num_splits: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
-
-class TritonPagedAttention:
-    """The model's attention backend on CUDA: fused q/k norm + rotary + K/V store, then the
-    decode kernel over the decode rows and the extend kernel over the prefill rows."""
-
-    def __init__(self, kv: KVCache, step: DeviceStep, rotary: torch.Tensor, model: DecoderLM,
-                 store: Callable[..., torch.Tensor]) -> None:
-        cfg = model.config
-        self.kv, self.step, self.rotary, self.store = kv, step, rotary, store
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
-
-    def attend(self, layer: int, qkv: torch.Tensor, q_norm: torch.Tensor | None,
-               k_norm: torch.Tensor | None) -> torch.Tensor:
-        s = self.step
-        k, v, ks, vs = self.kv.layer(layer)
-        q = self.store(qkv, s.positions, self.rotary, q_norm, k_norm, self.eps, self.num_heads,
-                       self.num_kv_heads, k, v, s.kv_slots, ks, vs)
-        out = torch.empty_like(q)
-        nd = s.num_decode
-        if nd:
-            decode_attention(q[:nd], k, v, s.page_table[:nd], s.seq_lens[:nd], self.scale,
-                             s.num_splits, k_scale=ks, v_scale=vs, out=out[:nd])
-        if s.num_tokens > nd:
-            extend_attention(q[nd:], k, v, s.page_table[nd:], s.cu_q_lens, s.seq_lens[nd:],
-                             self.scale, s.max_q_len, k_scale=ks, v_scale=vs, out=out[nd:])
-        return out.view(q.shape[0], -1)
-
-
-#: Segments of the packed step array start at multiples of 4 int32s (16 bytes): Triton
-#: specialises pointer arguments on 16-byte alignment, so unaligned views would compile (and
-#: stall the engine for) a second variant of every kernel.
-_ALIGN = 4
-
-
-@dataclass
-class PackedStep:
-    """One step's metadata as one int32 list, and where each segment sits in it.
-
-    Eager steps: ids, positions, kv_slots [T]; seq_lens [R]; cu_q_lens [R - nd + 1] (the extend
-    rows'); decode_slots [nd]; page_table [R, max_pages]. Graph steps (decode only, padded to
-    the graph's batch size bs): decode_slots, positions, kv_slots, seq_lens [bs] back to back
-    (the graph's static `meta` block, copied whole), then page_table [bs, max_pages].
-    `sample_rows`: the row (graph) or token (eager) index each sampling row reads its logits at.
-    """
-
-    meta: list[int]
-    offsets: dict[str, tuple[int, int]]  # segment -> (start, length)
-    num_tokens: int
-    num_rows: int
-    num_decode: int
-    max_pages: int
-    max_q_len: int
-    max_seq_len: int
-    sample_rows: list[int]
-
-    def segment(self, name: str) -> list[int]:
-        start, n = self.offsets[name]
-        return self.meta[start:start + n]
-
-
-def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int = 0
-              ) -> PackedStep:
-    """Flatten a plan for the device: plain Python, no torch (runs on the event loop)."""
-    ps = page_size
-    rows = plan.rows
-    nd = plan.num_decode_rows
-    max_seq = max(r.seq_len for r in rows)
-    max_pages = -(-max_seq // ps)
-    meta: list[int] = []
-    offsets: dict[str, tuple[int, int]] = {}
-
-    def put(name: str, values: list[int], align: bool = True) -> None:
-        if align:
-            meta.extend([0] * (-len(meta) % _ALIGN))
-        offsets[name] = (len(meta), len(values))
-        meta.extend(values)
-
-    table: list[int] = []
-    for r in rows:
-        n = -(-r.seq_len // ps)
-        table += r.pages[:n]
-        table += [0] * (max_pages - n)
-    if graph_bs:
-        pad = graph_bs - nd
-        # NOTE: the four [bs] segments stay back to back: one copy fills the graph's meta block
-        put("decode_slots", [r.slot for r in rows] + [pad_slot] * pad)
-        put("positions", [r.start for r in rows] + [0] * pad, align=False)
-        put("kv_slots", [r.pages[r.start // ps] * ps + r.start % ps for r in rows] + [-1] * pad,
-            align=False)
-        put("seq_lens", [r.seq_len for r in rows] + [1] * pad, align=False)
-        put("page_table", table + [0] * (max_pages * pad))
-        sample_at = list(range(nd))
-    else:
-        ids: list[int] = []
-        positions: list[int] = []
-        kv_slots: list[int] = []
-        sample_at = []
-        cu = [0]
-        for r in rows:
-            ids += r.input_ids if r.input_ids is not None else [0]
-            pos = range(r.start, r.seq_len)
-            positions += pos
-            pages = r.pages
-            kv_slots += [pages[p // ps] * ps + p % ps for p in pos]
-            if r.sample:
-                sample_at.append(len(ids) - 1)
-            if r.input_ids is not None:
-                cu.append(cu[-1] + r.num_tokens)
-        put("input_ids", ids)
-        put("positions", positions)
-        put("kv_slots", kv_slots)
-        put("seq_lens", [r.seq_len for r in rows])
-        put("cu_q_lens", cu)
-        put("decode_slots", [r.slot for r in rows[:nd]])
-        put("page_table", table)
-    return PackedStep(meta, offsets, num_tokens=plan.num_tokens, num_rows=len(rows),
-                      num_decode=nd, max_pages=max_pages,
-                      max_q_len=max((r.num_tokens for r in rows[nd:]), default=1),
-                      max_seq_len=max_seq, sample_rows=sample_at)
 
 
 @dataclass
@@ -287,9 +129,7 @@ class CUDAExecutor:
         self.pad_slot = config.num_slots  # token_buffer has one spare entry for graph padding
         self.stream = torch.cuda.Stream(self.device)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        ops = triton_ops()
-        model.ops = ops
-        self._store = ops.qk_norm_rope_store_kv
+        model.ops = triton_ops()
         self.rotary = model.rotary_table(config.max_model_len + 1)
         self.token_buffer = torch.zeros(config.num_slots + 1, dtype=torch.int32,
                                         device=self.device)
@@ -368,8 +208,7 @@ class CUDAExecutor:
                           torch.tensor([0, n], dtype=torch.int32, device=self.device), table,
                           num_decode=0, max_q_len=n, num_splits=1)
         with torch.inference_mode():
-            hidden = self.model(ids, TritonPagedAttention(scratch, step, self.rotary, self.model,
-                                                          self._store))
+            hidden = self.model(ids, PagedAttention(scratch, step, self.rotary, self.model))
             rows = min(self.num_slots, n)
             logits = self.model.logits(hidden[:rows])
             batch = SamplingBatch.build([_PROFILE_PARAMS] * rows, [0] * rows, self.device)
@@ -414,7 +253,7 @@ class CUDAExecutor:
                  seconds=round(graphs.capture_s, 2))
 
     def _forward_decode(self, step: DeviceStep) -> torch.Tensor:
-        backend = TritonPagedAttention(self.kv, step, self.rotary, self.model, self._store)
+        backend = PagedAttention(self.kv, step, self.rotary, self.model)
         return self.model.logits(self.model(step.input_ids, backend))
 
     # ---- the event loop's thread ----------------------------------------------------------
@@ -458,12 +297,11 @@ class CUDAExecutor:
             if h.graph_bs:
                 logits = self._replay(h, meta)
             else:
-                step, decode_slots = self._views(h, meta)
+                step, decode_slots = step_views(h.layout, meta, self._num_splits(h.layout.num_decode))
                 nd = h.layout.num_decode
                 if nd:
                     step.input_ids[:nd] = self.token_buffer[decode_slots]
-                backend = TritonPagedAttention(self.kv, step, self.rotary, self.model,
-                                               self._store)
+                backend = PagedAttention(self.kv, step, self.rotary, self.model)
                 hidden = self.model(step.input_ids, backend)
                 rows = h.layout.sample_rows
                 logits = (self.model.logits(hidden[_pinned(rows, self.device)]) if rows
@@ -487,19 +325,6 @@ class CUDAExecutor:
         g.graphs[bs].replay()
         return g.logits[bs][: lay.num_decode]
 
-    def _views(self, h: HostStep, meta: torch.Tensor) -> tuple[DeviceStep, torch.Tensor]:
-        lay = h.layout
-
-        def seg(name: str) -> torch.Tensor:
-            start, n = lay.offsets[name]
-            return meta[start:start + n]
-
-        nd = lay.num_decode
-        table = seg("page_table").view(lay.num_rows, lay.max_pages)
-        return DeviceStep(seg("input_ids"), seg("positions"), seg("kv_slots"), seg("seq_lens"),
-                          seg("cu_q_lens"), table, nd, lay.max_q_len,
-                          self._num_splits(nd)), seg("decode_slots")
-
     def _num_splits(self, num_decode: int) -> int:
         """The decode kernel's split count: the one the graph of that batch size was captured
         with. NOTE: eager steps then compile no variant the capture did not (a first-use
@@ -517,15 +342,8 @@ class CUDAExecutor:
         batch = h.sampling
         if not (batch.all_greedy and not batch.any_penalty):
             batch = _to_device(batch, self.device)  # NOTE: greedy rows read no parameter tensor
-        slots = _pinned(h.sample_slots, self.device)
-        counts = mask = None
-        if batch.any_penalty:
-            counts, mask = self.penalties.gather(slots)
-        out = sample(logits, batch, token_counts=counts, prompt_mask=mask,
-                     generator=self.generator)
-        self.token_buffer[slots] = out.token_ids.to(torch.int32)
-        if batch.any_penalty or len(self.penalties):
-            self.penalties.update(slots, out.token_ids)
+        out = sample_into(logits, batch, _pinned(h.sample_slots, self.device), self.penalties,
+                          self.token_buffer, self.generator)
         return _Copied.of(out)
 
     # ---- the waiter thread -----------------------------------------------------------------
@@ -543,41 +361,6 @@ class CUDAExecutor:
         self._launcher.submit(lambda: None).result()
         self._waiter.shutdown(wait=True)
         torch.cuda.synchronize(self.device)
-
-
-def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int = 16,
-                          chunk_size: int | None = None, kv_dtype: torch.dtype | None = None
-                          ) -> torch.Tensor:
-    """Logits [T, vocab] (float32) at every position of `token_ids` through the Triton path:
-    prefilled in chunks of `chunk_size` (each chunk an extend row over the cached prefix);
-    chunk_size 1 runs every token through the decode kernel instead. For parity checks."""
-    cfg = model.config
-    device = next(model.parameters()).device
-    model.ops = triton_ops()
-    n = len(token_ids)
-    num_pages = -(-n // page_size)
-    kv = KVCache.allocate(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                          kv_dtype or next(model.parameters()).dtype, device)
-    # NOTE: pages in reverse order, so a wrong page-table lookup cannot pass by accident.
-    table = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32, device=device)[None]
-    rotary = model.rotary_table(n)
-    ids = torch.tensor(token_ids, dtype=torch.int32, device=device)
-    chunk = chunk_size or n
-    out = []
-    with torch.inference_mode():
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            pos = torch.arange(start, end, dtype=torch.int32, device=device)
-            slots = table[0, pos // page_size] * page_size + pos % page_size
-            seq_lens = torch.tensor([end], dtype=torch.int32, device=device)
-            decode = end - start == 1 and chunk == 1
-            step = DeviceStep(ids[start:end], pos, slots, seq_lens,
-                              torch.tensor([0, end - start], dtype=torch.int32, device=device),
-                              table, num_decode=1 if decode else 0, max_q_len=end - start,
-                              num_splits=pick_num_splits(1, cfg.num_kv_heads, end) if decode else 1)
-            backend = TritonPagedAttention(kv, step, rotary, model, model.ops.qk_norm_rope_store_kv)
-            out.append(model.logits(model(step.input_ids, backend)))
-    return torch.cat(out)
 
 
 @dataclass

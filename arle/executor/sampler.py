@@ -152,6 +152,21 @@ def sample(
     return out
 
 
+def sample_into(logits: Tensor, batch: SamplingBatch, slots: Tensor, penalties: PenaltyState,
+                token_buffer: Tensor, generator: torch.Generator | None) -> SampleOutput:
+    """Sample one token per row (row i belongs to request slot `slots[i]`) and record it where
+    the next step needs it: `token_buffer[slot]` (the decode rows' input) and the slot's
+    penalty counts. All on the logits' device, no host sync."""
+    counts = mask = None
+    if batch.any_penalty:
+        counts, mask = penalties.gather(slots)
+    out = sample(logits, batch, token_counts=counts, prompt_mask=mask, generator=generator)
+    token_buffer[slots] = out.token_ids.to(token_buffer.dtype)
+    if len(penalties):  # NOTE: slots without penalties map to the sentinel row: a no-op
+        penalties.update(slots, out.token_ids)
+    return out
+
+
 def logprobs_of(out: SampleOutput, want: list[int | None]) -> list[TokenLogprob | None]:
     """Per row, what it asked for: the chosen token's logprob and its top `want` alternatives
     (None where it asked for nothing). Reads `out` on the host."""

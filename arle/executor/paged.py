@@ -1,0 +1,240 @@
+"""What both executors share: the paged KV cache, a step's metadata on the device, and the
+attention backend the model calls, with the kernels of `model.ops` (torch references on the
+CPU, Triton on CUDA). Also `pack_step` (a plan flattened into one int32 array on the host) and
+`teacher_forced_logits` (parity checks through exactly this path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from arle.executor.plan import StepPlan
+from arle.model.decoder import DecoderLM
+from arle_kernels.decode_attention import pick_num_splits
+
+FP8_KV = torch.float8_e4m3fn
+
+
+@dataclass
+class KVCache:
+    k: torch.Tensor  # [layers, pages, page_size, kv_heads, head_dim]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # [layers, pages, page_size, kv_heads] float32 (FP8 only)
+    v_scale: torch.Tensor | None
+
+    @classmethod
+    def allocate(cls, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> KVCache:
+        shape = (layers, pages, page_size, kv_heads, head_dim)
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        v = torch.zeros(shape, dtype=dtype, device=device)
+        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if dtype == FP8_KV:
+            scales = (torch.ones(shape[:-1], dtype=torch.float32, device=device),
+                      torch.ones(shape[:-1], dtype=torch.float32, device=device))
+        return cls(k, v, *scales)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                     torch.Tensor | None]:
+        ks = self.k_scale[i] if self.k_scale is not None else None
+        vs = self.v_scale[i] if self.v_scale is not None else None
+        return self.k[i], self.v[i], ks, vs
+
+
+@dataclass
+class DeviceStep:
+    """One step's metadata on the device (views into one buffer) and the host ints that size
+    its kernel grids."""
+
+    input_ids: torch.Tensor  # [T] int32 (decode rows: filled from the token buffer)
+    positions: torch.Tensor  # [T]
+    kv_slots: torch.Tensor  # [T]; -1: do not write (graph padding)
+    seq_lens: torch.Tensor  # [R]
+    cu_q_lens: torch.Tensor  # [R - num_decode + 1] for the extend rows
+    page_table: torch.Tensor  # [R, max_pages]
+    num_decode: int
+    max_q_len: int
+    num_splits: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class PagedAttention:
+    """The model's attention backend for one step: q/k norms + rotary + K/V store, then decode
+    attention over the decode rows and extend attention over the prefill rows, all with the
+    kernels of `model.ops`."""
+
+    def __init__(self, kv: KVCache, step: DeviceStep, rotary: torch.Tensor,
+                 model: DecoderLM) -> None:
+        cfg = model.config
+        self.kv, self.step, self.rotary, self.ops = kv, step, rotary, model.ops
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
+
+    def attend(self, layer: int, qkv: torch.Tensor, q_norm: torch.Tensor | None,
+               k_norm: torch.Tensor | None) -> torch.Tensor:
+        s, ops = self.step, self.ops
+        k, v, ks, vs = self.kv.layer(layer)
+        q = ops.qk_norm_rope_store_kv(qkv, s.positions, self.rotary, q_norm, k_norm, self.eps,
+                                      self.num_heads, self.num_kv_heads, k, v, s.kv_slots, ks, vs)
+        out = torch.empty_like(q)
+        nd = s.num_decode
+        if nd:
+            ops.decode_attention(q[:nd], k, v, s.page_table[:nd], s.seq_lens[:nd], self.scale,
+                                 s.num_splits, k_scale=ks, v_scale=vs, out=out[:nd])
+        if s.num_tokens > nd:
+            ops.extend_attention(q[nd:], k, v, s.page_table[nd:], s.cu_q_lens, s.seq_lens[nd:],
+                                 self.scale, s.max_q_len, k_scale=ks, v_scale=vs, out=out[nd:])
+        return out.view(q.shape[0], -1)
+
+
+#: Segments of the packed step array start at multiples of 4 int32s (16 bytes): Triton
+#: specialises pointer arguments on 16-byte alignment, so unaligned views would compile (and
+#: stall the engine for) a second variant of every kernel.
+_ALIGN = 4
+
+
+@dataclass
+class PackedStep:
+    """One step's metadata as one int32 list, and where each segment sits in it.
+
+    Eager steps: ids, positions, kv_slots [T]; seq_lens [R]; cu_q_lens [R - nd + 1] (the extend
+    rows'); decode_slots [nd]; page_table [R, max_pages]. Graph steps (decode only, padded to
+    the graph's batch size bs): decode_slots, positions, kv_slots, seq_lens [bs] back to back
+    (the graph's static `meta` block, copied whole), then page_table [bs, max_pages].
+    `sample_rows`: the row (graph) or token (eager) index each sampling row reads its logits at.
+    """
+
+    meta: list[int]
+    offsets: dict[str, tuple[int, int]]  # segment -> (start, length)
+    num_tokens: int
+    num_rows: int
+    num_decode: int
+    max_pages: int
+    max_q_len: int
+    max_seq_len: int
+    sample_rows: list[int]
+
+    def segment(self, name: str) -> list[int]:
+        start, n = self.offsets[name]
+        return self.meta[start:start + n]
+
+
+def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int = 0
+              ) -> PackedStep:
+    """Flatten a plan for the device: plain Python, no torch (runs on the event loop)."""
+    ps = page_size
+    rows = plan.rows
+    nd = plan.num_decode_rows
+    max_seq = max(r.seq_len for r in rows)
+    max_pages = -(-max_seq // ps)
+    meta: list[int] = []
+    offsets: dict[str, tuple[int, int]] = {}
+
+    def put(name: str, values: list[int], align: bool = True) -> None:
+        if align:
+            meta.extend([0] * (-len(meta) % _ALIGN))
+        offsets[name] = (len(meta), len(values))
+        meta.extend(values)
+
+    table: list[int] = []
+    for r in rows:
+        n = -(-r.seq_len // ps)
+        table += r.pages[:n]
+        table += [0] * (max_pages - n)
+    if graph_bs:
+        pad = graph_bs - nd
+        # NOTE: the four [bs] segments stay back to back: one copy fills the graph's meta block
+        put("decode_slots", [r.slot for r in rows] + [pad_slot] * pad)
+        put("positions", [r.start for r in rows] + [0] * pad, align=False)
+        put("kv_slots", [r.pages[r.start // ps] * ps + r.start % ps for r in rows] + [-1] * pad,
+            align=False)
+        put("seq_lens", [r.seq_len for r in rows] + [1] * pad, align=False)
+        put("page_table", table + [0] * (max_pages * pad))
+        sample_at = list(range(nd))
+    else:
+        ids: list[int] = []
+        positions: list[int] = []
+        kv_slots: list[int] = []
+        sample_at = []
+        cu = [0]
+        for r in rows:
+            ids += r.input_ids if r.input_ids is not None else [0]
+            pos = range(r.start, r.seq_len)
+            positions += pos
+            pages = r.pages
+            kv_slots += [pages[p // ps] * ps + p % ps for p in pos]
+            if r.sample:
+                sample_at.append(len(ids) - 1)
+            if r.input_ids is not None:
+                cu.append(cu[-1] + r.num_tokens)
+        put("input_ids", ids)
+        put("positions", positions)
+        put("kv_slots", kv_slots)
+        put("seq_lens", [r.seq_len for r in rows])
+        put("cu_q_lens", cu)
+        put("decode_slots", [r.slot for r in rows[:nd]])
+        put("page_table", table)
+    return PackedStep(meta, offsets, num_tokens=plan.num_tokens, num_rows=len(rows),
+                      num_decode=nd, max_pages=max_pages,
+                      max_q_len=max((r.num_tokens for r in rows[nd:]), default=1),
+                      max_seq_len=max_seq, sample_rows=sample_at)
+
+
+def step_views(packed: PackedStep, meta: torch.Tensor, num_splits: int
+               ) -> tuple[DeviceStep, torch.Tensor]:
+    """An eager step's `DeviceStep` as views into `meta` (the packed array, on the device), and
+    its decode rows' slots."""
+
+    def seg(name: str) -> torch.Tensor:
+        start, n = packed.offsets[name]
+        return meta[start:start + n]
+
+    table = seg("page_table").view(packed.num_rows, packed.max_pages)
+    return DeviceStep(seg("input_ids"), seg("positions"), seg("kv_slots"), seg("seq_lens"),
+                      seg("cu_q_lens"), table, packed.num_decode, packed.max_q_len,
+                      num_splits), seg("decode_slots")
+
+
+def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int = 16,
+                          chunk_size: int | None = None, kv_dtype: torch.dtype | None = None
+                          ) -> torch.Tensor:
+    """Logits [T, vocab] (float32) at every position of `token_ids`, through the engine's path
+    with the model's kernels (`model.ops`): prefilled in chunks of `chunk_size` (each chunk an
+    extend row over the cached prefix); chunk_size 1 runs every token through decode attention
+    instead. For parity checks against other implementations."""
+    cfg = model.config
+    device = next(model.parameters()).device
+    n = len(token_ids)
+    num_pages = -(-n // page_size)
+    kv = KVCache.allocate(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                          kv_dtype or next(model.parameters()).dtype, device)
+    # NOTE: pages in reverse order, so a wrong page-table lookup cannot pass by accident.
+    table = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32, device=device)[None]
+    rotary = model.rotary_table(n)
+    ids = torch.tensor(token_ids, dtype=torch.int32, device=device)
+    chunk = chunk_size or n
+    out = []
+    with torch.inference_mode():
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            pos = torch.arange(start, end, dtype=torch.int32, device=device)
+            slots = table[0, pos // page_size] * page_size + pos % page_size
+            decode = chunk == 1
+            step = DeviceStep(ids[start:end], pos, slots,
+                              torch.tensor([end], dtype=torch.int32, device=device),
+                              torch.tensor([0, end - start], dtype=torch.int32, device=device),
+                              table, num_decode=1 if decode else 0, max_q_len=end - start,
+                              num_splits=pick_num_splits(1, cfg.num_kv_heads, end))
+            out.append(model.logits(model(step.input_ids, PagedAttention(kv, step, rotary,
+                                                                          model))))
+    return torch.cat(out)
