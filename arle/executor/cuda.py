@@ -111,7 +111,16 @@ class DecodeGraphs:
     def size_for(self, n: int) -> int:
         return next(bs for bs in self.sizes if bs >= n)
 
+    def load(self, packed: PackedStep, meta: torch.Tensor, bs: int) -> None:
+        """Copy a packed graph step (`pack_step(..., graph_bs=bs)`, `meta` on the device) into
+        the static buffers: the [4, bs] block in one copy, then the page-table corner."""
+        start = packed.offsets["decode_slots"][0]
+        self.meta[:, :bs].copy_(meta[start:start + 4 * bs].view(4, bs))
+        start, mp = packed.offsets["page_table"][0], packed.max_pages
+        self.page_table[:bs, :mp].copy_(meta[start:start + bs * mp].view(bs, mp))
+
     def step(self, bs: int, token_buffer: torch.Tensor) -> DeviceStep:
+        """The graph's inputs as a step: views of the static buffers (decode rows only)."""
         slots, positions, kv_slots, seq_lens = self.meta[:, :bs]
         return DeviceStep(input_ids=token_buffer[slots], positions=positions, kv_slots=kv_slots,
                           seq_lens=seq_lens, cu_q_lens=seq_lens[:0],
@@ -316,14 +325,9 @@ class CUDAExecutor:
     def _replay(self, h: HostStep, meta: torch.Tensor) -> torch.Tensor:
         g = self.graphs
         assert g is not None
-        lay = h.layout
-        bs, mp = h.graph_bs, lay.max_pages
-        start = lay.offsets["decode_slots"][0]
-        g.meta[:, :bs].copy_(meta[start:start + 4 * bs].view(4, bs))
-        start = lay.offsets["page_table"][0]
-        g.page_table[:bs, :mp].copy_(meta[start:start + bs * mp].view(bs, mp))
-        g.graphs[bs].replay()
-        return g.logits[bs][: lay.num_decode]
+        g.load(h.layout, meta, h.graph_bs)
+        g.graphs[h.graph_bs].replay()
+        return g.logits[h.graph_bs][: h.layout.num_decode]
 
     def _num_splits(self, num_decode: int) -> int:
         """The decode kernel's split count: the one the graph of that batch size was captured

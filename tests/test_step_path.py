@@ -1,4 +1,4 @@
-"""How a plan is flattened for the device (`pack_step`), in both layouts.
+"""One step on its way to the device: `pack_step` layouts, and the CUDA graphs' static inputs.
 
 Both executors run every step through it (the engine and parity tests cover it end to end on
 the CPU); these tests pin down the layout the CUDA graphs and the kernels rely on: segment
@@ -11,19 +11,23 @@ import itertools
 import random
 
 import pytest
+import torch
 
 from arle.engine.request import SamplingParams
-from arle.executor.paged import _ALIGN, pack_step
+from arle.executor.cuda import DecodeGraphs
+from arle.executor.paged import _ALIGN, KVCache, PagedAttention, pack_step, step_views
 from arle.executor.plan import Row, StepPlan
+from arle.model.loader import LoadedModel
 
 PS = 16
 
 
-def _plan(decode_lens: list[int], prefill: list[tuple[int, int]], seed: int = 0) -> StepPlan:
+def _plan(decode_lens: list[int], prefill: list[tuple[int, int]], seed: int = 0,
+          num_pages: int = 1000) -> StepPlan:
     """Decode rows of the given lengths (context incl. the new token), then prefill rows of
     (cached prefix, new tokens); pages drawn at random (never in order)."""
     rng = random.Random(seed)
-    free = list(range(1000))
+    free = list(range(num_pages))
     rng.shuffle(free)
     rows = []
     for i, n in enumerate(decode_lens):
@@ -86,3 +90,44 @@ def test_graph_layout_pads_to_the_batch_size() -> None:
     assert len(table) == 8 * packed.max_pages == 8 * 3
     assert table[3:6] == rows[1].pages + [0] and table[9:24] == [0] * 15
     assert packed.sample_rows == [0, 1, 2]
+
+
+def test_graph_inputs_compute_what_the_eager_step_does(tiny: LoadedModel) -> None:
+    """A decode step through the CUDA graphs' static buffers (padded to the batch size, loaded
+    with `DecodeGraphs.load`) gives the eager step's logits and writes the same K/V, padding
+    rows writing nothing. Run on the CPU with the kernels' torch references (no capture)."""
+    model, cfg = tiny.model, tiny.config
+    lens = [5, 20, 33]
+    prefill = _plan([], [(0, n + 1) for n in lens], seed=2, num_pages=32)
+    kv = KVCache.allocate(cfg.num_layers, 32, PS, cfg.num_kv_heads, cfg.head_dim,
+                          torch.float32, torch.device("cpu"))
+    rotary = model.rotary_table(256)
+
+    # prefill the prompts (without their last token: the decode step feeds it)
+    for r in prefill.rows:
+        r.num_tokens -= 1
+        r.input_ids = [i % cfg.vocab_size for i in (r.input_ids or [])[:-1]]
+    packed = pack_step(prefill, PS)
+    step, _ = step_views(packed, torch.tensor(packed.meta, dtype=torch.int32), 1)
+    model(step.input_ids, PagedAttention(kv, step, rotary, model))
+    decode = StepPlan(2, [Row(r.slot, n, 1, None, True, 0, r.pages, r.params)
+                          for r, n in zip(prefill.rows, lens, strict=True)])
+    token_buffer = torch.zeros(16, dtype=torch.int32)
+    token_buffer[:3] = torch.tensor([7, 300, 4000], dtype=torch.int32)
+
+    kv_eager = KVCache(kv.k.clone(), kv.v.clone(), None, None)
+    packed = pack_step(decode, PS)
+    step, slots = step_views(packed, torch.tensor(packed.meta, dtype=torch.int32), 1)
+    step.input_ids[:3] = token_buffer[slots]
+    eager = model.logits(model(step.input_ids, PagedAttention(kv_eager, step, rotary, model)))
+
+    graphs = DecodeGraphs(max_bs=8, max_pages=8, device=torch.device("cpu"))
+    bs = graphs.size_for(3)
+    assert bs == 4
+    graphs.num_splits[bs] = 1
+    packed = pack_step(decode, PS, graph_bs=bs, pad_slot=15)
+    graphs.load(packed, torch.tensor(packed.meta, dtype=torch.int32), bs)
+    step = graphs.step(bs, token_buffer)
+    padded = model.logits(model(step.input_ids, PagedAttention(kv, step, rotary, model)))
+    torch.testing.assert_close(padded[:3], eager, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kv.k, kv_eager.k) and torch.equal(kv.v, kv_eager.v)
