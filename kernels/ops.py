@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from arle_kernels import decode_attention, extend_attention, fused
@@ -36,3 +37,8 @@ def triton_ops() -> Ops:
     return Ops(fused.rms_norm, fused.add_rms_norm, fused.silu_and_mul,
                fused.qk_norm_rope_store_kv, decode_attention.decode_attention,
                extend_attention.extend_attention)
+
+
+def ops_for(device: torch.device) -> Ops:
+    """The kernels a model on `device` runs: Triton's on CUDA, the torch references elsewhere."""
+    return triton_ops() if device.type == "cuda" else REFERENCE

@@ -21,7 +21,7 @@ from arle.executor.paged import KVCache, PackedStep, PagedAttention, pack_step, 
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import PenaltyState, SamplingBatch, logprobs_of, sample_into
 from arle.model.decoder import DecoderLM
-from arle_kernels.ops import REFERENCE
+from arle_kernels.ops import ops_for
 
 _TORCH_THREAD: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -44,7 +44,7 @@ class CPUExecutor:
     def __init__(self, model: DecoderLM, num_pages: int, page_size: int, num_slots: int,
                  kv_dtype: torch.dtype, max_positions: int, seed: int = 0) -> None:
         cfg = model.config
-        model.ops = REFERENCE
+        model.ops = ops_for(torch.device("cpu"))
         self.model = model
         self.page_size = page_size
         self.num_slots = num_slots

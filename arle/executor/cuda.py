@@ -51,7 +51,7 @@ from arle.executor.sampler import (
 from arle.logging import get_logger
 from arle.model.decoder import DecoderLM
 from arle_kernels.decode_attention import pick_num_splits
-from arle_kernels.ops import triton_ops
+from arle_kernels.ops import ops_for
 
 log = get_logger("arle.executor.cuda")
 
@@ -138,7 +138,7 @@ class CUDAExecutor:
         self.pad_slot = config.num_slots  # token_buffer has one spare entry for graph padding
         self.stream = torch.cuda.Stream(self.device)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        model.ops = triton_ops()
+        model.ops = ops_for(self.device)
         self.rotary = model.rotary_table(config.max_model_len + 1)
         self.token_buffer = torch.zeros(config.num_slots + 1, dtype=torch.int32,
                                         device=self.device)

@@ -21,6 +21,7 @@ from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
 from arle.model.parallel import load_whole
 from arle.model.tokenizer import Tokenizer
+from arle_kernels.ops import ops_for
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,6 +82,7 @@ def load_model(path: str | Path, dtype: str = "auto",
     with _default_dtype(torch_dtype), dev:
         model = DecoderLM(config)
     _load_weights(model, tensors, path)
+    model.ops = ops_for(dev)
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=path,
