@@ -306,8 +306,8 @@ class CUDAExecutor:
             if h.graph_bs:
                 logits = self._replay(h, meta)
             else:
-                step, decode_slots = step_views(h.layout, meta, self._num_splits(h.layout.num_decode))
                 nd = h.layout.num_decode
+                step, decode_slots = step_views(h.layout, meta, self._num_splits(nd))
                 if nd:
                     step.input_ids[:nd] = self.token_buffer[decode_slots]
                 backend = PagedAttention(self.kv, step, self.rotary, self.model)
