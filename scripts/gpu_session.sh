@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$L
 for p in "$@"; do
   case $p in
     tests) say tests; timeout 120 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
-             tests/test_cuda.py tests/test_kernels_decode_attention.py \
+             tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
              tests/test_kernels_gemv.py \
              >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"; tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;

@@ -18,13 +18,18 @@ from arle.executor.sampler import (
 P = SamplingParams
 
 
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
 
 
-def batch_of(params: list[SamplingParams], offsets: list[int] | None = None) -> SamplingBatch:
+def gen(seed: int, device: str = "cpu") -> torch.Generator:
+    return torch.Generator(device).manual_seed(seed)
+
+
+def batch_of(params: list[SamplingParams], offsets: list[int] | None = None,
+             device: str = "cpu") -> SamplingBatch:
     return SamplingBatch.build(params, offsets if offsets is not None else [0] * len(params),
-                               "cpu")
+                               device)
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:
@@ -85,13 +90,14 @@ def test_greedy_rows_unaffected_by_other_rows_params() -> None:
 
 
 def _seeded_sequence(position: int, batch_size: int, steps: int, seed: int = 1234,
-                     executor_seed: int = 0) -> list[int]:
-    """Sample `steps` tokens for one seeded request placed at `position` among random rows."""
+                     executor_seed: int = 0, device: str = "cpu") -> list[int]:
+    """Sample `steps` tokens for one seeded request placed at `position` among random rows.
+    (On CUDA the seeded noise comes from a Philox kernel, on the CPU from a generator per row.)"""
     target = P(temperature=0.9, top_k=30, seed=seed)
     fillers = [P(temperature=1.0), P(temperature=0.5, seed=99), P(temperature=0.0),
                P(temperature=1.5, top_p=0.7, seed=5)]
     noise = gen(executor_seed + 1000)
-    executor_gen = gen(executor_seed)
+    executor_gen = gen(executor_seed, device)
     tokens = []
     for step in range(steps):
         row_logits = 0.5 * torch.randn(50, generator=gen(10_000 + step))
@@ -101,32 +107,37 @@ def _seeded_sequence(position: int, batch_size: int, steps: int, seed: int = 123
         params[position] = target
         offsets = [step + 7 * r for r in range(batch_size)]
         offsets[position] = step
-        out = sample(logits, batch_of(params, offsets), generator=executor_gen)
+        out = sample(logits.to(device), batch_of(params, offsets, device),
+                     generator=executor_gen)
         tokens.append(int(out.token_ids[position]))
     return tokens
 
 
-def test_seeded_row_is_independent_of_batch_and_position() -> None:
-    alone = _seeded_sequence(position=0, batch_size=1, steps=30)
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_is_independent_of_batch_and_position(device: str) -> None:
+    alone = _seeded_sequence(position=0, batch_size=1, steps=30, device=device)
     assert len(set(alone)) > 5  # a real random sequence, not a constant
-    assert _seeded_sequence(position=3, batch_size=5, steps=30, executor_seed=1) == alone
-    assert _seeded_sequence(position=0, batch_size=9, steps=30, executor_seed=2) == alone
-    assert _seeded_sequence(position=8, batch_size=9, steps=30, executor_seed=3) == alone
+    for position, size, executor_seed in ((3, 5, 1), (0, 9, 2), (8, 9, 3)):
+        assert _seeded_sequence(position, size, 30, executor_seed=executor_seed,
+                                device=device) == alone
 
 
-def test_different_seeds_give_different_sequences() -> None:
-    a = _seeded_sequence(position=0, batch_size=1, steps=40, seed=1)
-    b = _seeded_sequence(position=0, batch_size=1, steps=40, seed=2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_different_seeds_give_different_sequences(device: str) -> None:
+    a = _seeded_sequence(position=0, batch_size=1, steps=40, seed=1, device=device)
+    b = _seeded_sequence(position=0, batch_size=1, steps=40, seed=2, device=device)
     # ~30 plausible tokens per step: chance agreement is a few percent per step.
     assert sum(x != y for x, y in zip(a, b, strict=True)) > 25
 
 
-def test_seeded_rows_follow_the_distribution() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_rows_follow_the_distribution(device: str) -> None:
     logits = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3, -1.0])
     n = 4000
     params = [P(temperature=0.8, seed=s) for s in range(n)]  # one draw per seed
-    out = sample(logits.expand(n, -1), batch_of(params), generator=gen(0))
-    assert_matches_distribution(out.token_ids, torch.softmax(logits / 0.8, dim=-1))
+    out = sample(logits.expand(n, -1).to(device), batch_of(params, device=device),
+                 generator=gen(0, device))
+    assert_matches_distribution(out.token_ids.cpu(), torch.softmax(logits / 0.8, dim=-1))
 
 
 def test_unseeded_rows_are_random() -> None:

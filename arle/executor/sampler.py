@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from arle.engine.request import SamplingParams, TokenLogprob
+from arle_kernels.fused import exponential_noise
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -252,7 +253,11 @@ def _sample_random(x: Tensor, batch: SamplingBatch, generator: torch.Generator |
     probs = x.softmax(dim=-1)
     q = torch.empty_like(probs).exponential_(generator=generator)
     if batch.any_seeded:
-        _fill_seeded_noise(q, batch.seeded_rows)
+        if q.is_cuda:  # one counter-based (Philox) kernel for all rows: no host loop
+            seeded = exponential_noise(batch.seeds.clamp(min=0), batch.offsets, q.shape[-1])
+            q = torch.where((batch.seeds >= 0)[:, None], seeded, q)
+        else:
+            _fill_seeded_noise(q, batch.seeded_rows)
     # argmax_i p_i / q_i with q_i ~ Exp(1) picks i with probability p_i. NOTE: the clamp keeps a
     # (vanishingly rare) q == 0 from turning a masked 0/0 into NaN, which argmax would pick.
     return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
@@ -261,8 +266,9 @@ def _sample_random(x: Tensor, batch: SamplingBatch, generator: torch.Generator |
 def _fill_seeded_noise(q: Tensor, seeded_rows: tuple[tuple[int, int, int], ...]) -> None:
     """Overwrite each seeded row's noise with Exp(1) draws that depend only on (seed, offset).
 
-    A host loop with one generator per seeded row: fine on CPU, where seeded rows are few. A CUDA
-    version will use a counter-based Philox kernel keyed by (seed, offset) instead.
+    A host loop with one generator per seeded row: fine on CPU, where seeded rows are few. On
+    CUDA `arle_kernels.fused.exponential_noise` draws them in one kernel (another stream: a seed
+    reproduces its tokens on the same kind of device).
     """
     vocab = q.shape[-1]
     for row, seed, offset in seeded_rows:
