@@ -22,15 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arle.config import EngineConfig  # noqa: E402
-from arle.engine.async_engine import AsyncEngine  # noqa: E402
-from arle.engine.request import GenerateRequest, SamplingParams  # noqa: E402
-from arle.executor.base import KVPoolInfo, StepOutput  # noqa: E402
-from arle.executor.cuda import pack_step  # noqa: E402
-from arle.executor.plan import StepPlan  # noqa: E402
-from arle.logging import configure_logging  # noqa: E402
-from arle.model.default import resolve_model_path  # noqa: E402
-from arle.model.gguf_io import read_gguf  # noqa: E402
+from arle.config import EngineConfig
+from arle.engine.async_engine import AsyncEngine
+from arle.engine.request import GenerateRequest, SamplingParams
+from arle.executor.base import KVPoolInfo, StepOutput
+from arle.executor.paged import pack_step
+from arle.executor.plan import StepPlan
+from arle.logging import configure_logging
+from arle.model.default import resolve_model_path
+from arle.model.gguf_io import read_gguf
 
 
 class NullExecutor:
