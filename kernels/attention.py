@@ -1,5 +1,8 @@
-"""Paged attention, plain torch: the reference the Triton kernels are checked against, and the
-CPU executor's attention.
+"""Paged attention in plain torch, written the obvious way: the formulas that
+tests/test_attention_ref.py holds to a dense float64 computation, and that the kernels' own
+references (`decode_attention_ref`, `extend_attention_ref`, which the CPU executor runs) are
+tested against. Also the shared page helpers (`gather_pages`, `decode_gather_index`) and the
+FP8 scale check.
 
 Cache layout, per layer: k_cache / v_cache of shape [num_pages, page_size, kv_heads, head_dim].
 A request's tokens live in the pages its page table lists, in order; token i of the request sits

@@ -19,6 +19,8 @@ FP8_KV = torch.float8_e4m3fn
 
 @dataclass
 class KVCache:
+    """Every layer's K and V pages (and, for FP8, one fp32 scale per token and KV head)."""
+
     k: torch.Tensor  # [layers, pages, page_size, kv_heads, head_dim]
     v: torch.Tensor
     k_scale: torch.Tensor | None  # [layers, pages, page_size, kv_heads] float32 (FP8 only)
