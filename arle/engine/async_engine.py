@@ -62,10 +62,9 @@ class AsyncEngine:
         self.max_model_len = min(max_model_len, pool.num_tokens - 1)
         self.cache = CacheManager(pool.num_pages, pool.page_size, executor.num_slots,
                                   config.enable_prefix_cache)
-        config = config.for_device(config.device if config.device != "auto" else "cpu")
+        # NOTE: the device defaults are filled in already (`EngineConfig.for_device`).
         assert config.max_running_requests is not None and config.max_batched_tokens is not None
         assert config.chunked_prefill_size is not None
-        self.config = config
         self.scheduler = Scheduler(SchedulerConfig(
             max_running_requests=min(config.max_running_requests, executor.num_slots),
             max_batched_tokens=config.max_batched_tokens,
@@ -107,7 +106,6 @@ class AsyncEngine:
         elif device == "cuda" and not torch.cuda.is_available():
             raise ArleError("--device cuda: no CUDA GPU is visible to torch "
                             f"(torch {torch.__version__}); use --device cpu")
-        config = config.for_device(device)
         loaded = load_model(resolve_model_path(config.model), config.dtype, device)
         return cls.from_loaded(config, loaded)
 
@@ -159,13 +157,12 @@ class AsyncEngine:
     @staticmethod
     def _cuda_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
                        num_slots: int) -> Executor:
-        import torch
+        from arle.executor.cuda import FP8_KV, CUDAExecutor, CUDAExecutorConfig
+        from arle.model.loader import resolve_dtype
 
-        from arle.executor.cuda import CUDAExecutor, CUDAExecutorConfig
-
-        kv_dtype = {"auto": loaded.dtype, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                    "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn
-                    }[config.kv_cache_dtype]
+        name = config.kv_cache_dtype
+        kv_dtype = (loaded.dtype if name == "auto" else FP8_KV if name == "fp8_e4m3"
+                    else resolve_dtype(name, loaded.device))
         assert config.max_batched_tokens is not None and config.max_running_requests is not None
         graph_bs = (config.cuda_graph_max_bs or config.max_running_requests
                     if config.cuda_graph else 0)
@@ -325,7 +322,6 @@ class AsyncEngine:
                         await asyncio.wait_for(self._wake.wait(), 0.05)
 
     def _process(self, plan: StepPlan, out: StepOutput) -> None:
-        time.perf_counter()
         exec_us = out.exec_s * 1e6
         width = len(plan.rows)
         admitted = {ns.slot for ns in plan.new_slots}

@@ -17,9 +17,9 @@ from collections.abc import Awaitable
 import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
-from arle.executor.paged import KVCache, PackedStep, PagedAttention, pack_step, step_views
+from arle.executor.paged import KVCache, PagedAttention, StepInputs, step_views
 from arle.executor.plan import StepPlan
-from arle.executor.sampler import PenaltyState, SamplingBatch, logprobs_of, sample_into
+from arle.executor.sampler import PenaltyState, logprobs_of, sample_into
 from arle.model.decoder import DecoderLM
 from arle_kernels.ops import ops_for
 
@@ -61,34 +61,25 @@ class CPUExecutor:
 
     def launch(self, plan: StepPlan) -> Awaitable[StepOutput]:
         """Flatten the plan here (the caller's thread); run it on the worker thread."""
-        packed = pack_step(plan, self.page_size)
-        sample_rows = [r for r in plan.rows if r.sample]
-        sampling = (SamplingBatch.build([r.params for r in sample_rows],
-                                        [r.sample_offset for r in sample_rows])
-                    if sample_rows else None)
-        new_slots = [(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
-                     for n in plan.new_slots]
-        future = self._worker.submit(self._run, packed, sampling, [r.slot for r in sample_rows],
-                                     [r.params.logprobs for r in sample_rows], new_slots)
-        return asyncio.wrap_future(future)
+        inputs = StepInputs.of(plan, self.page_size)
+        return asyncio.wrap_future(self._worker.submit(self._run, inputs))
 
-    def _run(self, packed: PackedStep, sampling: SamplingBatch | None, sample_slots: list[int],
-             want_logprobs: list[int | None],
-             new_slots: list[tuple[int, list[int], int, bool]]) -> StepOutput:
+    def _run(self, inputs: StepInputs) -> StepOutput:
         t0 = time.perf_counter()
-        for new_slot in new_slots:
+        for new_slot in inputs.new_slots:
             self.penalties.start_slot(*new_slot)
+        packed = inputs.packed
         meta = torch.tensor(packed.meta, dtype=torch.int32)
         step, decode_slots = step_views(packed, meta, num_splits=1)
         if packed.num_decode:
             step.input_ids[: packed.num_decode] = self.token_buffer[decode_slots]
         hidden = self.model(step.input_ids, PagedAttention(self.kv, step, self.rotary, self.model))
-        if sampling is None:
+        if inputs.sampling is None:
             return StepOutput([], [], time.perf_counter() - t0)
-        logits = self.model.logits(hidden[torch.tensor(packed.sample_rows)])
-        out = sample_into(logits, sampling, torch.tensor(sample_slots), self.penalties,
-                          self.token_buffer, self.generator)
-        return StepOutput(out.token_ids.tolist(), logprobs_of(out, want_logprobs),
+        logits = self.model.logits(hidden[packed.view(meta, "sample_index")])
+        out = sample_into(logits, inputs.sampling, packed.view(meta, "sample_slots"),
+                          self.penalties, self.token_buffer, self.generator)
+        return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
                           time.perf_counter() - t0)
 
     def close(self) -> None:

@@ -36,7 +36,7 @@ from arle.executor.paged import (
     KVCache,
     PackedStep,
     PagedAttention,
-    pack_step,
+    StepInputs,
     step_views,
 )
 from arle.executor.plan import StepPlan
@@ -77,15 +77,15 @@ class CUDAExecutorConfig:
 
 @dataclass
 class HostStep:
-    """A step flattened on the event loop's thread: `meta` is `layout.meta`, pinned."""
+    """A step ready for the launcher: its inputs and their packed array in pinned memory."""
 
-    meta: torch.Tensor
-    layout: PackedStep
+    inputs: StepInputs
+    meta: torch.Tensor  # inputs.packed.meta, pinned
     graph_bs: int  # > 0: replay the graph of this batch size (rows padded to it)
-    sample_slots: list[int]
-    sampling: SamplingBatch | None
-    want_logprobs: list[int | None]
-    new_slots: list[tuple[int, list[int], int, bool]]
+
+    @property
+    def layout(self) -> PackedStep:
+        return self.inputs.packed
 
 
 class DecodeGraphs:
@@ -238,10 +238,9 @@ class CUDAExecutor:
     def _capture(self, graphs: DecodeGraphs) -> None:
         """Capture one decode graph per batch size, largest first (they share one pool)."""
         t0 = time.perf_counter()
-        graphs.meta[0].fill_(self.pad_slot)
-        graphs.meta[1:3].fill_(0)
-        graphs.meta[2].fill_(-1)
-        graphs.meta[3].fill_(1)
+        # padding everywhere: slot, position 0, no K/V write, one token of context
+        for row, value in enumerate((self.pad_slot, 0, -1, 1)):
+            graphs.meta[row].fill_(value)
         pool = torch.cuda.graph_pool_handle()
         cfg = self.model.config
         with torch.inference_mode(), torch.cuda.stream(self.stream):
@@ -283,17 +282,9 @@ class CUDAExecutor:
         graph_bs = 0
         if self.graphs is not None and nd == len(rows) and nd <= self.graphs.max_bs:
             graph_bs = self.graphs.size_for(nd)
-        packed = pack_step(plan, self.page_size, graph_bs, self.pad_slot)
-        sample_rows = [r for r in rows if r.sample]
-        sampling = (SamplingBatch.build([r.params for r in sample_rows],
-                                        [r.sample_offset for r in sample_rows], "cpu")
-                    if sample_rows else None)
-        return HostStep(
-            meta=torch.tensor(packed.meta, dtype=torch.int32).pin_memory(), layout=packed,
-            graph_bs=graph_bs, sample_slots=[r.slot for r in sample_rows], sampling=sampling,
-            want_logprobs=[r.params.logprobs for r in sample_rows],
-            new_slots=[(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
-                       for n in plan.new_slots])
+        inputs = StepInputs.of(plan, self.page_size, graph_bs, self.pad_slot)
+        return HostStep(inputs, torch.tensor(inputs.packed.meta, dtype=torch.int32).pin_memory(),
+                        graph_bs)
 
     # ---- the launcher thread: queue the step, never wait -----------------------------------
     def _enqueue(self, h: HostStep) -> tuple[torch.cuda.Event, _Pending]:
@@ -301,7 +292,7 @@ class CUDAExecutor:
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             start.record(self.stream)
             meta = h.meta.to(self.device, non_blocking=True)
-            for new_slot in h.new_slots:
+            for new_slot in h.inputs.new_slots:
                 self.penalties.start_slot(*new_slot)
             if h.graph_bs:
                 logits = self._replay(h, meta)
@@ -312,12 +303,12 @@ class CUDAExecutor:
                     step.input_ids[:nd] = self.token_buffer[decode_slots]
                 backend = PagedAttention(self.kv, step, self.rotary, self.model)
                 hidden = self.model(step.input_ids, backend)
-                rows = h.layout.sample_rows
-                logits = (self.model.logits(hidden[_pinned(rows, self.device)]) if rows
-                          else hidden[:0])
-            pending = _Pending(start, h.want_logprobs)
-            if h.sampling is not None:
-                pending.out = self._sample(logits, h)
+                index = h.layout.view(meta, "sample_index")
+                logits = self.model.logits(hidden[index]) if index.numel() else hidden[:0]
+            pending = _Pending(start, h.inputs.want_logprobs)
+            if h.inputs.sampling is not None:
+                slots = h.layout.view(meta, "sample_slots")
+                pending.out = self._sample(logits, h.inputs.sampling, slots)
             event = torch.cuda.Event(enable_timing=True, blocking=True)
             event.record(self.stream)
         return event, pending
@@ -341,13 +332,12 @@ class CUDAExecutor:
         return pick_num_splits(num_decode, self.model.config.num_kv_heads,
                                self.config.max_model_len, self.num_sms)
 
-    def _sample(self, logits: torch.Tensor, h: HostStep) -> _Copied:
-        assert h.sampling is not None
-        batch = h.sampling
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
+                slots: torch.Tensor) -> _Copied:
         if not (batch.all_greedy and not batch.any_penalty):
             batch = _to_device(batch, self.device)  # NOTE: greedy rows read no parameter tensor
-        out = sample_into(logits, batch, _pinned(h.sample_slots, self.device), self.penalties,
-                          self.token_buffer, self.generator)
+        out = sample_into(logits, batch, slots, self.penalties, self.token_buffer,
+                          self.generator)
         return _Copied.of(out)
 
     # ---- the waiter thread -----------------------------------------------------------------
@@ -397,11 +387,6 @@ class _Pending:
     start: torch.cuda.Event  # recorded when the step's work began on the stream
     want_logprobs: list[int | None]
     out: _Copied | None = None
-
-
-def _pinned(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small int64 host list on the device without synchronising (pinned, non-blocking)."""
-    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 def _to_device(batch: SamplingBatch, device: torch.device) -> SamplingBatch:

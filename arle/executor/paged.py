@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from arle.executor.plan import StepPlan
+from arle.executor.sampler import SamplingBatch
 from arle.model.decoder import DecoderLM
 from arle_kernels.decode_attention import pick_num_splits
 
@@ -113,7 +114,8 @@ class PackedStep:
     rows'); decode_slots [nd]; page_table [R, max_pages]. Graph steps (decode only, padded to
     the graph's batch size bs): decode_slots, positions, kv_slots, seq_lens [bs] back to back
     (the graph's static `meta` block, copied whole), then page_table [bs, max_pages].
-    `sample_rows`: the row (graph) or token (eager) index each sampling row reads its logits at.
+    Both: sample_index [S], the row (graph) or token (eager) index each sampling row reads its
+    logits at (`sample_rows` on the host), and sample_slots [S], that row's request slot.
     """
 
     meta: list[int]
@@ -129,6 +131,11 @@ class PackedStep:
     def segment(self, name: str) -> list[int]:
         start, n = self.offsets[name]
         return self.meta[start:start + n]
+
+    def view(self, meta: torch.Tensor, name: str) -> torch.Tensor:
+        """Segment `name` of `meta`, this array as a tensor (on any device)."""
+        start, n = self.offsets[name]
+        return meta[start:start + n]
 
 
 def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int = 0
@@ -186,6 +193,8 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
         put("cu_q_lens", cu)
         put("decode_slots", [r.slot for r in rows[:nd]])
         put("page_table", table)
+    put("sample_index", sample_at)
+    put("sample_slots", [r.slot for r in rows if r.sample])
     return PackedStep(meta, offsets, num_tokens=plan.num_tokens, num_rows=len(rows),
                       num_decode=nd, max_pages=max_pages,
                       max_q_len=max((r.num_tokens for r in rows[nd:]), default=1),
@@ -196,15 +205,37 @@ def step_views(packed: PackedStep, meta: torch.Tensor, num_splits: int
                ) -> tuple[DeviceStep, torch.Tensor]:
     """An eager step's `DeviceStep` as views into `meta` (the packed array, on the device), and
     its decode rows' slots."""
-
     def seg(name: str) -> torch.Tensor:
-        start, n = packed.offsets[name]
-        return meta[start:start + n]
+        return packed.view(meta, name)
 
     table = seg("page_table").view(packed.num_rows, packed.max_pages)
     return DeviceStep(seg("input_ids"), seg("positions"), seg("kv_slots"), seg("seq_lens"),
                       seg("cu_q_lens"), table, packed.num_decode, packed.max_q_len,
                       num_splits), seg("decode_slots")
+
+
+@dataclass
+class StepInputs:
+    """What an executor takes from a plan on the caller's thread: the packed array and the
+    sampling rows' parameters (the plan's page tables change after launch: nothing else is
+    read later)."""
+
+    packed: PackedStep
+    sampling: SamplingBatch | None  # on the host
+    want_logprobs: list[int | None]
+    #: (slot, tokens, num_prompt, penalized) of each request starting this step
+    new_slots: list[tuple[int, list[int], int, bool]]
+
+    @classmethod
+    def of(cls, plan: StepPlan, page_size: int, graph_bs: int = 0,
+           pad_slot: int = 0) -> StepInputs:
+        rows = [r for r in plan.rows if r.sample]
+        sampling = (SamplingBatch.build([r.params for r in rows],
+                                        [r.sample_offset for r in rows]) if rows else None)
+        return cls(pack_step(plan, page_size, graph_bs, pad_slot), sampling,
+                   [r.params.logprobs for r in rows],
+                   [(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
+                    for n in plan.new_slots])
 
 
 def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int = 16,

@@ -54,11 +54,8 @@ def inverse_frequencies(head_dim: int, theta: float,
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotation (halves), applied to q and k at given positions.
-
-    NOTE: cos/sin are computed for the batch's positions on the fly (one outer product): cheap
-    next to the GEMMs, and no table to size for the longest context.
-    """
+    """Neox-style rotary frequencies (halves). `DecoderLM.rotary_table` turns them into the
+    cos | sin table the kernels read (`ops.qk_norm_rope_store_kv` applies the rotation)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -69,10 +66,3 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim/2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
