@@ -117,7 +117,7 @@ class DecoderLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
-        #: The glue kernels: plain torch unless the executor swaps in Triton's.
+        #: The kernels (`ops_for` its device: set on loading and by the executor).
         self.ops: Ops = REFERENCE
 
     @torch.inference_mode()
