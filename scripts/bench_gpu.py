@@ -48,6 +48,33 @@ def _median_ms(fn: Any, iters: int = 20) -> float:
                                          return_mode="median"))
 
 
+def _kernel_breakdown(fn: Any, iters: int = 20) -> dict[str, Any]:
+    """Device time per call of `fn`, by kernel name (CUPTI sees the kernels inside a graph):
+    where a step's time goes, and how much of it is gaps between kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) * 1e6 / iters
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            row = by_name.setdefault(e.name[:80], [0, 0.0])
+            row[0] += 1
+            row[1] += e.device_time_total
+    rows = sorted(((n, c / iters, us / iters) for n, (c, us) in by_name.items()),
+                  key=lambda r: -r[2])
+    return {"kernel_us": sum(r[2] for r in rows), "kernels": sum(r[1] for r in rows),
+            "profiled_wall_us": wall_us,
+            "top": [{"name": n, "per_step": c, "us": round(us, 1)} for n, c, us in rows[:25]]}
+
+
 def ceilings(args: argparse.Namespace) -> None:
     """Read bandwidth: sum over 8 GB of bf16 (bytes read / time). GEMM: 8192^3 bf16."""
     x = torch.randn(4 << 30, dtype=torch.bfloat16, device="cuda")
@@ -118,6 +145,10 @@ async def _decode(args: argparse.Namespace) -> dict[str, Any]:
         g = graphs.graphs[1]
         with torch.cuda.stream(ex.stream):  # type: ignore[attr-defined]
             out["graph_replay_bs1_ms"] = _median_ms(g.replay)
+            try:
+                out["kernels_bs1"] = _kernel_breakdown(g.replay)
+            except Exception as e:  # the profiler is a bonus: never lose the figures for it
+                out["kernels_bs1"] = {"error": repr(e)}
     out["startup"] = engine.model_info.get("cuda_graphs")
     await engine.close()
     return out

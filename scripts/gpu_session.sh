@@ -2,12 +2,13 @@
 # One device call: the GPU tests and benchmarks of issue 5, phase by phase, each under a timeout.
 #   bash scripts/gpu_session.sh PHASE...    (phases: tests parity ceilings decode prefill serve
 #                                            serve_ablation hf offline decode8b)
-# Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/results.json (every phase's
-# JSON, merged), $OUT/log.txt and $OUT/pytest.txt (at most 8 files come back from $OUT).
+# Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/log.txt, $OUT/pytest.txt and
+# $OUT/results.tar (every phase's JSON; at most 8 files come back from $OUT, so one archive,
+# rewritten after each phase: a call cut short still returns what finished).
 set -u
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/models
-RES=$OUT  # each phase writes its JSON here at once: a call cut short still returns them
+RES=/tmp/res
+mkdir -p "$OUT" /tmp/models $RES
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD ARLE_COMMIT=${ARLE_COMMIT:-unknown}
@@ -26,11 +27,12 @@ phase() {  # name timeout command...
   local t0=$SECONDS
   timeout "$t" "$@" >>"$LOG" 2>&1; local rc=$?
   say "$name rc=$rc in $((SECONDS - t0)) s"
+  tar -cf "$OUT/results.tar" -C $RES .
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
   case $p in
-    tests) say tests; timeout 120 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
+    tests) say tests; timeout 200 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
              tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
              tests/test_kernels_gemv.py \
