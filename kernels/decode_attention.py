@@ -47,7 +47,10 @@ from arle_kernels.attention import check_kv_scales, decode_gather_index
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# NOTE: arguments that change from step to step are not specialised (Triton would compile a new
+# variant for a value of 1 or a multiple of 16, mid-serving): the split count and what it sizes.
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ob", "stride_oh",
+                               "stride_lb", "stride_lh"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, page_table_ptr, seq_lens_ptr,
     o_ptr, lse_ptr,
@@ -127,7 +130,8 @@ def _decode_split_kernel(
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_lb",
+                               "stride_lh"])
 def _merge_kernel(
     o_part_ptr, lse_ptr, out_ptr, num_splits,
     stride_pb, stride_ph, stride_ps,

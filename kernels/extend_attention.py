@@ -115,7 +115,7 @@ def _attend_block(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])  # the page table's width changes every step
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr,
     page_table_ptr, cu_q_lens_ptr, seq_lens_ptr,

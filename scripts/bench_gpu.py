@@ -254,6 +254,10 @@ def serve(args: argparse.Namespace) -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
+        # kernel variants the warm-up missed (each one stalled every request while it built)
+        out["late_compiles"] = [line[:400] for line in Path(log.name).read_text().splitlines()
+                                if "triton_kernel_built_after_warmup" in line]
         _write(args.out, out)
 
 

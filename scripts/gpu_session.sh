@@ -37,8 +37,8 @@ for p in "$@"; do
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
              tests/test_kernels_gemv.py \
              >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"; tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;
-    kbench) phase kbench 120 python3 -c "
-from arle_kernels.gemv import bench_gemv; bench_gemv()
+    kbench) phase kbench 200 python3 -c "
+from arle_kernels.gemv import bench_gemv, sweep_tc; sweep_tc(); bench_gemv()
 from arle_kernels.fused import bench_fused; bench_fused()
 import tests.test_kernels_extend_attention as t; t.bench_extend(4096)" ;;
     parity) d=$(model qwen3-4b); phase parity 120 python3 scripts/check_gpu_parity.py "$d" \
@@ -58,6 +58,11 @@ import tests.test_kernels_extend_attention as t; t.bench_extend(4096)" ;;
               --out $RES/serve_no_overlap.json -- --disable-overlap
            phase serve_no_graph 150 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 8 \
               --out $RES/serve_no_graph.json -- --disable-cuda-graph ;;
+    serve_ttft) d=$(model qwen3-4b)  # the per-step token budget against TTFT at concurrency 8
+           for b in 1024 2048; do
+             phase serve_budget$b 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 8 \
+               --num-prompts 32 --out $RES/serve_budget$b.json -- --max-batched-tokens $b
+           done ;;
     hf) d=$(model qwen3-4b); phase hf 400 python3 scripts/bench_hf.py "$d" --batch 1 8 \
               --modes eager static --repeats 1 --out $RES/hf_4b.json ;;
     hf_eager) d=$(model qwen3-4b); phase hf_eager 120 python3 scripts/bench_hf.py "$d" \

@@ -204,9 +204,17 @@ def check_qk_case(case: dict, cache_dtype: torch.dtype, num_pages: int, page_siz
             same = stored.view(torch.uint8) == expect.view(torch.uint8)
             assert same.float().mean() > 0.97, f"{name}: {int((~same).sum())} fp8 values off"
             continue
-        if not is_k:  # nearly the same quotients (scales 1 ulp apart), rounded to nearest even
-            same = stored.view(torch.uint8) == stored_ref.view(torch.uint8)
-            assert same.float().mean() > 0.999, f"v fp8: {int((~same).sum())} values off"
+        if not is_k:
+            # Nearly the same quotients (scales 1 ulp apart): they round apart only where the
+            # ref's quotient sits on a rounding tie, and then by one e4m3 step. Seen on the H200:
+            # up to 0.5% of v values (bf16 inputs over amax / 448 hit ties often).
+            got_code = stored.view(torch.uint8).int()
+            ref_code = stored_ref.view(torch.uint8).int()
+            same = got_code == ref_code
+            step = ((got_code & 0x7F) - (ref_code & 0x7F)).abs()
+            near = ((got_code >> 7) == (ref_code >> 7)) & (step <= 1)
+            assert near.all(), f"v fp8: {int((~near).sum())} values more than one step off"
+            assert same.float().mean() > 0.99, f"v fp8: {int((~same).sum())} values off"
         deq = stored.float() * scale[..., None]
         # e4m3 keeps 3 mantissa bits: rounding moves a value by <= 2^-4 of it (normals) or
         # 2^-10 * scale (subnormals); k: on top of the kernel's own rotary tolerance

@@ -95,6 +95,10 @@ async def _warm_up(engine: AsyncEngine) -> None:
     if not await warmup_passes(engine, phases):
         failed = next(p for p in phases if not p.ok)
         raise ArleError(f"warm-up failed in phase {failed.name}: {failed.error}")
+    if engine.config.device == "cuda":
+        from arle.executor.cuda import warn_on_late_compiles
+
+        warn_on_late_compiles()
 
 
 async def _serve(config: EngineConfig, settings: Any, host: str, port: int,

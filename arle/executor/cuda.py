@@ -395,3 +395,21 @@ def _to_device(batch: SamplingBatch, device: torch.device) -> SamplingBatch:
                           "frequency_penalty", "presence_penalty", "seeds", "offsets")}
     return replace(batch, **moved)
 
+
+
+def warn_on_late_compiles() -> bool:
+    """After warm-up, log a warning for every Triton kernel variant built later: each one is a
+    stall of up to seconds (a compile) for every running request, and a variant the warm-up
+    should have built. Returns whether this Triton has the hook (3.4+: `knobs`)."""
+    import triton
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        return False
+
+    def hook(*args: object, **kwargs: object) -> bool:
+        log.warning("triton_kernel_built_after_warmup", kernel=str(kwargs.get("repr", ""))[:300])
+        return False  # go on and build it
+
+    runtime.jit_cache_hook = hook
+    return True
