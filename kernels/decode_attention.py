@@ -43,14 +43,15 @@ import triton
 import triton.language as tl
 
 from arle_kernels.attention import check_kv_scales, decode_gather_index
+from arle_kernels.jit import jit_varying
 
 _LOG2E = 1.4426950408889634
 
 
-# NOTE: arguments that change from step to step are not specialised (Triton would compile a new
-# variant for a value of 1 or a multiple of 16, mid-serving): the split count and what it sizes.
-@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ob", "stride_oh",
-                               "stride_lb", "stride_lh"])
+# NOTE: what changes from step to step is not specialised (see jit_varying): the split count,
+# the strides it sets, the page table's width and the views' alignment.
+@jit_varying("page_table_ptr", "seq_lens_ptr", "num_splits", "stride_pt", "stride_ob",
+             "stride_oh", "stride_lb", "stride_lh")
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, page_table_ptr, seq_lens_ptr,
     o_ptr, lse_ptr,
@@ -130,8 +131,7 @@ def _decode_split_kernel(
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_lb",
-                               "stride_lh"])
+@jit_varying("num_splits", "stride_pb", "stride_ph", "stride_lb", "stride_lh")
 def _merge_kernel(
     o_part_ptr, lse_ptr, out_ptr, num_splits,
     stride_pb, stride_ph, stride_ps,

@@ -59,6 +59,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from arle_kernels.jit import jit_varying
+
 _LOG2E = 1.4426950408889634
 
 
@@ -115,7 +117,9 @@ def _attend_block(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["stride_pt"])  # the page table's width changes every step
+# NOTE: the extend rows' views start after the decode rows (any alignment), and the page
+# table's width changes every step: not specialised (see jit_varying)
+@jit_varying("page_table_ptr", "cu_q_lens_ptr", "seq_lens_ptr", "stride_pt")
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr,
     page_table_ptr, cu_q_lens_ptr, seq_lens_ptr,

@@ -4,7 +4,7 @@
     python scripts/bench_gpu.py decode MODEL_DIR --out d.json     # batch-1/8 decode vs the floor
     python scripts/bench_gpu.py prefill MODEL_DIR --out p.json    # TTFT of a 4096-token prompt
     python scripts/bench_gpu.py offline MODEL_DIR --out o.json    # nano-vllm's 256-request run
-    python scripts/bench_gpu.py serve MODEL_DIR --out s.json -- [arle serve flags]
+    python scripts/bench_gpu.py serve MODEL_DIR --out s.json --serve-args="[arle serve flags]"
 
 Floors come from ceilings measured in the same run (`ceilings`), never from datasheets: decode
 floor = weight bytes / read bandwidth; prefill floor = FLOPs / bf16 GEMM rate.
@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -288,7 +289,8 @@ def main() -> None:
     s.add_argument("--num-prompts", type=int, default=64)
     s.add_argument("--input-len", type=int, default=512)
     s.add_argument("--output-len", type=int, default=128)
-    s.add_argument("serve_args", nargs="*")
+    s.add_argument("--serve-args", default="", type=shlex.split,
+                   help='flags for arle serve, one string: --serve-args="--disable-overlap"')
     s.set_defaults(fn=serve)
     args = p.parse_args()
     args.fn(args)

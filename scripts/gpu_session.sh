@@ -32,7 +32,7 @@ phase() {  # name timeout command...
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
   case $p in
-    tests) say tests; timeout 200 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" \
+    tests) say tests; timeout 200 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" -rfE \
              tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
              tests/test_kernels_gemv.py \
@@ -40,7 +40,8 @@ for p in "$@"; do
     kbench) phase kbench 200 python3 -c "
 from arle_kernels.gemv import bench_gemv, sweep_tc; sweep_tc(); bench_gemv()
 from arle_kernels.fused import bench_fused; bench_fused()
-import tests.test_kernels_extend_attention as t; t.bench_extend(4096)" ;;
+import sys; sys.path.insert(0, 'tests'); import test_kernels_extend_attention as t
+t.bench_extend(4096)" ;;
     parity) d=$(model qwen3-4b); phase parity 120 python3 scripts/check_gpu_parity.py "$d" \
               --prompts 2 --len 512 --out $RES/parity.json ;;
     ceilings) phase ceilings 60 python3 scripts/bench_gpu.py ceilings --out $RES/ceilings.json ;;
@@ -55,13 +56,13 @@ import tests.test_kernels_extend_attention as t; t.bench_extend(4096)" ;;
               --num-prompts 16 --out $RES/serve_warm.json ;;
     serve_ablation) d=$(model qwen3-4b)
            phase serve_no_overlap 150 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 8 \
-              --out $RES/serve_no_overlap.json -- --disable-overlap
+              --num-prompts 16 --out $RES/serve_no_overlap.json --serve-args=--disable-overlap
            phase serve_no_graph 150 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 8 \
-              --out $RES/serve_no_graph.json -- --disable-cuda-graph ;;
+              --num-prompts 16 --out $RES/serve_no_graph.json --serve-args=--disable-cuda-graph ;;
     serve_ttft) d=$(model qwen3-4b)  # the per-step token budget against TTFT at concurrency 8
            for b in 1024 2048; do
              phase serve_budget$b 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 8 \
-               --num-prompts 32 --out $RES/serve_budget$b.json -- --max-batched-tokens $b
+               --num-prompts 32 --out $RES/serve_budget$b.json --serve-args="--max-batched-tokens $b"
            done ;;
     hf) d=$(model qwen3-4b); phase hf 400 python3 scripts/bench_hf.py "$d" --batch 1 8 \
               --modes eager static --repeats 1 --out $RES/hf_4b.json ;;

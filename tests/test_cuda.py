@@ -153,3 +153,31 @@ async def test_idle_engine_sleeps(gpu_model: LoadedModel, make_engine: Any) -> N
     t0 = time.process_time()
     await asyncio.sleep(1.0)
     assert time.process_time() - t0 < 0.1
+
+
+async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any) -> None:
+    """After the serve warm-up, staggered arrivals (mixed steps with every count of decode
+    rows, page tables of every width, several prefills per step) build no new Triton variant:
+    each would stall every request for up to seconds mid-serving. A model of its own head shape
+    (head dim 64, 8 query heads per KV head), so no earlier test built its variants."""
+    from arle.diagnostics import Phase, warmup_passes
+    from arle.executor.cuda import watch_compiles
+
+    write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", **{
+        **GPU_SHAPE, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 1,
+        "head_dim": 64}), seed=4)
+    engine = make_engine(load_model(tmp_path, "bfloat16", "cuda"), max_running_requests=16,
+                         kv_cache_tokens=32768)
+    phases: list[Phase] = []
+    assert await warmup_passes(engine, phases), phases
+    built: list[str] = []
+    stop = watch_compiles(built.append)
+    try:
+        async def late(i: int) -> None:
+            await asyncio.sleep(0.003 * i)
+            await run(engine, _prompt(7 + 37 * i, 50 + i), max_tokens=12 + i, ignore_eos=True)
+        await asyncio.gather(*(late(i) for i in range(24)))
+    finally:
+        stop()
+    assert not built, f"{len(built)} variants built after warm-up: {built[:3]}"
+    engine.cache.check()

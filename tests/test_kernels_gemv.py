@@ -10,29 +10,19 @@ element the kernel does not write shows.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import run_interpreter_check
 
-from arle_kernels.fused import silu_and_mul_ref
 from arle_kernels.gemv import (
-    ADD_RMS,
     BENCH_SHAPES,
-    MAX_M,
-    RMS,
-    SILU,
     GemvConfig,
     _launch,
     _pick_config,
-    add_rms_norm_linear,
-    add_rms_norm_linear_ref,
     gemv,
     gemv_ref,
-    silu_and_mul_linear,
-    silu_and_mul_linear_ref,
     use_gemv,
 )
 
@@ -67,7 +57,7 @@ def check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tol: float,
     """gemv (or `cfg` through _launch) into a NaN-poisoned output, against the fp64 result and
     gemv_ref, each within `tol`."""
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
-    got = gemv(x, w, b, out=out) if cfg is None else _launch(x, w, b, out, cfg)[0]
+    got = gemv(x, w, b, out=out) if cfg is None else _launch(x, w, b, out, cfg)
     assert got.data_ptr() == out.data_ptr() and got.dtype == x.dtype
     what = f"M={x.shape[0]} N={w.shape[0]} K={x.shape[1]} bias={b is not None} cfg={cfg}"
     err = rel_err(got, exact(x, w, b))
@@ -75,54 +65,6 @@ def check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tol: float,
     err = rel_err(got, gemv_ref(x, w, b))
     assert err < tol, f"{what}: rel {err:.2e} vs gemv_ref"
     return got
-
-
-def prologue_inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int = 0
-                    ) -> dict[str, torch.Tensor]:
-    """x, residual ~ N(0, 1), a norm weight ~ 1 +- 0.5, W ~ N(0, 1/K), gate_up ~ N(0, 2)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device)
-    return {"x": randn(m, k).to(dtype), "residual": randn(m, k).to(dtype),
-            "norm": (1 + 0.5 * randn(k)).to(dtype), "w": (randn(n, k) * k ** -0.5).to(dtype),
-            "gate_up": (2 * randn(m, 2 * k)).to(dtype)}
-
-
-def exact_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor,
-                      eps: float, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp64 RMSNorm(s) @ W^T for s = x + residual rounded to the dtype (the stream HF keeps),
-    and s."""
-    s = x if residual is None else (x.float() + residual.float()).to(x.dtype)
-    sd = s.double()
-    inv = (sd.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
-    return (sd * inv * norm.double()) @ w.double().T, s
-
-
-def check_prologues(m: int, n: int, k: int, dtype: torch.dtype, device: str, tol: float,
-                    cfg: GemvConfig | None = None, seed: int = 0) -> None:
-    """add_rms_norm_linear (with and without a residual) and silu_and_mul_linear through the
-    kernels (the public functions, or `cfg` through _launch) against fp64 and the references;
-    the new residual exactly x + residual rounded."""
-    t = prologue_inputs(m, n, k, dtype, device, seed)
-    eps = 1e-6
-    what = f"M={m} N={n} K={k} {dtype} cfg={cfg}"
-    for residual in (t["residual"], None):
-        if cfg is None:
-            y, r = add_rms_norm_linear(t["x"], residual, t["norm"], eps, t["w"])
-        else:
-            kind = RMS if residual is None else ADD_RMS
-            y, r = _launch(t["x"], t["w"], None, None, cfg, kind, residual, t["norm"], eps)
-        want, s = exact_norm_linear(t["x"], residual, t["norm"], eps, t["w"])
-        assert torch.equal(r, s), f"{what}: the new residual"
-        assert rel_err(y, want) < tol, f"{what}: norm+linear rel {rel_err(y, want):.2e} vs fp64"
-        y_ref, r_ref = add_rms_norm_linear_ref(t["x"], residual, t["norm"], eps, t["w"])
-        assert torch.equal(r_ref, s) and rel_err(y, y_ref) < 2 * tol, f"{what}: vs the ref"
-    gu, w = t["gate_up"], t["w"]
-    y = (silu_and_mul_linear(gu, w) if cfg is None
-         else _launch(gu, w, None, None, cfg, SILU)[0])
-    want = silu_and_mul_ref(gu).double() @ w.double().T  # the same rounded operand
-    assert rel_err(y, want) < tol, f"{what}: silu+linear rel {rel_err(y, want):.2e} vs fp64"
-    assert rel_err(y, silu_and_mul_linear_ref(gu, w)) < 2 * tol, f"{what}: silu vs the ref"
 
 
 # ---- CPU: the rules, the reference ----------------------------------------------------------
@@ -138,33 +80,26 @@ def test_ref_matches_fp64_and_f_linear() -> None:
 
 
 def test_use_gemv_rule() -> None:
-    """Every row count a decode batch has up to MAX_M (the GEMV at 1-2 rows, tensor cores
-    above), never 0 rows or more than MAX_M (cuBLAS)."""
+    """M = 1 and 2 on every Qwen3-4B shape (where it beat cuBLAS on the H200), never M = 0 or
+    M >= 3 (where it lost)."""
     for n, k in BENCH_SHAPES.values():
-        assert all(use_gemv(m, n, k) for m in (1, 2, 3, 8, 64))
-        assert not use_gemv(0, n, k) and not use_gemv(MAX_M + 1, n, k)
+        assert use_gemv(1, n, k) and use_gemv(2, n, k)
+        assert not any(use_gemv(m, n, k) for m in (0, 3, 4, 8, 64))
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("shape", list(BENCH_SHAPES))
-@pytest.mark.parametrize("whole_rows", [False, True])
-def test_pick_config(m: int, shape: str, whole_rows: bool) -> None:
-    """GEMV configs the GPU layout argument holds for (BLOCK_K a multiple of 8 x 32 x warps, at
-    most 64 fp32 accumulator registers per thread); tensor-core configs tl.dot takes (blocks
-    >= 16); at most one split per BLOCK_K chunk and none for whole rows; enough programs for
-    the 132 SMs."""
+def test_pick_config(m: int, shape: str) -> None:
+    """Configs the GPU layout argument holds for (BLOCK_K a multiple of 8 x 32 x warps), at
+    most one split per BLOCK_K chunk, enough programs for 132 SMs, and at most 64 fp32
+    accumulator registers per thread (M_PAD x BLOCK_N x runs of 8 per thread)."""
     n, k = BENCH_SHAPES[shape]
-    cfg = _pick_config(m, n, k, whole_rows)
-    assert cfg.tensor_cores == (m >= 3)
+    cfg = _pick_config(m, n, k)
+    assert cfg.block_k % (8 * 32 * cfg.num_warps) == 0
     assert cfg.block_n & (cfg.block_n - 1) == 0
     assert 1 <= cfg.split_k <= -(-k // cfg.block_k)
-    assert cfg.split_k == 1 or not whole_rows
     assert -(-n // cfg.block_n) * cfg.split_k >= 132
-    if cfg.tensor_cores:
-        assert cfg.block_n >= 16 and cfg.block_k >= 16
-    else:
-        assert cfg.block_k % (8 * 32 * cfg.num_warps) == 0
-        assert triton_next_pow2(m) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 8 * 64
+    assert triton_next_pow2(m) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 8 * 64
 
 
 def test_pick_config_splits_small_n() -> None:
@@ -210,25 +145,6 @@ def interp_check_gemv() -> None:
         x, w, b = make_inputs(m, 24, 64, torch.float32, "cpu", bias=False, seed=m)
         check(x, w, b, 1e-5)
         check(x, w, b, 1e-5, GemvConfig(block_n=4, block_k=16, num_warps=1, split_k=4))
-    # the tensor-core kernel: M padded to 16 (3, 5 rows) and 32 (17 rows), a ragged N and K,
-    # split K, and the config gemv picks
-    tc = GemvConfig(block_n=16, block_k=32, num_warps=4, tensor_cores=True)
-    for m in (3, 5, 17):
-        x, w, b = make_inputs(m, 40, 96, torch.float32, "cpu", bias=True, seed=m)
-        check(x, w, b, 1e-5)
-        for cfg in (tc, replace(tc, block_k=64, split_k=2), replace(tc, split_k=3)):
-            check(x, w, b, 1e-5, cfg)
-    # the fused prologues through both kernels, whole and masked K
-    for m, cfg in ((1, GemvConfig(block_n=1, block_k=32, num_warps=1)),
-                   (2, GemvConfig(block_n=2, block_k=64, num_warps=1)),
-                   (5, tc), (5, replace(tc, block_k=64))):
-        check_prologues(m, 40, 96, torch.float32, "cpu", 1e-5, cfg, seed=m)
-        check_prologues(m, 24, 64, torch.float32, "cpu", 1e-5, cfg, seed=m)
-    # SiLU has no row statistics: split K is fine
-    t = prologue_inputs(4, 24, 64, torch.float32, "cpu")
-    y = _launch(t["gate_up"], t["w"], None, None, replace(tc, split_k=2), SILU)[0]
-    want = silu_and_mul_ref(t["gate_up"]).double() @ t["w"].double().T
-    assert rel_err(y, want) < 1e-5
 
 
 @pytest.mark.slow
@@ -241,7 +157,7 @@ def test_interpreter() -> None:
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("shape", list(BENCH_SHAPES))
 def test_gpu_matches_reference(shape: str, m: int, bias: bool) -> None:
     n, k = BENCH_SHAPES[shape]
@@ -255,7 +171,7 @@ def test_gpu_matches_reference(shape: str, m: int, bias: bool) -> None:
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 24])
+@pytest.mark.parametrize("m", [1, 4])
 def test_gpu_odd_shapes(m: int) -> None:
     """N, K off every block size (K % 8 != 0 too: scalar loads), fp16 and fp32, strided x."""
     for n, k, dtype in ((1000, 2500, torch.bfloat16), (77, 4100, torch.float16),
@@ -266,16 +182,6 @@ def test_gpu_odd_shapes(m: int) -> None:
         wide = torch.zeros(m, k + 64, dtype=dtype, device="cuda")
         wide[:, 64:] = x
         check(wide[:, 64:], w, b, tol)
-
-
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 64])
-def test_gpu_prologues(m: int) -> None:
-    """The fused norm + linear and SiLU + linear on Qwen3-4B's shapes (qkv and gate_up after a
-    norm, down after SiLU; K = hidden or intermediate), bf16, and on Qwen3-0.6B's qkv."""
-    for n, k in ((6144, 2560), (19456, 2560), (2560, 9728), (4096, 1024)):
-        check_prologues(m, n, k, torch.bfloat16, "cuda", 1e-2, seed=m)
 
 
 @needs_cuda

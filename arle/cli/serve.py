@@ -96,9 +96,10 @@ async def _warm_up(engine: AsyncEngine) -> None:
         failed = next(p for p in phases if not p.ok)
         raise ArleError(f"warm-up failed in phase {failed.name}: {failed.error}")
     if engine.config.device == "cuda":
-        from arle.executor.cuda import warn_on_late_compiles
+        from arle.executor.cuda import watch_compiles
 
-        warn_on_late_compiles()
+        watch_compiles(lambda kernel: log.warning("triton_kernel_built_after_warmup",
+                                                  kernel=kernel[:2000]))
 
 
 async def _serve(config: EngineConfig, settings: Any, host: str, port: int,

@@ -63,15 +63,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                backend: AttentionBackend, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (attention output, the residual stream): `norm` (the layer's input
-        norm) runs fused with the qkv projection."""
-        qkv, residual = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
-                                                self.qkv_proj.weight, self.qkv_proj.bias)
+    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         q_norm = self.q_norm.weight if self.q_norm is not None else None
         k_norm = self.k_norm.weight if self.k_norm is not None else None
-        return self.o_proj(backend.attend(self.layer, qkv, q_norm, k_norm)), residual
+        return self.o_proj(backend.attend(self.layer, self.qkv_proj(x), q_norm, k_norm))
 
 
 class MLP(nn.Module):
@@ -81,14 +76,8 @@ class MLP(nn.Module):
             cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size}, tp=tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops: Ops
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (MLP output, the residual stream): `norm` runs fused with gate_up,
-        SiLU-and-mul with down."""
-        gate_up, residual = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
-                                                    self.gate_up_proj.weight, None)
-        down = self.down_proj
-        return down.reduce(ops.silu_and_mul_linear(gate_up, down.weight)), residual
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -103,11 +92,17 @@ class DecoderLayer(nn.Module):
                 ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it).
 
-        NOTE: the residual add is fused into the next norm, and each norm into the linear layer
-        after it (`ops.add_rms_norm_linear`): the stream is x + residual, rounded to the model
-        dtype, exactly as `h = h + f(h)` in HF's code."""
-        h, residual = self.self_attn(x, residual, self.input_layernorm, backend, ops)
-        return self.mlp(h, residual, self.post_attention_layernorm, ops)
+        NOTE: the residual add is fused into the next norm (`ops.add_rms_norm`): the stream is
+        x + residual, rounded to the model dtype, exactly as `h = h + f(h)` in HF's code."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, backend)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h, ops), residual
 
 
 class DecoderLM(nn.Module):

@@ -32,8 +32,8 @@ SINGLE = TPGroup()
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias). On CUDA with few rows (decode batches) our Triton kernels, which
-    stream the weights faster than cuBLAS there (arle_kernels.gemv.use_gemv); else cuBLAS."""
+    """x @ weight^T (+ bias). On CUDA with one or two rows (batch-1/2 decode) our Triton GEMV,
+    which streams the weights faster than cuBLAS there (docs/benchmarks: gemv); else cuBLAS."""
     if x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -122,11 +122,7 @@ class RowParallelLinear(nn.Module):
         _copy(param.data, loaded.narrow(1, self.tp.rank * n, n) if self.tp.size > 1 else loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(linear(x, self.weight))
-
-    def reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """This rank's partial x W^T -> the layer's output (for callers that fuse the product
-        with what comes before it)."""
+        y = linear(x, self.weight)
         y = self.tp.all_reduce(y)
         # NOTE: the bias is added once, after the reduction, not on every rank.
         return y + self.bias if self.bias is not None else y

@@ -1,0 +1,23 @@
+"""`jit_varying`: @triton.jit for kernels some of whose arguments change from step to step."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import triton
+
+
+def jit_varying(*names: str) -> Callable[[Any], Any]:
+    """@triton.jit with no specialisation on `names`' values.
+
+    Triton compiles a variant per class of each int argument (== 1, a multiple of 16, other) and
+    per pointer alignment (16 bytes or not). For an argument that changes every step (a page
+    table's width, a split count, a view that starts a few rows into a buffer) each new class
+    is a compile of up to seconds in the middle of serving, stalling every request. Not
+    specialising them gives one variant, built at warm-up."""
+    kw: dict[str, Any] = {"do_not_specialize": list(names)}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        kw["do_not_specialize_on_alignment"] = list(names)
+    return triton.jit(**kw)
