@@ -38,7 +38,7 @@ for p in "$@"; do
              tests/test_kernels_gemv.py \
              >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"; tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;
     kbench) phase kbench 200 python3 -c "
-from arle_kernels.gemv import bench_gemv, sweep_tc; sweep_tc(); bench_gemv()
+from arle_kernels.gemv import bench_gemv; bench_gemv()
 from arle_kernels.fused import bench_fused; bench_fused()
 import sys; sys.path.insert(0, 'tests'); import test_kernels_extend_attention as t
 t.bench_extend(4096)" ;;
