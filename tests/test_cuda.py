@@ -155,7 +155,10 @@ async def test_idle_engine_sleeps(gpu_model: LoadedModel, make_engine: Any) -> N
     assert time.process_time() - t0 < 0.1
 
 
-async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any) -> None:
+# NOTE: without graphs first: then no test before it in this process built its variants
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
+async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any,
+                                              cuda_graph: bool) -> None:
     """After the serve warm-up, staggered arrivals (mixed steps with every count of decode
     rows, page tables of every width, several prefills per step) build no new Triton variant:
     each would stall every request for up to seconds mid-serving. A model of its own head shape
@@ -167,7 +170,7 @@ async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any) 
         **GPU_SHAPE, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 1,
         "head_dim": 64}), seed=4)
     engine = make_engine(load_model(tmp_path, "bfloat16", "cuda"), max_running_requests=16,
-                         kv_cache_tokens=32768)
+                         kv_cache_tokens=32768, cuda_graph=cuda_graph)
     phases: list[Phase] = []
     assert await warmup_passes(engine, phases), phases
     built: list[str] = []

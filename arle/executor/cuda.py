@@ -185,6 +185,8 @@ class CUDAExecutor:
             self.graphs = DecodeGraphs(min(config.cuda_graph_max_bs, config.num_slots),
                                        self.max_pages, self.device)
             self._capture(self.graphs)
+        else:
+            self._build_decode_variants()
         #: What start-up measured, for `arle warmup` and the model info.
         self.startup_info = {
             "memory_plan": {"total_bytes": total, "weights_bytes": weights,
@@ -259,6 +261,24 @@ class CUDAExecutor:
         graphs.capture_s = time.perf_counter() - t0
         log.info("cuda_graphs_captured", batch_sizes=graphs.sizes,
                  seconds=round(graphs.capture_s, 2))
+
+    def _build_decode_variants(self) -> None:
+        """Without graphs, eager decode steps pick their split count by batch size (1..32, a
+        power of two, each its own merge-kernel variant): build them all now, not mid-serving.
+        One row of one token over page 0; the output is thrown away."""
+        cfg = self.model.config
+        counts = {pick_num_splits(b, cfg.num_kv_heads, self.config.max_model_len, self.num_sms)
+                  for b in range(1, self.num_slots + 1)}
+        k, v, ks, vs = self.kv.layer(0)
+        q = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=self.model.embed_tokens.weight.dtype,
+                        device=self.device)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=self.device)
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            for n in sorted(counts):
+                self.model.ops.decode_attention(q, k, v, table, seq_lens, 1.0, n, k_scale=ks,
+                                                v_scale=vs)
+        self.stream.synchronize()
 
     def _forward_decode(self, step: DeviceStep) -> torch.Tensor:
         backend = PagedAttention(self.kv, step, self.rotary, self.model)
