@@ -142,14 +142,16 @@ async def _decode(args: argparse.Namespace) -> dict[str, Any]:
     ex = engine.executor
     graphs = getattr(ex, "graphs", None)
     if graphs is not None:
-        # The device time of one decode step: replay the batch-1 graph with the last context.
-        g = graphs.graphs[1]
-        with torch.cuda.stream(ex.stream):  # type: ignore[attr-defined]
-            out["graph_replay_bs1_ms"] = _median_ms(g.replay)
-            try:
-                out["kernels_bs1"] = _kernel_breakdown(g.replay)
-            except Exception as e:  # the profiler is a bonus: never lose the figures for it
-                out["kernels_bs1"] = {"error": repr(e)}
+        # The device time of one decode step: replay the batch-1 and -8 graphs (the last
+        # context they were loaded with), and where that time goes, kernel by kernel.
+        for bs in (1, 8):
+            g = graphs.graphs[bs]
+            with torch.cuda.stream(ex.stream):  # type: ignore[attr-defined]
+                out[f"graph_replay_bs{bs}_ms"] = _median_ms(g.replay)
+                try:
+                    out[f"kernels_bs{bs}"] = _kernel_breakdown(g.replay)
+                except Exception as e:  # the profiler is a bonus: never lose the figures for it
+                    out[f"kernels_bs{bs}"] = {"error": repr(e)}
     out["startup"] = engine.model_info.get("cuda_graphs")
     await engine.close()
     return out

@@ -175,6 +175,8 @@ async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any,
     assert await warmup_passes(engine, phases), phases
     built: list[str] = []
     stop = watch_compiles(built.append)
+    if stop is None:
+        pytest.skip("this Triton has no jit_cache_hook to watch builds with")
     try:
         async def late(i: int) -> None:
             await asyncio.sleep(0.003 * i)
