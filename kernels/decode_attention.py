@@ -15,8 +15,8 @@ Layout of the work:
   pass 2 is skipped (one launch).
 
 NOTE: the grid depends only on host ints (B, KVH, num_splits): each program derives its split's
-token range from seq_lens *in the kernel* (split length = cdiv(cdiv(seq_len, S), PAGE_SIZE) *
-PAGE_SIZE), so the wrapper never reads a device tensor and is safe to capture in a CUDA graph.
+token range from seq_lens *in the kernel* (split length = cdiv(cdiv(seq_len, S), BLOCK_N) *
+BLOCK_N), so the wrapper never reads a device tensor and is safe to capture in a CUDA graph.
 Any num_splits is correct for any seq_len; it only changes speed. Under a graph, pick it for the
 longest context the graph will see (empty splits cost a program that writes -inf and exits).
 A row with seq_len 0 (a padding row of a graph batch) gets zeros.
@@ -73,9 +73,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
-    # NOTE: splits are whole pages, not whole blocks: rounding a split up to BLOCK_N (64) would
-    # leave the last splits empty for short contexts (5 of 8 busy at 640 tokens)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), PAGE_SIZE) * PAGE_SIZE
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -90,8 +88,8 @@ def _decode_split_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)  # running sum of exp2
     acc = tl.zeros([G_PAD, D], tl.float32)
     pt_row = page_table_ptr + b * stride_pt
-    # NOTE: every block holds >= 1 real token (n0 < end), so each block's row max is finite and
-    # no exp2(-inf - -inf) appears.
+    # NOTE: start is a multiple of BLOCK_N and every block holds >= 1 real token (n0 < end), so
+    # each block's row max is finite and no exp2(-inf - -inf) appears.
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
