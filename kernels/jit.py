@@ -20,4 +20,12 @@ def jit_varying(*names: str) -> Callable[[Any], Any]:
     kw: dict[str, Any] = {"do_not_specialize": list(names)}
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
         kw["do_not_specialize_on_alignment"] = list(names)
-    return triton.jit(**kw)
+
+    def wrap(fn: Any) -> Any:
+        # NOTE: Triton ignores a name that is no argument: a typo would silently bring back
+        # the mid-serving compiles, so it fails here, at import
+        unknown = [n for n in names if n not in inspect.signature(fn).parameters]
+        if unknown:
+            raise TypeError(f"{fn.__name__} has no argument {', '.join(unknown)}")
+        return triton.jit(**kw)(fn)
+    return wrap
