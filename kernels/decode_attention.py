@@ -183,9 +183,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_splits: int, *, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """q [B, H, D]; page_table [B, max_pages] int32; seq_lens [B] int32 (device, each >= 1;
-    a 0 gives zeros). Returns [B, H, D] in q.dtype (written into `out` if given)."""
+    a 0 gives zeros). Returns [B, H, D] in q.dtype (written into `out` if given).
+    config: (BLOCK_N, num_warps, num_stages) of the split kernel, for tuning sweeps."""
     _check(q, k_cache, v_cache, page_table, seq_lens, num_splits, k_scale, v_scale, out)
     b, h, d = q.shape
     _pages, page_size, kvh, _ = k_cache.shape
@@ -197,7 +199,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
     # NOTE: one config per shape family (compile time is a published figure): 64-token blocks
     # (4 pages of 16), halved at D 256 to keep K+V tiles x 2 stages in shared memory.
-    block_n = 64 if d <= 128 else 32
+    block_n, warps, stages = config if config is not None else (64 if d <= 128 else 32, 4, 2)
     g_pad = max(16, triton.next_power_of_2(group))
     # fp32 inputs (tests, parity runs) must not silently drop to tf32 on the GPU
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -225,7 +227,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *o_strides, *l_strides,
         D=d, PAGE_SIZE=page_size, BLOCK_N=block_n, G_PAD=g_pad,
         IS_FP8=is_fp8, SINGLE=single, PRECISION=precision,
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     if not single:
         _merge_kernel[(b, h)](

@@ -103,13 +103,16 @@ def row_errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def check_kernel(case: Case, num_splits: int, tol: float, loose_tol: float | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the kernel into a NaN-poisoned output, compare to the reference on the same cache,
-    and (fp8) to the reference on the unquantised cache with `loose_tol`."""
+                 out: torch.Tensor | None = None,
+                 config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Run the kernel (with `config`, or its own) into a NaN-poisoned output, compare to the
+    reference on the same cache, and (fp8) to the reference on the unquantised cache with
+    `loose_tol`."""
     if out is None:
         out = torch.empty_like(case.q)
     out.fill_(float("nan"))
-    got = decode_attention(*case.args(), case.scale, num_splits, **case.scales(), out=out)
+    got = decode_attention(*case.args(), case.scale, num_splits, **case.scales(), out=out,
+                           config=config)
     assert got.data_ptr() == out.data_ptr() and got.dtype == case.q.dtype
     ref = decode_attention_ref(*case.args(), case.scale, num_splits, **case.scales())
     rel, max_abs = row_errors(got, ref)
@@ -180,6 +183,9 @@ def interp_check_decode_attention() -> None:
     for splits in (1, 2, 4):
         out = check_kernel(case, splits, 1e-3)
         assert torch.equal(out[3], torch.zeros_like(out[3]))
+    # other block sizes, as bench_decode's sweep tries them (16 = one page per step)
+    for config in ((16, 2, 1), (128, 4, 2)):
+        check_kernel(case, 2, 1e-3, config=config)
     # fp32, GQA group 3 (padded to 16 rows), a non-power-of-two split count
     case = make_case(2, [130, 1, 33], 6, 2, 32, torch.float32, False, "cpu")
     check_kernel(case, 3, 1e-4)
@@ -288,3 +294,39 @@ def test_gpu_cuda_graph_replay(fp8: bool) -> None:
         padding = (case.seq_lens == 0).nonzero().flatten().tolist()
         for row in padding:
             assert torch.equal(out[row], torch.zeros_like(out[row]))
+
+
+# ---- benchmark (GPU): the split kernel's configs, not a test ----------------------------------
+
+#: (BLOCK_N, num_warps, num_stages) tried by bench_decode; the first is the default
+DECODE_CONFIGS = [(64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3), (64, 8, 2),
+                  (128, 4, 2), (16, 2, 4)]
+
+
+def bench_decode(batches: tuple[int, ...] = (1, 8, 32), contexts: tuple[int, ...] = (640, 4096),
+                 heads: int = 32, kv_heads: int = 8, d: int = 128) -> None:
+    """Qwen3-4B's decode attention (one layer) in CUDA graphs: µs and KV read GB/s per config
+    (DECODE_CONFIGS), at the split count the engine's graphs use (pick_num_splits). Run on the
+    GPU: `python -c "import sys; sys.path.insert(0, 'tests'); import test_kernels_decode_attention
+    as t; t.bench_decode()"`."""
+    import triton.testing
+
+    from arle_kernels.decode_attention import pick_num_splits
+
+    for ctx in contexts:
+        for batch in batches:
+            case = make_case(0, [ctx] * batch, heads, kv_heads, d, torch.bfloat16, False, "cuda",
+                             poison=False)
+            splits = pick_num_splits(batch, kv_heads, 40960)
+            kv_bytes = 2 * batch * ctx * kv_heads * d * 2
+            out = torch.empty_like(case.q)
+            row = []
+            for cfg in DECODE_CONFIGS:
+                try:
+                    us = 1e3 * triton.testing.do_bench_cudagraph(
+                        lambda cfg=cfg, c=case, n=splits, o=out: decode_attention(
+                            *c.args(), c.scale, n, out=o, config=cfg))
+                    row.append(f"{cfg}: {us:6.1f} us {kv_bytes / us / 1e3:5.0f} GB/s")
+                except Exception as e:  # e.g. out of shared memory: report and go on
+                    row.append(f"{cfg}: {type(e).__name__}")
+            print(f"ctx {ctx:5} batch {batch:3} splits {splits:2} | " + " | ".join(row), flush=True)
