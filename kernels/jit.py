@@ -1,4 +1,5 @@
-"""`jit_varying`: @triton.jit for kernels some of whose arguments change from step to step."""
+"""`jit_varying`: @triton.jit for kernels some of whose arguments change from step to step;
+`watch_compiles`: a callback for every kernel variant Triton builds (serving watches with it)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,26 @@ def jit_varying(*names: str) -> Callable[[Any], Any]:
             raise TypeError(f"{fn.__name__} has no argument {', '.join(unknown)}")
         return triton.jit(**kw)(fn)
     return wrap
+
+
+def watch_compiles(on_build: Callable[[str], None]) -> Callable[[], None] | None:
+    """Call on_build(kernel and signature) for every Triton kernel variant this process builds
+    from now on (or loads from Triton's disk cache); returns a function that stops watching.
+
+    Serving calls it after warm-up: a variant built later is a stall of up to seconds (a
+    compile) for every running request, and one the warm-up should have built. Needs Triton's
+    `knobs` (3.4+); elsewhere it watches nothing and returns None."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        return None
+    previous = runtime.jit_cache_hook
+
+    def hook(*args: object, **kwargs: object) -> bool:
+        on_build(str(kwargs.get("repr", "")))
+        return False  # go on and build it
+
+    runtime.jit_cache_hook = hook
+
+    def stop() -> None:
+        runtime.jit_cache_hook = previous
+    return stop

@@ -164,7 +164,7 @@ async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any,
     each would stall every request for up to seconds mid-serving. A model of its own head shape
     (head dim 64, 8 query heads per KV head), so no earlier test built its variants."""
     from arle.diagnostics import Phase, warmup_passes
-    from arle.executor.cuda import watch_compiles
+    from arle_kernels.jit import watch_compiles
 
     write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", **{
         **GPU_SHAPE, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 1,

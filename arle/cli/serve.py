@@ -96,7 +96,7 @@ async def _warm_up(engine: AsyncEngine) -> None:
         failed = next(p for p in phases if not p.ok)
         raise ArleError(f"warm-up failed in phase {failed.name}: {failed.error}")
     if engine.config.device == "cuda":
-        from arle.executor.cuda import watch_compiles
+        from arle_kernels.jit import watch_compiles
 
         watch_compiles(lambda kernel: log.warning("triton_kernel_built_after_warmup",
                                                   kernel=kernel[:2000]))

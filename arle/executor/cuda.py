@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 
 import torch
@@ -417,27 +417,3 @@ def _to_device(batch: SamplingBatch, device: torch.device) -> SamplingBatch:
 
 
 
-
-def watch_compiles(on_build: Callable[[str], None]) -> Callable[[], None] | None:
-    """Call on_build(kernel and signature) for every Triton kernel variant this process builds
-    from now on (or loads from Triton's disk cache); returns a function that stops watching.
-
-    Serving calls it after warm-up: a variant built later is a stall of up to seconds (a
-    compile) for every running request, and one the warm-up should have built. Needs Triton's
-    `knobs` (3.4+); elsewhere it watches nothing and returns None."""
-    import triton
-
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
-        return None
-    previous = runtime.jit_cache_hook
-
-    def hook(*args: object, **kwargs: object) -> bool:
-        on_build(str(kwargs.get("repr", "")))
-        return False  # go on and build it
-
-    runtime.jit_cache_hook = hook
-
-    def stop() -> None:
-        runtime.jit_cache_hook = previous
-    return stop
