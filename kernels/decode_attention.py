@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from arle_kernels.attention import check_kv_scales, decode_gather_index
-from arle_kernels.jit import jit_varying
+from arle_kernels.jit import gdc_launch_dependents, gdc_wait, jit_varying, pdl_enabled, pdl_launch
 
 _LOG2E = 1.4426950408889634
 
@@ -64,10 +64,12 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
-    IS_FP8: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (row, KV head, split): the G query heads of the KV head against the split's tokens.
     SINGLE: write the final output (o_ptr is `out`, in q's dtype) and no lse."""
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -76,6 +78,10 @@ def _decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    # NOTE: seq_lens and the page table are the step's metadata; q and this step's K/V (just
+    # stored by the previous kernel) are read only after the wait
+    if PDL:
+        gdc_wait()
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
@@ -97,7 +103,8 @@ def _decode_split_kernel(
         in_page = offs_n % PAGE_SIZE
         k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
         v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
-        # K loaded transposed [D, BLOCK_N]; masked lanes read nothing (fp8 needs other=0.0)
+        # K loaded transposed [D, BLOCK_N]; masked lanes read nothing (fp8 needs other=0.0).
+        # V is loaded with K, before it is needed, so the two loads are in flight together.
         k = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0)
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION)  # [G_PAD, BLOCK_N] fp32
@@ -137,10 +144,13 @@ def _merge_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    D: tl.constexpr, S_PAD: tl.constexpr,
+    D: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (row, query head): out = sum_s w_s * o_s / sum_s w_s, w_s = exp(lse_s - max lse).
     Splits with lse = -inf weigh 0; a row with no tokens at all gets zeros."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
@@ -207,6 +217,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     vs = v_scale if v_scale is not None else v_cache
     s_strides = ks.stride()[:3] if is_fp8 else (0, 0, 0)
     single = num_splits == 1
+    pdl = pdl_enabled()
     o_strides: tuple[int, ...]
     l_strides: tuple[int, ...]
     if single:
@@ -226,15 +237,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         page_table.stride(0),
         *o_strides, *l_strides,
         D=d, PAGE_SIZE=page_size, BLOCK_N=block_n, G_PAD=g_pad,
-        IS_FP8=is_fp8, SINGLE=single, PRECISION=precision,
-        num_warps=warps, num_stages=stages,
+        IS_FP8=is_fp8, SINGLE=single, PRECISION=precision, PDL=pdl,
+        num_warps=warps, num_stages=stages, **pdl_launch(pdl),
     )
     if not single:
         _merge_kernel[(b, h)](
             o_part, lse, out, num_splits,
             *o_part.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-            D=d, S_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4 if d <= 128 else 8, num_stages=1,
+            D=d, S_PAD=triton.next_power_of_2(num_splits), PDL=pdl,
+            num_warps=4 if d <= 128 else 8, num_stages=1, **pdl_launch(pdl),
         )
     return out
 

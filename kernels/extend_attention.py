@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from arle_kernels.jit import jit_varying
+from arle_kernels.jit import gdc_launch_dependents, gdc_wait, jit_varying, pdl_enabled, pdl_launch
 
 _LOG2E = 1.4426950408889634
 
@@ -130,10 +130,12 @@ def _extend_kernel(
     stride_pt,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (token block, KV head, row): BLOCK_T new tokens x the G query heads of the KV head,
     against the row's keys up to the tile's last query position."""
+    if PDL:
+        gdc_launch_dependents()
     BLOCK_T = BLOCK_M // G
     qb = tl.num_programs(0) - 1 - tl.program_id(0)  # last token blocks (most keys) first
     kvh = tl.program_id(1)
@@ -146,6 +148,8 @@ def _extend_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + row)
     prefix = seq_len - q_len
+    if PDL:  # the lengths above are metadata; q and the K/V just stored are not
+        gdc_wait()
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -240,6 +244,7 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
         return out
     block_t = block_m // group
     grid = (-(-max_q_len // block_t), kv_heads, rows)
+    pdl = pdl_enabled()
     _extend_kernel[grid](
         q, k_cache, v_cache, ks, vs, out,
         page_table, cu_q_lens, seq_lens,
@@ -249,8 +254,8 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
         sst[0], sst[1], sst[2],
         page_table.stride(0),
         G=group, D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        IS_FP8=is_fp8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        IS_FP8=is_fp8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return out
 

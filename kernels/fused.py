@@ -36,6 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from arle_kernels.attention import check_kv_scales
+from arle_kernels.jit import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
 
 #: e4m3fn's largest finite value, and the floor of a head's amax (an all-zero head).
 FP8_MAX = 448.0
@@ -78,10 +79,13 @@ def _scale_row(x, inv_rms, w, dtype: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                     PDL: tl.constexpr):
     """One program per row. NUM_BLOCKS == 1 (n <= BLOCK): the row stays in registers, read once.
     Otherwise pass 1 accumulates the sum of squares block by block (and writes x + residual),
     pass 2 re-reads the row (from L2) and writes y."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
@@ -90,11 +94,15 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y
     if NUM_BLOCKS == 1:
         offs = tl.arange(0, BLOCK)
         mask = offs < n
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # a weight: safe before the wait
+        if PDL:
+            gdc_wait()
         x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL)
         inv_rms = _inv_rms(tl.sum(x * x, 0), n, eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         tl.store(y_row + offs, _scale_row(x, inv_rms, w, dtype), mask=mask)
     else:
+        if PDL:
+            gdc_wait()
         acc = tl.zeros([BLOCK], tl.float32)
         for i in range(NUM_BLOCKS):
             offs = i * BLOCK + tl.arange(0, BLOCK)
@@ -138,8 +146,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if t == 0:
         return y
     block, num_blocks, warps = _norm_launch(n)
+    pdl = pdl_enabled()
     _rms_norm_kernel[(t,)](x, x, weight, y, n, x.stride(0), 0, y.stride(0), eps,
-                           HAS_RESIDUAL=False, BLOCK=block, NUM_BLOCKS=num_blocks, num_warps=warps)
+                           HAS_RESIDUAL=False, BLOCK=block, NUM_BLOCKS=num_blocks, PDL=pdl,
+                           num_warps=warps, **pdl_launch(pdl))
     return y
 
 
@@ -155,9 +165,10 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
     if t == 0:
         return y, residual
     block, num_blocks, warps = _norm_launch(n)
+    pdl = pdl_enabled()
     _rms_norm_kernel[(t,)](x, residual, weight, y, n, x.stride(0), residual.stride(0),
                            y.stride(0), eps, HAS_RESIDUAL=True, BLOCK=block, NUM_BLOCKS=num_blocks,
-                           num_warps=warps)
+                           PDL=pdl, num_warps=warps, **pdl_launch(pdl))
     return y, residual
 
 
@@ -179,20 +190,30 @@ def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor,
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _silu_and_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr):
+def silu_mul(gate, up):
+    """silu(gate) * up for gate / up in the model dtype, with HF's two roundings to it (the
+    activation, then the product). Also the epilogue of the GEMV's gate_up projection."""
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (row, j): columns [j*BLOCK, (j+1)*BLOCK) of out = silu(gate) * up for one row of
     gate_up = [gate | up], with HF's two roundings to the dtype."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     gu_row = gu_ptr + row * stride_gu
     gate = tl.load(gu_row + offs, mask=mask, other=0.0)
     up = tl.load(gu_row + inter + offs, mask=mask, other=0.0)
-    dtype = gate.dtype
-    g = gate.to(tl.float32)
-    act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(dtype)
-    out = (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
-    tl.store(out_ptr + row * stride_out + offs, out, mask=mask)
+    tl.store(out_ptr + row * stride_out + offs, silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
@@ -203,8 +224,9 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     if t == 0:
         return out
     grid = (t, triton.cdiv(inter, _SILU_BLOCK))
+    pdl = pdl_enabled()
     _silu_and_mul_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0),
-                               BLOCK=_SILU_BLOCK, num_warps=4)
+                               BLOCK=_SILU_BLOCK, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out
 
 
@@ -274,17 +296,23 @@ def _qk_norm_rope_store_kv_kernel(
     stride_cp, stride_co, stride_ch, stride_sp, stride_so, stride_sh,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr, FP8: tl.constexpr,
+    HAS_NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per token: its q heads (norm + rope -> q out), then, unless its slot is < 0,
     its k heads (norm + rope) and v heads into the cache at the slot. Every element of the
     token's qkv row is read once and q / k / v written once."""
+    if PDL:
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
+    # positions, slots and the rotary table are the step's metadata: safe before the wait
     pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
     cs_row = cs_ptr + pos * stride_cs
     cos = tl.load(cs_row + cols, mask=cols < HALF, other=0.0)
     sin = tl.load(cs_row + HALF + cols, mask=cols < HALF, other=0.0)
+    if PDL:
+        gdc_wait()
     row = qkv_ptr + t * stride_qkv
 
     q1, q2, offs, mask = _norm_rope_heads(row, qw_ptr, eps, cos, sin, H, BLOCK_H, D, HALF,
@@ -293,7 +321,6 @@ def _qk_norm_rope_store_kv_kernel(
     tl.store(q_row + offs, q1, mask=mask)
     tl.store(q_row + offs + HALF, q2, mask=mask)
 
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # NOTE: slot -1 marks a padding row (CUDA graph): no K/V read or write
         k1, k2, kv_offs, kv_mask = _norm_rope_heads(row + H * D, kw_ptr, eps, cos, sin, KVH,
                                                     BLOCK_KVH, D, HALF, BLOCK_HALF, HAS_NORM)
@@ -359,13 +386,15 @@ def qk_norm_rope_store_kv(qkv: Tensor, positions: Tensor, cos_sin: Tensor,
     kw = k_norm if k_norm is not None else qkv
     half = d // 2
     block_h = triton.next_power_of_2(num_heads)
+    pdl = pdl_enabled()
     _qk_norm_rope_store_kv_kernel[(t,)](
         qkv, positions, cos_sin, qw, kw, kv_slots, q, k_cache, v_cache, ks, vs,
         eps, k_cache.shape[1], qkv.stride(0), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *s_strides,
         H=num_heads, KVH=num_kv_heads, D=d, HALF=half, BLOCK_H=block_h,
         BLOCK_KVH=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
-        HAS_NORM=q_norm is not None, FP8=fp8, num_warps=4 if block_h * d <= 4096 else 8)
+        HAS_NORM=q_norm is not None, FP8=fp8, PDL=pdl, num_warps=4 if block_h * d <= 4096 else 8,
+        **pdl_launch(pdl))
     return q
 
 

@@ -34,6 +34,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from arle_kernels.fused import silu_and_mul, silu_and_mul_ref, silu_mul
+from arle_kernels.jit import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
+
 #: rows up to this many run through the kernel (beyond it cuBLAS's GEMM is the right tool)
 MAX_M = 16
 #: use_gemv's bound on M (from bench_gemv on the H200: see use_gemv)
@@ -57,18 +60,31 @@ class GemvConfig:
 
 
 @triton.jit
+def _load_chunk(ptrs, k0, K, kk, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
+    """One BLOCK_K chunk of rows at ptrs (offsets k0 + kk); past K reads nothing (zeros)."""
+    if EVEN_K:
+        return tl.load(ptrs + k0, eviction_policy=EVICT)
+    return tl.load(ptrs + k0, mask=k0 + kk < K, other=0.0, eviction_policy=EVICT)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
                  stride_xm, stride_wn, stride_ym, stride_ys,
                  HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
-                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GLU: tl.constexpr, PDL: tl.constexpr):
     """Program (j, s): columns [j*BLOCK_N, (j+1)*BLOCK_N) of y for all M rows, summed over
     K range [s*k_per_split, (s+1)*k_per_split).
 
     Not PARTIAL: adds the bias and stores y in its dtype. PARTIAL (split K): y is an fp32
     buffer [splits, M, N] (stride_ys between splits) that takes the program's partial sums.
+    GLU: W is [gate; up] with 2N rows; the program also sums up's rows n + N and stores
+    silu(gate) * up (never PARTIAL, no bias).
     NOTE: k_per_split is a multiple of BLOCK_K; EVEN_K means K is too, and every split is
     full (no masks at all).
     """
+    if PDL:
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, M_PAD)
@@ -86,37 +102,53 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
     x_ptrs = x_ptr + rows_x[:, None, None, None] * stride_xm + kk  # [M_PAD, 1, BK/8, 8]
     w_ptrs = w_ptr + rows_w[None, :, None, None] * stride_wn + kk  # [1, BLOCK_N, BK/8, 8]
+    up_ptrs = w_ptrs + N * stride_wn  # GLU only
     k_lo = pid_k * k_per_split
-    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    # NOTE: the last split may run past K (whole chunks of masked loads: no memory traffic)
-    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
-        # W is streamed once: evict it first from L2, keep x (read by every program)
-        if EVEN_K:
-            w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs + k0, eviction_policy="evict_last")
-        else:
-            k_ok = k0 + kk < K
-            w = tl.load(w_ptrs + k0, mask=k_ok, other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0, eviction_policy="evict_last")
-        acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=3)
+    k_hi = k_lo + k_per_split
+    # W is streamed once: evict it first from L2, keep x (read by every program).
+    # NOTE: W does not depend on the previous kernel, so its first chunk is loaded before
+    # waiting for that kernel (PDL); the loop starts one chunk later. The last split may run
+    # past K (whole chunks of masked loads: no memory traffic).
+    w = _load_chunk(w_ptrs, k_lo, K, kk, EVEN_K, "evict_first")
+    if GLU:
+        w_up = _load_chunk(up_ptrs, k_lo, K, kk, EVEN_K, "evict_first")
+    if PDL:
+        gdc_wait()
+    x = _load_chunk(x_ptrs, k_lo, K, kk, EVEN_K, "evict_last").to(tl.float32)
+    acc = tl.sum(x * w.to(tl.float32), axis=3)  # [M_PAD, BLOCK_N, BLOCK_K // 8]
+    if GLU:
+        acc_up = tl.sum(x * w_up.to(tl.float32), axis=3)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        x = _load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
+        w = _load_chunk(w_ptrs, k0, K, kk, EVEN_K, "evict_first")
+        acc += tl.sum(x * w.to(tl.float32), axis=3)
+        if GLU:
+            w_up = _load_chunk(up_ptrs, k0, K, kk, EVEN_K, "evict_first")
+            acc_up += tl.sum(x * w_up.to(tl.float32), axis=3)
     y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if PARTIAL:
         y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, y, mask=out_mask)
     else:
+        dtype = y_ptr.dtype.element_ty
         if HAS_BIAS:
             b = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0)
             y += b.to(tl.float32)[None, :]
+        if GLU:
+            y = silu_mul(y.to(dtype), tl.sum(acc_up, axis=2).to(dtype))
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(y_ptrs, y.to(dtype), mask=out_mask)
 
 
 @triton.jit
 def _split_reduce_kernel(p_ptr, b_ptr, y_ptr, N, splits, stride_ps, stride_pm, stride_ym,
-                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (j, m): y[m, j*BLOCK : (j+1)*BLOCK] = the fp32 partials summed over splits
     0, 1, 2, ... in that order (so the result is deterministic), plus the bias, in y's dtype."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -175,15 +207,22 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None) -
 
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
-            cfg: GemvConfig) -> Tensor:
-    """Run `cfg` (gemv picks it; tests and tuning pass their own)."""
-    _check(x, weight, bias, out)
+            cfg: GemvConfig, glu: bool = False) -> Tensor:
+    """Run `cfg` (gemv picks it; tests and tuning pass their own). glu: weight is [gate; up]
+    and the result silu(x gate^T) * (x up^T), [M, N / 2] (no bias, no split K)."""
+    _check(x, weight, bias, None)
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
+    if glu:
+        assert weight.shape[0] % 2 == 0 and bias is None and cfg.split_k == 1, "glu: [gate; up]"
+    if out is not None:
+        assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "out: [M, N]"
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     if k == 0:
+        if glu:
+            return y.zero_()  # silu(0) * 0
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     # NOTE: every split's K range is a whole number of BLOCK_K chunks (the kernel relies on it)
     chunks = triton.cdiv(k, cfg.block_k)
@@ -191,9 +230,11 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
     splits = triton.cdiv(k, k_per_split)  # no empty splits
     has_bias = bias is not None
     b = bias if bias is not None else y  # a dummy pointer when there is no bias
+    pdl = pdl_enabled()
     meta = {"HAS_BIAS": has_bias, "PARTIAL": splits > 1, "EVEN_K": k % k_per_split == 0,
             "M_PAD": triton.next_power_of_2(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            "GLU": glu, "PDL": pdl, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            **pdl_launch(pdl)}
     grid = (triton.cdiv(n, cfg.block_n), splits)
     if splits == 1:
         _gemv_kernel[grid](x, weight, b, y, m, n, k, k_per_split, x.stride(0),
@@ -204,7 +245,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
                        weight.stride(0), part.stride(1), part.stride(0), **meta)
     _split_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
         part, b, y, n, splits, part.stride(0), part.stride(1), y.stride(0), HAS_BIAS=has_bias,
-        BLOCK=_REDUCE_BLOCK, num_warps=4)
+        BLOCK=_REDUCE_BLOCK, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return y
 
 
@@ -222,6 +263,19 @@ def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     """The reference: F.linear in fp32, cast to x's dtype (into `out` when given)."""
     b = bias.float() if bias is not None else None
     y = F.linear(x.float(), weight.float(), b).to(x.dtype)
+    return y if out is None else out.copy_(y)
+
+
+def gemv_silu_mul(x: Tensor, gate_up: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up] ([2N, K], no bias): an MLP's
+    gate_up projection and activation in one kernel, [M, N]. Gate and up are each rounded to
+    x's dtype before the activation, as `silu_and_mul(gemv(x, gate_up))` rounds them."""
+    cfg = replace(_pick_config(x.shape[0], gate_up.shape[0], x.shape[1]), split_k=1)
+    return _launch(x, gate_up, None, out, cfg, glu=True)
+
+
+def gemv_silu_mul_ref(x: Tensor, gate_up: Tensor, *, out: Tensor | None = None) -> Tensor:
+    y = silu_and_mul_ref(gemv_ref(x, gate_up))
     return y if out is None else out.copy_(y)
 
 
@@ -326,6 +380,15 @@ def bench_gemv(shapes: dict[str, tuple[int, int]] | None = None,
                   f"{w_bytes / g_us / 1e3:11.0f} {w_bytes / c_us / 1e3:6.0f} | {c_us / g_us:7.2f} | "
                   f"{g_eager:16.1f} {c_eager:6.1f} | {'yes' if row['use_gemv'] else 'no ':3} "
                   f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.split_k}")
+        if name == "gate_up":  # the activation fused into the GEMV, against GEMV + silu_and_mul
+            for m in (1, 2):
+                x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+                fused_us = _time_us(gemv_silu_mul, x, weights)
+                apart_us = _time_us(lambda a, w: silu_and_mul(gemv(a, w)), x, weights)
+                rows.append({"shape": "gate_up+silu", "m": m, "n": n, "k": k,
+                             "fused_us": fused_us, "gemv_then_silu_us": apart_us})
+                print(f"gate_up+silu M={m}: fused {fused_us:.1f} us, gemv then silu_and_mul "
+                      f"{apart_us:.1f} us")
         del weights
         torch.cuda.empty_cache()
     return rows

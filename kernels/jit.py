@@ -1,13 +1,29 @@
-"""`jit_varying`: @triton.jit for kernels some of whose arguments change from step to step;
-`watch_compiles`: a callback for every kernel variant Triton builds (serving watches with it)."""
+"""How arle's Triton kernels are compiled and launched.
+
+- `jit_varying`: @triton.jit for kernels some of whose arguments change from step to step.
+- `watch_compiles`: a callback for every kernel variant Triton builds (serving watches with it).
+- `pdl_enabled` / `pdl_launch`: programmatic dependent launch (PDL, Hopper and later).
+
+PDL: a kernel launched with it may start while the kernel before it in the stream is still
+running, once every program of that kernel has called `gdc_launch_dependents` (ours do so
+first thing). Its programs get resident early and run what does not depend on the previous
+kernel (a GEMV loads its first chunk of weights, attention its page table), then
+`gdc_wait` until that kernel has finished and its writes are visible. A decode step is ~360
+launches of a few microseconds each, so the launch and ramp-up of each one hidden under its
+predecessor's tail is time off every step. Inside a CUDA graph the edges become programmatic.
+NOTE: the rule every kernel keeps: before `gdc_wait`, read only what no kernel of the step
+writes (weights, the step's metadata copied in before the first kernel) and write nothing.
+"""
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
 import triton
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def jit_varying(*names: str) -> Callable[[Any], Any]:
@@ -53,3 +69,48 @@ def watch_compiles(on_build: Callable[[str], None]) -> Callable[[], None] | None
     def stop() -> None:
         runtime.jit_cache_hook = previous
     return stop
+
+
+_pdl: bool | None = None
+
+
+def _pdl_supported() -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("ARLE_PDL", "1") == "0":
+        return False
+    import torch
+
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return ("launch_pdl" in CUDAOptions.__dataclass_fields__
+            and torch.cuda.get_device_capability() >= (9, 0))
+
+
+def pdl_enabled() -> bool:
+    """Whether kernels launch with PDL: an NVIDIA GPU of compute capability 9.0+, a Triton that
+    has it, not the interpreter, and ARLE_PDL not "0" (the switch benchmarks compare with).
+    Decided once per process (`set_pdl` overrides it)."""
+    global _pdl
+    if _pdl is None:
+        _pdl = _pdl_supported()
+    return _pdl
+
+
+def set_pdl(on: bool | None) -> None:
+    """Force PDL on or off for the launches that follow (None: decide again). For tests and
+    benchmarks; a CUDA graph keeps what it was captured with."""
+    global _pdl
+    _pdl = on
+
+
+def pdl_launch(pdl: bool) -> dict[str, Any]:
+    """The launch keyword of a kernel taking `PDL: tl.constexpr` (nothing when off: the
+    interpreter knows no such option)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+__all__ = ["gdc_launch_dependents", "gdc_wait", "jit_varying", "pdl_enabled", "pdl_launch",
+           "set_pdl", "watch_compiles"]

@@ -33,11 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import GenerateRequest, SamplingParams
+from arle_kernels.jit import pdl_enabled
 
 
 def _write(path: str, data: dict[str, Any]) -> None:
     data = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "commit": os.environ.get("ARLE_COMMIT"), **data}
+            "torch": torch.__version__, "commit": os.environ.get("ARLE_COMMIT"),
+            "pdl": pdl_enabled(), **data}
     Path(path).write_text(json.dumps(data, indent=1))
     print(json.dumps(data)[:2000])
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests and benchmarks of issue 5, phase by phase, each under a timeout.
 #   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench parity ceilings decode
-#     prefill serve serve_warm serve_ttft serve_ablation hf hf_eager offline decode8b)
+#     decode_nopdl prefill serve serve_warm serve_ttft serve_ablation hf hf_eager offline decode8b)
 # Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/log.txt, $OUT/pytest.txt and
 # $OUT/results.tar (every phase's JSON; at most 8 files come back from $OUT, so one archive,
 # rewritten after each phase: a call cut short still returns what finished).
@@ -42,14 +42,17 @@ from arle_kernels.gemv import bench_gemv; bench_gemv()
 from arle_kernels.fused import bench_fused; bench_fused()
 import sys; sys.path.insert(0, 'tests'); import test_kernels_extend_attention as t
 t.bench_extend(4096)" ;;
-    dbench) phase dbench 150 python3 -c "
-import sys; sys.path.insert(0, 'tests'); import test_kernels_decode_attention as t
-t.bench_decode()" ;;
+    dbench) phase dbench 300 python3 -c "
+import json, sys; sys.path.insert(0, 'tests'); import test_kernels_decode_attention as t
+json.dump(t.bench_decode(), open('$RES/dbench.json', 'w'), indent=0)" ;;
     parity) d=$(model qwen3-4b); phase parity 120 python3 scripts/check_gpu_parity.py "$d" \
               --prompts 2 --len 512 --out $RES/parity.json ;;
     ceilings) phase ceilings 60 python3 scripts/bench_gpu.py ceilings --out $RES/ceilings.json ;;
     decode) d=$(model qwen3-4b); phase decode 100 python3 scripts/bench_gpu.py decode "$d" \
               --out $RES/decode_4b.json ;;
+    decode_nopdl) d=$(model qwen3-4b)  # the same, kernels launched without PDL
+           phase decode_nopdl 100 env ARLE_PDL=0 python3 scripts/bench_gpu.py decode "$d" \
+              --out $RES/decode_4b_nopdl.json ;;
     prefill) d=$(model qwen3-4b); phase prefill 60 python3 scripts/bench_gpu.py prefill "$d" \
               --out $RES/prefill_4b.json ;;
     serve) d=$(model qwen3-4b); rm -rf ~/.triton/cache  # time to ready: cold Triton cache

@@ -147,6 +147,32 @@ async def test_engine_prefix_hit_and_sampling_on_gpu(gpu_model: LoadedModel,
     engine.cache.check()
 
 
+async def test_pdl_changes_no_bit(gpu_model: LoadedModel, make_engine: Any) -> None:
+    """Programmatic dependent launch lets each kernel start while the one before it ends; a
+    wait placed wrong would read a half-written tensor. The same requests, one at a time (so
+    every step is the same batch), give the same tokens and the same logprobs, to the bit,
+    with PDL on and off: prefill chunks (eager kernels) and decode (CUDA graphs)."""
+    from arle_kernels.jit import pdl_enabled, set_pdl
+
+    if not pdl_enabled():
+        pytest.skip("no PDL here (compute capability < 9.0, or an old Triton)")
+    prompts = [_prompt(n, 70 + n) for n in (9, 100, 300)]
+    results = []
+    try:
+        for pdl in (False, True):
+            set_pdl(pdl)
+            engine = make_engine(gpu_model, max_running_requests=8)
+            got = []
+            for p in prompts:
+                deltas = await run(engine, p, max_tokens=20, ignore_eos=True, logprobs=2)
+                got.append([(lp.token_id, lp.top) for d in deltas for lp in d.logprobs or []])
+            results.append(got)
+            engine.cache.check()
+    finally:
+        set_pdl(None)
+    assert len(results[1][0]) == 20 and results[0] == results[1]
+
+
 async def test_idle_engine_sleeps(gpu_model: LoadedModel, make_engine: Any) -> None:
     engine = make_engine(gpu_model, max_running_requests=8)
     await run(engine, _prompt(20, 2), max_tokens=4)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -303,30 +304,56 @@ DECODE_CONFIGS = [(64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3), (6
                   (128, 4, 2), (16, 2, 4)]
 
 
+def _decode_on(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], case: Case,
+               out: torch.Tensor, splits: int, config: tuple[int, int, int]) -> torch.Tensor:
+    """decode_attention of `case`'s rows over the cache pair kv (one layer's)."""
+    return decode_attention(q, kv[0], kv[1], case.page_table, case.seq_lens, case.scale, splits,
+                            out=out, config=config)
+
+
 def bench_decode(batches: tuple[int, ...] = (1, 8, 32), contexts: tuple[int, ...] = (640, 4096),
-                 heads: int = 32, kv_heads: int = 8, d: int = 128) -> None:
-    """Qwen3-4B's decode attention (one layer) in CUDA graphs: µs and KV read GB/s per config
-    (DECODE_CONFIGS), at the split count the engine's graphs use (pick_num_splits). Run on the
-    GPU: `python -c "import sys; sys.path.insert(0, 'tests'); import test_kernels_decode_attention
+                 heads: int = 32, kv_heads: int = 8, d: int = 128) -> list[dict[str, object]]:
+    """Qwen3-4B's decode attention (one layer) as a decode step runs it: back to back in a CUDA
+    graph, each call on another layer's cache (together > 400 MB, so L2 holds none of them).
+    µs per call and KV read GB/s for each config (DECODE_CONFIGS) at split counts around the
+    one the engine's graphs use (pick_num_splits); prints each case's best. Run on the GPU:
+    `python -c "import sys; sys.path.insert(0, 'tests'); import test_kernels_decode_attention
     as t; t.bench_decode()"`."""
-    import triton.testing
-
     from arle_kernels.decode_attention import pick_num_splits
+    from arle_kernels.gemv import _time_us
 
+    rows: list[dict[str, object]] = []
     for ctx in contexts:
         for batch in batches:
             case = make_case(0, [ctx] * batch, heads, kv_heads, d, torch.bfloat16, False, "cuda",
                              poison=False)
-            splits = pick_num_splits(batch, kv_heads, 40960)
             kv_bytes = 2 * batch * ctx * kv_heads * d * 2
+            layers = [(case.k_cache.clone(), case.v_cache.clone())
+                      for _ in range(max(2, -(-400_000_000 // kv_bytes)))]
+            default = pick_num_splits(batch, kv_heads, 40960)
             out = torch.empty_like(case.q)
-            row = []
-            for cfg in DECODE_CONFIGS:
-                try:
-                    us = 1e3 * triton.testing.do_bench_cudagraph(
-                        lambda cfg=cfg, c=case, n=splits, o=out: decode_attention(
-                            *c.args(), c.scale, n, out=o, config=cfg))
-                    row.append(f"{cfg}: {us:6.1f} us {kv_bytes / us / 1e3:5.0f} GB/s")
-                except Exception as e:  # e.g. out of shared memory: report and go on
-                    row.append(f"{cfg}: {type(e).__name__}")
-            print(f"ctx {ctx:5} batch {batch:3} splits {splits:2} | " + " | ".join(row), flush=True)
+            times = {}
+            for splits in sorted({max(1, default // 2), default, 2 * default, 4 * default}):
+                if splits > 64:
+                    continue
+                for cfg in DECODE_CONFIGS:
+                    call = partial(_decode_on, case=case, out=out, splits=splits, config=cfg)
+                    try:
+                        us = _time_us(call, case.q, layers)
+                    except Exception as e:  # e.g. out of shared memory: report and go on
+                        print(f"ctx {ctx} batch {batch} splits {splits} {cfg}: "
+                              f"{type(e).__name__}", flush=True)
+                        continue
+                    times[(splits, cfg)] = us
+                    rows.append({"ctx": ctx, "batch": batch, "splits": splits,
+                                 "block_n": cfg[0], "warps": cfg[1], "stages": cfg[2],
+                                 "us": us, "gbs": kv_bytes / us / 1e3,
+                                 "default": splits == default and cfg == DECODE_CONFIGS[0]})
+            best = min(times, key=lambda key: times[key])
+            base = times.get((default, DECODE_CONFIGS[0]), float("nan"))
+            print(f"ctx {ctx:5} batch {batch:3}: default (splits {default}, "
+                  f"{DECODE_CONFIGS[0]}) {base:6.1f} us | best splits {best[0]} {best[1]} "
+                  f"{times[best]:6.1f} us {kv_bytes / times[best] / 1e3:5.0f} GB/s", flush=True)
+            del layers
+            torch.cuda.empty_cache()
+    return rows

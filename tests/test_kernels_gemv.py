@@ -23,8 +23,11 @@ from arle_kernels.gemv import (
     _pick_config,
     gemv,
     gemv_ref,
+    gemv_silu_mul,
+    gemv_silu_mul_ref,
     use_gemv,
 )
+from arle_kernels.jit import set_pdl
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -145,6 +148,34 @@ def interp_check_gemv() -> None:
         x, w, b = make_inputs(m, 24, 64, torch.float32, "cpu", bias=False, seed=m)
         check(x, w, b, 1e-5)
         check(x, w, b, 1e-5, GemvConfig(block_n=4, block_k=16, num_warps=1, split_k=4))
+    # gate_up with silu * up in the epilogue: N = 20 outputs from 40 rows, masked and even K,
+    # BLOCK_N not dividing N; fp16 rounds gate and up as the reference does
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-3)):
+        for m, k in ((1, 96), (2, 64), (3, 96)):
+            x, w, _ = make_inputs(m, 40, k, dtype, "cpu", bias=False, seed=10 + m)
+            check_silu_mul(x, w, tol)
+            check_silu_mul(x, w, tol, GemvConfig(block_n=8, block_k=32, num_warps=1))
+
+
+def check_silu_mul(x: torch.Tensor, gate_up: torch.Tensor, tol: float,
+                   cfg: GemvConfig | None = None) -> torch.Tensor:
+    """gemv_silu_mul (or `cfg` through _launch) into a NaN-poisoned output against its
+    reference, silu_and_mul(gemv(x, gate_up)): within `tol` (norm-wise), and in a 16-bit dtype
+    the same bits in >= 99% of the elements (gate and up are rounded to the dtype before the
+    activation, as the reference rounds them; only a sum on a rounding boundary may differ)."""
+    m, inter = x.shape[0], gate_up.shape[0] // 2
+    out = torch.full((m, inter), float("nan"), dtype=x.dtype, device=x.device)
+    got = gemv_silu_mul(x, gate_up, out=out) if cfg is None else _launch(
+        x, gate_up, None, out, cfg, glu=True)
+    assert got.data_ptr() == out.data_ptr() and got.shape == (m, inter)
+    ref = gemv_silu_mul_ref(x, gate_up)
+    what = f"M={m} gate_up {tuple(gate_up.shape)} cfg={cfg}"
+    err = rel_err(got, ref)
+    assert err < tol, f"{what}: rel {err:.2e}"
+    if x.element_size() == 2:
+        same = (got == ref).float().mean().item()
+        assert same >= 0.99, f"{what}: {same:.2%} bit-equal"
+    return got
 
 
 @pytest.mark.slow
@@ -182,6 +213,52 @@ def test_gpu_odd_shapes(m: int) -> None:
         wide = torch.zeros(m, k + 64, dtype=dtype, device="cuda")
         wide[:, 64:] = x
         check(wide[:, 64:], w, b, tol)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+def test_gpu_silu_mul(m: int) -> None:
+    """Qwen3-4B's gate_up with the activation fused, and an odd size, against the reference."""
+    for n2, k in (BENCH_SHAPES["gate_up"], (2 * 1000, 2500)):
+        x, w, _ = make_inputs(m, n2, k, torch.bfloat16, "cuda", bias=False, seed=m)
+        check_silu_mul(x, w, 1e-2)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_pdl_same_bits() -> None:
+    """Launched with programmatic dependent launch (each kernel starts while the one before
+    ends, W's first chunk loaded before waiting), chained kernels in a CUDA graph give the
+    same bits as launched plainly: a GEMV whose x the previous GEMV writes, split K and not,
+    and the fused activation."""
+    torch.cuda.set_device(0)
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0+")
+    x, w1, _ = make_inputs(1, 2560, 2560, torch.bfloat16, "cuda", bias=False, seed=1)
+    w2 = make_inputs(1, 40, 2560, torch.bfloat16, "cuda", bias=False, seed=2)[1]  # split K
+    w3 = make_inputs(1, 2 * 2560, 40, torch.bfloat16, "cuda", bias=False, seed=3)[1]
+
+    def chain() -> torch.Tensor:
+        h = gemv(x, w1)
+        return gemv_silu_mul(gemv(h, w2), w3)
+
+    results = []
+    try:
+        for pdl in (False, True):
+            set_pdl(pdl)
+            chain()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = chain()
+            y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            results.append(y.clone())
+    finally:
+        set_pdl(None)
+    assert torch.isfinite(results[0]).all() and torch.equal(results[0], results[1])
 
 
 @needs_cuda

@@ -20,6 +20,7 @@ from arle.model.parallel import (
     TPGroup,
     VocabParallelEmbedding,
     linear,
+    linear_silu_and_mul,
 )
 from arle.model.rope import RotaryEmbedding
 from arle_kernels.ops import REFERENCE, Ops
@@ -77,7 +78,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(linear_silu_and_mul(x, self.gate_up_proj.weight,
+                                                  ops.silu_and_mul))
 
 
 class DecoderLayer(nn.Module):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arle_kernels.gemv import gemv, use_gemv
+from arle_kernels.gemv import gemv, gemv_silu_mul, use_gemv
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     if x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, gate_up: torch.Tensor,
+                        silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up] (an MLP's projection and its
+    activation). Where `linear` takes the GEMV, one kernel does both (the activation in its
+    epilogue: no gate_up round trip, one launch less per layer); else linear + silu_and_mul."""
+    if x.is_cuda and use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1]):
+        return gemv_silu_mul(x, gate_up)
+    return silu_and_mul(linear(x, gate_up))
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "str | int | None"], None]
 
 
