@@ -146,10 +146,12 @@ async def _decode(args: argparse.Namespace) -> dict[str, Any]:
     if graphs is not None:
         # The device time of one decode step: replay the batch-1 and -8 graphs (the last
         # context they were loaded with), and where that time goes, kernel by kernel.
-        for bs in (1, 8):
+        for bs in (1, 8, 32, 64):
             g = graphs.graphs[bs]
             with torch.cuda.stream(ex.stream):  # type: ignore[attr-defined]
                 out[f"graph_replay_bs{bs}_ms"] = _median_ms(g.replay)
+                if bs > 8:
+                    continue
                 try:
                     out[f"kernels_bs{bs}"] = _kernel_breakdown(g.replay)
                 except Exception as e:  # the profiler is a bonus: never lose the figures for it
@@ -214,6 +216,72 @@ def offline(args: argparse.Namespace) -> None:
     _write(args.out, asyncio.run(_offline(args)))
 
 
+async def _host(args: argparse.Namespace) -> dict[str, Any]:
+    """Where an eager step's time goes on the host: the launcher thread's `_enqueue` (queueing
+    every kernel of a step) timed per step and profiled (cProfile) for the eager ones; the
+    device time of the same steps from their events. Workload: one 512-token prompt alone,
+    then 8 staggered (mixed steps: a prefill beside decode rows, as serving at c = 8 runs)."""
+    import cProfile
+    import io
+    import pstats
+
+    engine = await AsyncEngine.create(_engine_config(args, max_running_requests=64))
+    ex = engine.executor
+    vocab = engine.tokenizer.vocab_size
+    await _generate(engine, _prompts(1, 64, vocab, 9)[0], 16)  # warm-up
+    prof = cProfile.Profile()
+    steps: list[dict[str, Any]] = []
+    enqueue, wait = ex._enqueue, ex._wait  # type: ignore[attr-defined]
+
+    def timed_enqueue(h: Any) -> Any:
+        eager = not h.graph_bs
+        t0 = time.perf_counter()
+        if eager:
+            prof.enable()
+        try:
+            return enqueue(h)
+        finally:
+            if eager:
+                prof.disable()
+            steps.append({"graph_bs": h.graph_bs, "tokens": h.layout.num_tokens,
+                          "decode_rows": h.layout.num_decode,
+                          "host_ms": (time.perf_counter() - t0) * 1e3})
+
+    exec_ms: list[float] = []
+
+    def timed_wait(event: Any, pending: Any) -> Any:
+        out = wait(event, pending)
+        exec_ms.append(out.exec_s * 1e3)
+        return out
+
+    ex._enqueue, ex._wait = timed_enqueue, timed_wait  # type: ignore[attr-defined]
+    await _generate(engine, _prompts(1, args.input_len, vocab, 1)[0], 32)
+
+    async def late(i: int, prompt: list[int]) -> None:
+        await asyncio.sleep(0.02 * i)
+        await _generate(engine, prompt, 64)
+
+    await asyncio.gather(*(late(i, p) for i, p in
+                           enumerate(_prompts(8, args.input_len, vocab, 2))))
+    await engine.close()
+    # NOTE: steps are launched and waited in order, one waiter: the i-th wait is the i-th step
+    for st, ms in zip(steps, exec_ms, strict=False):
+        st["device_ms"] = ms
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
+    stats.print_stats(35)
+    print(text.getvalue()[:12000])
+    eager = [st for st in steps if not st["graph_bs"]]
+    return {"phase": "host", "model": args.model, "steps": steps,
+            "eager_steps": len(eager),
+            "eager_host_ms_mean": statistics.mean(st["host_ms"] for st in eager) if eager else None,
+            "profile_top": text.getvalue()[:12000]}
+
+
+def host(args: argparse.Namespace) -> None:
+    _write(args.out, asyncio.run(_host(args)))
+
+
 def serve(args: argparse.Namespace) -> None:
     """Start `arle serve`, time it to ready, run `arle bench` at each concurrency, stop it."""
     import httpx
@@ -272,7 +340,8 @@ def main() -> None:
     c = sub.add_parser("ceilings")
     c.add_argument("--out", required=True)
     c.set_defaults(fn=ceilings)
-    for name, fn in (("decode", decode), ("prefill", prefill), ("offline", offline)):
+    for name, fn in (("decode", decode), ("prefill", prefill), ("offline", offline),
+                     ("host", host)):
         s = sub.add_parser(name)
         s.add_argument("model")
         s.add_argument("--out", required=True)

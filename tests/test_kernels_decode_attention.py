@@ -300,7 +300,7 @@ def test_gpu_cuda_graph_replay(fp8: bool) -> None:
 # ---- benchmark (GPU): the split kernel's configs, not a test ----------------------------------
 
 #: (BLOCK_N, num_warps, num_stages) tried by bench_decode; the first is the default
-DECODE_CONFIGS = [(64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3), (64, 8, 2),
+DECODE_CONFIGS = [(64, 8, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3),
                   (128, 4, 2), (16, 2, 4)]
 
 
