@@ -282,6 +282,47 @@ def host(args: argparse.Namespace) -> None:
     _write(args.out, asyncio.run(_host(args)))
 
 
+def launch(args: argparse.Namespace) -> None:
+    """Host microseconds per call (queued without waiting for the GPU) of what an eager step
+    launches: cuBLAS linears at a repeated and at an ever-new row count, our Triton wrappers,
+    torch.empty. Shapes of Qwen3-4B's layers at 512 tokens."""
+    from arle_kernels import fused
+
+    dev = "cuda"
+    w = torch.randn(19456, 2560, dtype=torch.bfloat16, device=dev)
+    x = torch.randn(2048, 2560, dtype=torch.bfloat16, device=dev)
+    norm_w = torch.ones(2560, dtype=torch.bfloat16, device=dev)
+    gu = torch.randn(512, 19456, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(512, 19456, dtype=torch.bfloat16, device=dev)
+
+    def per_call_us(fn: Any, n: int = 200) -> float:
+        fn(0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        dt = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return dt / n * 1e6
+
+    res = {
+        "linear_same_rows": per_call_us(lambda i: torch.nn.functional.linear(x[:512], w)),
+        "linear_new_rows": per_call_us(lambda i: torch.nn.functional.linear(x[:513 + i], w)),
+        "linear_rows_seen_before": per_call_us(
+            lambda i: torch.nn.functional.linear(x[:513 + i], w)),
+        "mm_out_same_rows": per_call_us(lambda i: torch.mm(x[:512], w.t(), out=out)),
+        "add_rms_norm": per_call_us(lambda i: fused.add_rms_norm(x[:512], x[1024:1536],
+                                                                 norm_w, 1e-6)),
+        "silu_and_mul": per_call_us(lambda i: fused.silu_and_mul(gu)),
+        "torch_empty": per_call_us(lambda i: torch.empty(512, 2560, dtype=torch.bfloat16,
+                                                         device=dev)),
+        "tensor_view_slice": per_call_us(lambda i: x[:512].view(512, 20, 128)),
+    }
+    for k, v in res.items():
+        print(f"{k:28} {v:8.1f} us", flush=True)
+    _write(args.out, {"phase": "launch", "host_us_per_call": res})
+
+
 def serve(args: argparse.Namespace) -> None:
     """Start `arle serve`, time it to ready, run `arle bench` at each concurrency, stop it."""
     import httpx
@@ -340,6 +381,9 @@ def main() -> None:
     c = sub.add_parser("ceilings")
     c.add_argument("--out", required=True)
     c.set_defaults(fn=ceilings)
+    c = sub.add_parser("launch")
+    c.add_argument("--out", required=True)
+    c.set_defaults(fn=launch)
     for name, fn in (("decode", decode), ("prefill", prefill), ("offline", offline),
                      ("host", host)):
         s = sub.add_parser(name)

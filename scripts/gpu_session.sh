@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests and benchmarks of issue 5, phase by phase, each under a timeout.
 #   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench parity ceilings decode
-#     decode_nopdl host prefill serve serve_warm serve_ttft serve_ablation hf hf_eager offline decode8b)
+#     decode_nopdl host launch prefill serve serve_warm serve_ttft serve_ablation hf hf_eager offline decode8b)
 # Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/log.txt, $OUT/pytest.txt and
 # $OUT/results.tar (every phase's JSON; at most 8 files come back from $OUT, so one archive,
 # rewritten after each phase: a call cut short still returns what finished).
@@ -53,6 +53,7 @@ json.dump(t.bench_decode(), open('$RES/dbench.json', 'w'), indent=0)" ;;
     decode_nopdl) d=$(model qwen3-4b)  # the same, kernels launched without PDL
            phase decode_nopdl 100 env ARLE_PDL=0 python3 scripts/bench_gpu.py decode "$d" \
               --out $RES/decode_4b_nopdl.json ;;
+    launch) phase launch 60 python3 scripts/bench_gpu.py launch --out $RES/launch.json ;;
     host) d=$(model qwen3-4b); phase host 100 python3 scripts/bench_gpu.py host "$d" \
               --out $RES/host_4b.json ;;
     prefill) d=$(model qwen3-4b); phase prefill 60 python3 scripts/bench_gpu.py prefill "$d" \
