@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests and benchmarks of issue 5, phase by phase, each under a timeout.
 #   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench parity ceilings decode
-#     decode_nopdl host launch prefill serve serve_warm serve_ttft serve_ablation hf hf_eager offline decode8b)
+#     decode_nopdl host launch prefill serve serve_warm serve_pdl serve_ttft serve_ablation hf hf_eager offline decode8b)
 # Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/log.txt, $OUT/pytest.txt and
 # $OUT/results.tar (every phase's JSON; at most 8 files come back from $OUT, so one archive,
 # rewritten after each phase: a call cut short still returns what finished).
@@ -63,6 +63,11 @@ json.dump(t.bench_decode(), open('$RES/dbench.json', 'w'), indent=0)" ;;
     serve_warm) d=$(model qwen3-4b)  # time to ready with the Triton cache warm
            phase serve_warm 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 8 \
               --num-prompts 16 --out $RES/serve_warm.json ;;
+    serve_pdl) d=$(model qwen3-4b)  # PDL off / on, same call, warm cache
+           for pdl in 0 1; do
+             phase serve_pdl$pdl 90 env ARLE_PDL=$pdl python3 scripts/bench_gpu.py serve "$d" \
+               --concurrency 1 8 --num-prompts 16 --out $RES/serve_pdl$pdl.json
+           done ;;
     serve_ablation) d=$(model qwen3-4b)
            phase serve_no_overlap 150 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 8 \
               --num-prompts 16 --out $RES/serve_no_overlap.json --serve-args=--disable-overlap
