@@ -332,6 +332,7 @@ def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
             # peak in a profile run at start-up (and its CUDA graphs' capture).
             "cuda": engine.model_info.get("memory_plan"),
             "cuda_graphs": engine.model_info.get("cuda_graphs"),
+            "extend_graphs": engine.model_info.get("extend_graphs"),
             "max_model_len": engine.max_model_len,
             "max_running_requests": engine.scheduler.config.max_running_requests,
             "max_batched_tokens": engine.config.max_batched_tokens}

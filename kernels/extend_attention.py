@@ -119,10 +119,10 @@ def _attend_block(
 
 # NOTE: the extend rows' views start after the decode rows (any alignment), and the page
 # table's width changes every step: not specialised (see jit_varying)
-@jit_varying("page_table_ptr", "cu_q_lens_ptr", "seq_lens_ptr", "stride_pt")
+@jit_varying("page_table_ptr", "cu_q_lens_ptr", "seq_lens_ptr", "blocks_ptr", "stride_pt")
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr,
-    page_table_ptr, cu_q_lens_ptr, seq_lens_ptr,
+    page_table_ptr, cu_q_lens_ptr, seq_lens_ptr, blocks_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kt, stride_kh,
@@ -130,16 +130,23 @@ def _extend_kernel(
     stride_pt,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_FP8: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    IS_FP8: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, USE_BLOCKS: tl.constexpr,
 ):
     """One (token block, KV head, row): BLOCK_T new tokens x the G query heads of the KV head,
-    against the row's keys up to the tile's last query position."""
+    against the row's keys up to the tile's last query position. USE_BLOCKS: program (i, kvh)
+    takes the (row, token block) pair i of `blocks` (row -1: nothing to do)."""
     if PDL:
         gdc_launch_dependents()
     BLOCK_T = BLOCK_M // G
-    qb = tl.num_programs(0) - 1 - tl.program_id(0)  # last token blocks (most keys) first
     kvh = tl.program_id(1)
-    row = tl.program_id(2)
+    if USE_BLOCKS:
+        row = tl.load(blocks_ptr + 2 * tl.program_id(0))
+        qb = tl.load(blocks_ptr + 2 * tl.program_id(0) + 1)
+        if row < 0:
+            return
+    else:
+        qb = tl.num_programs(0) - 1 - tl.program_id(0)  # last token blocks (most keys) first
+        row = tl.program_id(2)
 
     q_start = tl.load(cu_q_lens_ptr + row)
     q_len = tl.load(cu_q_lens_ptr + row + 1) - q_start
@@ -209,9 +216,10 @@ def _pick_config(head_dim: int, group: int, is_fp8: bool) -> tuple[int, int, int
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
             cu_q_lens: Tensor, seq_lens: Tensor, scale: float, max_q_len: int,
             k_scale: Tensor | None, v_scale: Tensor | None, out: Tensor | None,
-            block_m: int, block_n: int, num_warps: int, num_stages: int) -> Tensor:
+            block_m: int, block_n: int, num_warps: int, num_stages: int,
+            blocks: Tensor | None = None) -> Tensor:
     """The launch with explicit block sizes (tests use small ones to cross many blocks under the
-    interpreter; the benchmark tries others).
+    interpreter; the benchmark tries others). blocks: see `extend_attention`.
     NOTE: runs once per layer per step: keep the host work small (stride tuples, no helpers)."""
     t, h, d = q.shape
     _pages, page_size, kv_heads, d_k = k_cache.shape
@@ -243,11 +251,12 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
     if t == 0 or rows == 0 or max_q_len <= 0:
         return out
     block_t = block_m // group
-    grid = (-(-max_q_len // block_t), kv_heads, rows)
+    grid = ((blocks.shape[0] // 2, kv_heads, 1) if blocks is not None
+            else (-(-max_q_len // block_t), kv_heads, rows))
     pdl = pdl_enabled()
     _extend_kernel[grid](
         q, k_cache, v_cache, ks, vs, out,
-        page_table, cu_q_lens, seq_lens,
+        page_table, cu_q_lens, seq_lens, blocks if blocks is not None else cu_q_lens,
         scale * _LOG2E,
         qst[0], qst[1], ost[0], ost[1],
         kst[0], kst[1], kst[2],
@@ -255,7 +264,8 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
         page_table.stride(0),
         G=group, D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         IS_FP8=is_fp8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
+        USE_BLOCKS=blocks is not None, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(pdl),
     )
     return out
 
@@ -263,16 +273,39 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
 def extend_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
                      cu_q_lens: Tensor, seq_lens: Tensor, scale: float, max_q_len: int, *,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None,
-                     out: Tensor | None = None) -> Tensor:
+                     out: Tensor | None = None, blocks: Tensor | None = None) -> Tensor:
     """q [T, H, D] (rows' new tokens back to back); cu_q_lens [R+1] int32 (device; row r owns
     q[cu[r]:cu[r+1]]); seq_lens [R] int32 (device; cached prefix + new tokens); page_table
     [R, max_pages] int32. Token i of row r is at position seq_len - q_len + i and sees positions
     <= its own. max_q_len: host int, the longest q_len (sizes the grid). k_scale/v_scale
-    [num_pages, page_size, KVH] fp32 for an fp8 cache. Returns [T, H, D] (`out` if given)."""
+    [num_pages, page_size, KVH] fp32 for an fp8 cache. Returns [T, H, D] (`out` if given).
+
+    blocks: the work as a list instead (CUDA graphs of padded batches): int32 [2 * N], N pairs
+    (row, token block of `block_tokens(...)` tokens) from `plan_blocks`, padded with row -1;
+    the grid is N programs per KV head, whatever the rows' lengths (max_q_len is unused)."""
     block_m, block_n, num_warps, num_stages = _pick_config(
         q.shape[2], q.shape[1] // k_cache.shape[2], k_cache.dtype == torch.float8_e4m3fn)
     return _launch(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens, scale, max_q_len,
-                   k_scale, v_scale, out, block_m, block_n, num_warps, num_stages)
+                   k_scale, v_scale, out, block_m, block_n, num_warps, num_stages, blocks)
+
+
+def block_tokens(head_dim: int, group: int, is_fp8: bool) -> int:
+    """New tokens per program (BLOCK_T) of the config `extend_attention` picks."""
+    return _pick_config(head_dim, group, is_fp8)[0] // group
+
+
+def plan_blocks(q_lens: list[int], seq_lens: list[int], block_t: int, capacity: int
+                ) -> list[int]:
+    """The (row, token block) pairs of rows with q_lens new tokens, most keys first (they take
+    longest: start them first), flattened and padded with (-1, 0) to `capacity` pairs. Plain
+    Python, for the host side of a step."""
+    pairs = [(min(seq_len, seq_len - q + (qb + 1) * block_t), row, qb)
+             for row, (q, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True))
+             for qb in range(-(-q // block_t))]
+    assert len(pairs) <= capacity, f"{len(pairs)} token blocks > capacity {capacity}"
+    pairs.sort(reverse=True)
+    flat = [v for _, row, qb in pairs for v in (row, qb)]
+    return flat + [-1, 0] * (capacity - len(pairs))
 
 
 def _dequant(cache: Tensor, cache_scale: Tensor | None, pages: Tensor, offs: Tensor,
@@ -287,10 +320,10 @@ def _dequant(cache: Tensor, cache_scale: Tensor | None, pages: Tensor, offs: Ten
 def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
                          cu_q_lens: Tensor, seq_lens: Tensor, scale: float, max_q_len: int, *,
                          k_scale: Tensor | None = None, v_scale: Tensor | None = None,
-                         out: Tensor | None = None) -> Tensor:
+                         out: Tensor | None = None, blocks: Tensor | None = None) -> Tensor:
     """Plain torch, one SDPA per row, K/V gathered (and fp8 dequantised) in q's dtype. Same
-    arguments as `extend_attention` (max_q_len is unused; this one reads the lengths on the
-    host). Pass q in fp32 for a higher-precision reference."""
+    arguments as `extend_attention` (max_q_len and blocks are unused; this one reads the
+    lengths on the host). Pass q in fp32 for a higher-precision reference."""
     _t, h, _d = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if out is None:

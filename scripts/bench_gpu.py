@@ -234,7 +234,7 @@ async def _host(args: argparse.Namespace) -> dict[str, Any]:
     enqueue, wait = ex._enqueue, ex._wait  # type: ignore[attr-defined]
 
     def timed_enqueue(h: Any) -> Any:
-        eager = not h.graph_bs
+        eager = not h.graph_bs and not h.extend_tokens
         t0 = time.perf_counter()
         if eager:
             prof.enable()
@@ -243,7 +243,8 @@ async def _host(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             if eager:
                 prof.disable()
-            steps.append({"graph_bs": h.graph_bs, "tokens": h.layout.num_tokens,
+            steps.append({"graph_bs": h.graph_bs, "extend_graph": h.extend_tokens,
+                          "tokens": h.layout.num_tokens,
                           "decode_rows": h.layout.num_decode,
                           "host_ms": (time.perf_counter() - t0) * 1e3})
 
@@ -267,11 +268,11 @@ async def _host(args: argparse.Namespace) -> dict[str, Any]:
     # NOTE: steps are launched and waited in order, one waiter: the i-th wait is the i-th step
     for st, ms in zip(steps, exec_ms, strict=False):
         st["device_ms"] = ms
+    eager = [st for st in steps if not st["graph_bs"] and not st["extend_graph"]]
     text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
-    stats.print_stats(35)
-    print(text.getvalue()[:12000])
-    eager = [st for st in steps if not st["graph_bs"]]
+    if eager:  # (a profile that never ran has no statistics)
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+        print(text.getvalue()[:12000])
     return {"phase": "host", "model": args.model, "steps": steps,
             "eager_steps": len(eager),
             "eager_host_ms_mean": statistics.mean(st["host_ms"] for st in eager) if eager else None,

@@ -22,7 +22,13 @@ import torch
 from helpers import run_interpreter_check
 
 from arle_kernels.attention import extend_attention_ref as row_extend_ref
-from arle_kernels.extend_attention import _launch, extend_attention, extend_attention_ref
+from arle_kernels.extend_attention import (
+    _launch,
+    block_tokens,
+    extend_attention,
+    extend_attention_ref,
+    plan_blocks,
+)
 
 PAGE = 16
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -122,15 +128,40 @@ def check(case: Case, out: torch.Tensor, *, rel_tol: float, abs_tol: float,
         f"rel {rel:.2e} (tol {rel_tol}), max abs per row {per_row} (tol {abs_tol})")
 
 
-def run_kernel(case: Case, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """The kernel into a NaN-poisoned output (config: explicit block sizes via `_launch`)."""
+def run_kernel(case: Case, config: tuple[int, int, int, int] | None = None,
+               blocks: bool = False) -> torch.Tensor:
+    """The kernel into a NaN-poisoned output (config: explicit block sizes via `_launch`).
+    blocks: the work as a (row, token block) list (`plan_blocks`) with 7 padding entries, as a
+    CUDA graph of a padded batch runs it, instead of the grid over rows."""
     out = torch.full_like(case.q, float("nan"))
+    table = None
+    if blocks:
+        group = case.q.shape[1] // case.k_cache.shape[2]
+        block_t = (config[0] // group if config is not None else
+                   block_tokens(case.q.shape[2], group, case.k_scale is not None))
+        cu, lens = case.cu_q_lens.tolist(), case.seq_lens.tolist()
+        q_lens = [b - a for a, b in itertools.pairwise(cu)]
+        need = sum(-(-q // block_t) for q in q_lens)
+        table = torch.tensor(plan_blocks(q_lens, lens, block_t, need + 7), dtype=torch.int32,
+                             device=case.q.device)
     if config is None:
-        res = extend_attention(*case.args(), **case.scales(), out=out)
+        res = extend_attention(*case.args(), **case.scales(), out=out, blocks=table)
     else:
-        res = _launch(*case.args(), case.k_scale, case.v_scale, out, *config)
+        res = _launch(*case.args(), case.k_scale, case.v_scale, out, *config, blocks=table)
     assert res is out
     return out
+
+
+def test_plan_blocks() -> None:
+    """Every token block of every row once, the longest work first, padding at the end."""
+    flat = plan_blocks([5, 0, 33, 1], [5, 40, 100, 70], 16, 9)
+    pairs = list(zip(flat[::2], flat[1::2], strict=True))
+    assert sorted(pairs[:5]) == [(0, 0), (2, 0), (2, 1), (2, 2), (3, 0)]
+    assert pairs[5:] == [(-1, 0)] * 4
+    # by the keys its last token sees: row 2's blocks (100, 99, 83), row 3 (70), row 0 (5)
+    assert pairs[:5] == [(2, 2), (2, 1), (2, 0), (3, 0), (0, 0)]
+    with pytest.raises(AssertionError):
+        plan_blocks([33], [33], 16, 2)
 
 
 # --- CPU: the reference against kernels/attention.py's per-row formula ------------------------
@@ -162,6 +193,8 @@ def interp_check_extend_attention() -> None:
     case = make_case(INTERP_ROWS, 4, 2, 16, torch.float32, "cpu", seed=1)
     check(case, run_kernel(case, small), rel_tol=1e-4, abs_tol=1e-4)
     check(case, run_kernel(case), rel_tol=1e-4, abs_tol=1e-4)
+    # the same work as a (row, token block) list with padding entries (CUDA graphs)
+    check(case, run_kernel(case, small, blocks=True), rel_tol=1e-4, abs_tol=1e-4)
     # fp16, D 32, K/V strided views of one tensor, grid sized past the longest row, an empty row
     rows = [*INTERP_ROWS, (9, 0)]
     case = make_case(rows, 4, 2, 32, torch.float16, "cpu", seed=2, cache_view=True,
@@ -190,7 +223,10 @@ def test_interpreter() -> None:
                                               (28, 4, 128), (32, 8, 64), (16, 2, 64)])
 def test_gpu_mixed_batch(heads: int, kv_heads: int, d: int) -> None:
     case = make_case(GPU_ROWS, heads, kv_heads, d, torch.bfloat16, "cuda", seed=heads + d)
-    check(case, run_kernel(case), rel_tol=1e-2, abs_tol=5e-2)
+    out = run_kernel(case)
+    check(case, out, rel_tol=1e-2, abs_tol=5e-2)
+    # the block list does the same work per program: the same bits
+    assert torch.equal(run_kernel(case, blocks=True), out)
 
 
 @needs_cuda

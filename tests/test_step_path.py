@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from arle.engine.request import SamplingParams
-from arle.executor.cuda import DecodeGraphs
+from arle.executor.cuda import DecodeGraphs, ExtendGraphs
 from arle.executor.paged import _ALIGN, KVCache, PagedAttention, pack_step, step_views
 from arle.executor.plan import Row, StepPlan
 from arle.model.loader import LoadedModel
@@ -131,3 +131,52 @@ def test_graph_inputs_compute_what_the_eager_step_does(tiny: LoadedModel) -> Non
     padded = model.logits(model(step.input_ids, PagedAttention(kv, step, rotary, model)))
     torch.testing.assert_close(padded[:3], eager, rtol=1e-5, atol=1e-5)
     assert torch.equal(kv.k, kv_eager.k) and torch.equal(kv.v, kv_eager.v)
+
+
+def test_extend_graph_inputs_compute_what_the_eager_step_does(tiny: LoadedModel) -> None:
+    """A mixed step (decode rows beside prefill rows with and without a cached prefix) through
+    an extend graph's static block (every row an extend row, padded to the graph's token count,
+    the extend kernel's work as a block list) gives the eager step's logits and K/V. CPU, the
+    kernels' torch references, no capture."""
+    model, cfg = tiny.model, tiny.config
+    plan = _plan([5, 20, 33], [(0, 9), (16, 30), (3, 1)], seed=4, num_pages=64)
+    for r in plan.rows:
+        if r.input_ids is not None:
+            r.input_ids = [i % cfg.vocab_size for i in r.input_ids]
+    kv = KVCache.allocate(cfg.num_layers, 64, PS, cfg.num_kv_heads, cfg.head_dim,
+                          torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    rotary = model.rotary_table(256)
+    token_buffer = torch.zeros(16, dtype=torch.int32)
+    token_buffer[:3] = torch.tensor([7, 300, 4000], dtype=torch.int32) % cfg.vocab_size
+
+    kv_eager = KVCache(kv.k.clone(), kv.v.clone(), None, None)
+    packed = pack_step(plan, PS)
+    meta = torch.tensor(packed.meta, dtype=torch.int32)
+    step, slots = step_views(packed, meta, 1)
+    step.input_ids[:3] = token_buffer[slots]
+    hidden = model(step.input_ids, PagedAttention(kv_eager, step, rotary, model))
+    eager = model.logits(hidden[packed.view(meta, "sample_index")])
+
+    graphs = ExtendGraphs(max_tokens=128, rows=8, block_t=4, max_pages=8,
+                          vocab=cfg.vocab_size, pad_slot=15, device=torch.device("cpu"))
+    t = graphs.size_for(plan.num_tokens, len(plan.rows))
+    assert t == 64 and plan.num_tokens == 43
+    assert graphs.size_for(129, 2) == 0 and graphs.size_for(10, 9) == 0  # too big: eager
+    packed = pack_step(plan, PS, pad_slot=15, extend=graphs.shapes[t])
+    graphs.load(packed, torch.tensor(packed.meta, dtype=torch.int32), t)
+    step, sample_index = graphs.step(t, token_buffer, pad_slot=15)
+    assert step.extend_blocks is not None and step.num_tokens == 64
+    padded = model.logits(model(step.input_ids, PagedAttention(kv, step, rotary, model))
+                          [sample_index])
+    torch.testing.assert_close(padded[:eager.shape[0]], eager, rtol=1e-5, atol=1e-5)
+    # the same slots written (the projections of 43 and 64 rows may round apart in the last bit)
+    torch.testing.assert_close(kv.k, kv_eager.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv.v, kv_eager.v, rtol=1e-5, atol=1e-5)
+    # every token block of every row listed once, then padding
+    blocks = step.extend_blocks.view(-1, 2).tolist()
+    expect = {(r, b) for r, row in enumerate(plan.rows) for b in range(-(-row.num_tokens // 4))}
+    assert {tuple(p) for p in blocks if p[0] >= 0} == expect
+    assert len([p for p in blocks if p[0] >= 0]) == len(expect)

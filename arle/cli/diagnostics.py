@@ -116,6 +116,11 @@ def _print_report(r: dict[str, Any]) -> None:
         if graphs:
             out(f"  cuda graphs {len(graphs['batch_sizes'])} batch sizes up to "
                 f"{graphs['batch_sizes'][-1]}, captured in {graphs['capture_s']:.2f} s")
+        extend = mem.get("extend_graphs")
+        if extend:
+            out(f"  extend graphs {len(extend['tokens'])} token counts up to "
+                f"{extend['tokens'][-1]} ({extend['rows']} rows), captured in "
+                f"{extend['capture_s']:.2f} s")
     out("phases")
     for p in r["phases"]:
         status = "ok" if p["ok"] else f"FAILED: {p['error']}"

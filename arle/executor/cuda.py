@@ -23,6 +23,7 @@ import concurrent.futures
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ from arle.executor.cpu import torch_thread
 from arle.executor.paged import (
     FP8_KV,
     DeviceStep,
+    ExtendGraphShape,
     KVCache,
     PackedStep,
     PagedAttention,
@@ -51,9 +53,13 @@ from arle.executor.sampler import (
 from arle.logging import get_logger
 from arle.model.decoder import DecoderLM
 from arle_kernels.decode_attention import pick_num_splits
+from arle_kernels.extend_attention import block_tokens
 from arle_kernels.ops import ops_for
 
 log = get_logger("arle.executor.cuda")
+
+#: What torch.cuda.graph_pool_handle() returns (graphs captured with one share memory)
+_PoolHandle = Any
 
 #: The profile run samples with the most memory-hungry path (a sort over the vocabulary).
 _PROFILE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
@@ -72,6 +78,9 @@ class CUDAExecutorConfig:
     kv_cache_tokens: int | None = None
     #: Largest decode batch captured as a CUDA graph; 0 disables graphs.
     cuda_graph_max_bs: int = 256
+    #: Steps with prefill rows up to this many tokens (and EXTEND_GRAPH_ROWS rows) replay a
+    #: CUDA graph too; 0: they run eagerly. Needs cuda_graph_max_bs > 0.
+    extend_graph_max_tokens: int = 2048
     seed: int = 0
 
 
@@ -82,6 +91,7 @@ class HostStep:
     inputs: StepInputs
     meta: torch.Tensor  # inputs.packed.meta, pinned
     graph_bs: int  # > 0: replay the graph of this batch size (rows padded to it)
+    extend_tokens: int = 0  # > 0: replay the extend graph of this many tokens
 
     @property
     def layout(self) -> PackedStep:
@@ -128,6 +138,84 @@ class DecodeGraphs:
                           num_splits=self.num_splits[bs])
 
 
+#: Token counts of the extend graphs (the ladder, up to extend_graph_max_tokens).
+EXTEND_GRAPH_TOKENS = (32, 64, 128, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+#: Rows an extend graph takes (steps with more run eagerly): the decode rows of 63 requests
+#: beside a prefill.
+EXTEND_GRAPH_ROWS = 64
+
+
+class ExtendGraphs:
+    """Steps with prefill rows (prefills and mixed batches) captured as CUDA graphs, one per
+    token count of a ladder, padded to the next. Eager, such a step is bound by the host: ~400
+    launches at 20-70 us each on the H200 machine's CPU (`bench_gpu.py launch`) against ~10 ms
+    of GPU work for 512 tokens of a 4B model.
+
+    NOTE: every row runs as an extend row (a decode row is one new token), so a graph is fixed
+    by its token count alone; the extend kernel walks a (row, token block) list, so padding
+    rows cost no programs. Each graph reads a static block of its own (`ExtendGraphShape`
+    layout) and one shared page table, and writes its logits into one shared buffer: steps
+    replay one at a time, in stream order, and sampling reads the logits right after."""
+
+    def __init__(self, max_tokens: int, rows: int, block_t: int, max_pages: int, vocab: int,
+                 pad_slot: int, device: torch.device) -> None:
+        self.sizes = [t for t in EXTEND_GRAPH_TOKENS if t < max_tokens] + [max_tokens]
+        self.rows = rows
+        self.shapes = {t: ExtendGraphShape(t, rows, block_t) for t in self.sizes}
+        self.blocks = {t: self._padding(shape, pad_slot).to(device)
+                       for t, shape in self.shapes.items()}
+        self.page_table = torch.zeros(rows, max_pages, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0
+
+    @staticmethod
+    def _padding(shape: ExtendGraphShape, pad_slot: int) -> torch.Tensor:
+        """A static block of nothing but padding (what warm-up and capture run on): no rows,
+        no token blocks, no K/V writes."""
+        offsets, size = shape.layout()
+        block = torch.zeros(size, dtype=torch.int32)
+        for name, value in (("tok_slots", pad_slot), ("kv_slots", -1), ("extend_blocks", -1)):
+            start, n = offsets[name]
+            block[start:start + n] = value
+        start, n = offsets["extend_blocks"]
+        block[start + 1:start + n:2] = 0  # (row -1, block 0) pairs
+        return block
+
+    def size_for(self, num_tokens: int, num_rows: int) -> int:
+        """The graph a step of that many tokens and rows replays; 0: none (run it eagerly)."""
+        if num_rows > self.rows or num_tokens > self.sizes[-1]:
+            return 0
+        return next(t for t in self.sizes if t >= num_tokens)
+
+    def load(self, packed: PackedStep, meta: torch.Tensor, t: int) -> None:
+        """Copy a packed step (`pack_step(..., extend=self.shapes[t])`, on the device) into
+        graph t's static block (one copy) and the page table's corner."""
+        start, n = packed.offsets["extend_graph"]
+        self.blocks[t].copy_(meta[start:start + n])
+        start, mp = packed.offsets["page_table"][0], packed.max_pages
+        rows = packed.num_rows
+        self.page_table[:rows, :mp].copy_(meta[start:start + rows * mp].view(rows, mp))
+
+    def step(self, t: int, token_buffer: torch.Tensor, pad_slot: int
+             ) -> tuple[DeviceStep, torch.Tensor]:
+        """Graph t's inputs as a step (views of its static block; decode rows' ids gathered
+        from the token buffer) and the sampling rows' token indices."""
+        offsets, _ = self.shapes[t].layout()
+        block = self.blocks[t]
+
+        def seg(name: str) -> torch.Tensor:
+            start, n = offsets[name]
+            return block[start:start + n]
+
+        tok_slots = seg("tok_slots")
+        ids = torch.where(tok_slots == pad_slot, seg("input_ids"), token_buffer[tok_slots])
+        step = DeviceStep(ids, seg("positions"), seg("kv_slots"), seg("seq_lens"),
+                          seg("cu_q_lens"), self.page_table, num_decode=0, max_q_len=t,
+                          num_splits=1, extend_blocks=seg("extend_blocks"))
+        return step, seg("sample_index")
+
+
 class CUDAExecutor:
     def __init__(self, model: DecoderLM, config: CUDAExecutorConfig) -> None:
         cfg = model.config
@@ -157,7 +245,7 @@ class CUDAExecutor:
             total = torch.cuda.get_device_properties(self.device).total_memory
             per_token = cfg.kv_bytes_per_token(torch.finfo(config.kv_dtype).bits // 8,
                                                4 if config.kv_dtype == FP8_KV else 0)
-            graph_reserve = self._graph_reserve()
+            graph_reserve = self._graph_reserve(peak - weights)
             budget = int(total * config.mem_fraction_static) - peak - graph_reserve
             tokens = config.kv_cache_tokens or budget // per_token
             num_pages = max(tokens // config.page_size, 2)
@@ -181,10 +269,18 @@ class CUDAExecutor:
                  f"{config.page_size}, {self.kv.nbytes / 1e9:.2f} GB, format {fmt}")
 
         self.graphs: DecodeGraphs | None = None
+        self.extend_graphs: ExtendGraphs | None = None
         if config.cuda_graph_max_bs > 0:
+            pool = torch.cuda.graph_pool_handle()
             self.graphs = DecodeGraphs(min(config.cuda_graph_max_bs, config.num_slots),
                                        self.max_pages, self.device)
-            self._capture(self.graphs)
+            self._capture(self.graphs, pool)
+            if config.extend_graph_max_tokens > 0:
+                self.extend_graphs = ExtendGraphs(
+                    min(config.extend_graph_max_tokens, config.max_batched_tokens),
+                    min(EXTEND_GRAPH_ROWS, config.num_slots), self._block_t(), self.max_pages,
+                    cfg.vocab_size, self.pad_slot, self.device)
+                self._capture_extend(self.extend_graphs, pool)
         else:
             self._build_decode_variants()
         #: What start-up measured, for `arle warmup` and the model info.
@@ -198,6 +294,10 @@ class CUDAExecutor:
             "cuda_graphs": ({"batch_sizes": self.graphs.sizes,
                              "capture_s": round(self.graphs.capture_s, 3)}
                             if self.graphs is not None else None),
+            "extend_graphs": ({"tokens": self.extend_graphs.sizes,
+                               "rows": self.extend_graphs.rows,
+                               "capture_s": round(self.extend_graphs.capture_s, 3)}
+                              if self.extend_graphs is not None else None),
         }
         self._launcher = torch_thread()
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arle-wait")
@@ -230,20 +330,33 @@ class CUDAExecutor:
         torch.cuda.empty_cache()
         return peak
 
-    def _graph_reserve(self) -> int:
-        """Memory the decode graphs keep: their logits and a margin for their activations."""
-        if self.config.cuda_graph_max_bs <= 0:
+    def _graph_reserve(self, activations: int) -> int:
+        """Memory the graphs keep: the decode graphs' logits and a margin for their activations;
+        the extend graphs' activations (the profile step's, scaled to their largest token
+        count) and shared logits."""
+        c = self.config
+        if c.cuda_graph_max_bs <= 0:
             return 0
-        bs = min(self.config.cuda_graph_max_bs, self.num_slots)
-        return bs * self.model.config.vocab_size * 4 * 2 + (512 << 20)
+        vocab = self.model.config.vocab_size
+        bs = min(c.cuda_graph_max_bs, self.num_slots)
+        reserve = bs * vocab * 4 * 2 + (512 << 20)
+        if c.extend_graph_max_tokens > 0:
+            tokens = min(c.extend_graph_max_tokens, c.max_batched_tokens)
+            reserve += (activations * tokens // c.max_batched_tokens
+                        + min(EXTEND_GRAPH_ROWS, self.num_slots) * vocab * 4)
+        return reserve
 
-    def _capture(self, graphs: DecodeGraphs) -> None:
+    def _block_t(self) -> int:
+        cfg = self.model.config
+        return block_tokens(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads,
+                            self.config.kv_dtype == FP8_KV)
+
+    def _capture(self, graphs: DecodeGraphs, pool: _PoolHandle) -> None:
         """Capture one decode graph per batch size, largest first (they share one pool)."""
         t0 = time.perf_counter()
         # padding everywhere: slot, position 0, no K/V write, one token of context
         for row, value in enumerate((self.pad_slot, 0, -1, 1)):
             graphs.meta[row].fill_(value)
-        pool = torch.cuda.graph_pool_handle()
         cfg = self.model.config
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for bs in reversed(graphs.sizes):
@@ -261,6 +374,28 @@ class CUDAExecutor:
         graphs.capture_s = time.perf_counter() - t0
         log.info("cuda_graphs_captured", batch_sizes=graphs.sizes,
                  seconds=round(graphs.capture_s, 2))
+
+    def _capture_extend(self, graphs: ExtendGraphs, pool: _PoolHandle) -> None:
+        """Capture one extend graph per token count, largest first, in the decode graphs' pool
+        (steps replay one at a time). Each runs once eagerly first, on its padding: the
+        kernels' variants and cuBLAS's choices for its shapes are made outside the capture."""
+        t0 = time.perf_counter()
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            for t in reversed(graphs.sizes):
+                self._forward_extend(graphs, t)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                    self._forward_extend(graphs, t)
+                graphs.graphs[t] = graph
+        self.stream.synchronize()
+        graphs.capture_s = time.perf_counter() - t0
+        log.info("extend_graphs_captured", tokens=graphs.sizes, rows=graphs.rows,
+                 seconds=round(graphs.capture_s, 2))
+
+    def _forward_extend(self, graphs: ExtendGraphs, t: int) -> None:
+        step, sample_index = graphs.step(t, self.token_buffer, self.pad_slot)
+        hidden = self.model(step.input_ids, PagedAttention(self.kv, step, self.rotary, self.model))
+        graphs.logits.copy_(self.model.logits(hidden[sample_index]))
 
     def _build_decode_variants(self) -> None:
         """Without graphs, eager decode steps pick their split count by batch size (1..32, a
@@ -299,12 +434,15 @@ class CUDAExecutor:
         """Flatten the plan on the loop's thread into one pinned int32 array (`pack_step`)."""
         rows = plan.rows
         nd = plan.num_decode_rows
-        graph_bs = 0
+        graph_bs = extend_t = 0
         if self.graphs is not None and nd == len(rows) and nd <= self.graphs.max_bs:
             graph_bs = self.graphs.size_for(nd)
-        inputs = StepInputs.of(plan, self.page_size, graph_bs, self.pad_slot)
+        elif self.extend_graphs is not None:
+            extend_t = self.extend_graphs.size_for(plan.num_tokens, len(rows))
+        shape = self.extend_graphs.shapes[extend_t] if self.extend_graphs and extend_t else None
+        inputs = StepInputs.of(plan, self.page_size, graph_bs, self.pad_slot, shape)
         return HostStep(inputs, torch.tensor(inputs.packed.meta, dtype=torch.int32).pin_memory(),
-                        graph_bs)
+                        graph_bs, extend_t)
 
     # ---- the launcher thread: queue the step, never wait -----------------------------------
     def _enqueue(self, h: HostStep) -> tuple[torch.cuda.Event, _Pending]:
@@ -316,6 +454,8 @@ class CUDAExecutor:
                 self.penalties.start_slot(*new_slot)
             if h.graph_bs:
                 logits = self._replay(h, meta)
+            elif h.extend_tokens:
+                logits = self._replay_extend(h, meta)
             else:
                 nd = h.layout.num_decode
                 step, decode_slots = step_views(h.layout, meta, self._num_splits(nd))
@@ -339,6 +479,13 @@ class CUDAExecutor:
         g.load(h.layout, meta, h.graph_bs)
         g.graphs[h.graph_bs].replay()
         return g.logits[h.graph_bs][: h.layout.num_decode]
+
+    def _replay_extend(self, h: HostStep, meta: torch.Tensor) -> torch.Tensor:
+        g = self.extend_graphs
+        assert g is not None
+        g.load(h.layout, meta, h.extend_tokens)
+        g.graphs[h.extend_tokens].replay()
+        return g.logits[: len(h.layout.sample_rows)]
 
     def _num_splits(self, num_decode: int) -> int:
         """The decode kernel's split count: the one the graph of that batch size was captured

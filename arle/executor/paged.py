@@ -6,6 +6,7 @@ CPU, Triton on CUDA). Also `pack_step` (a plan flattened into one int32 array on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from arle.executor.plan import StepPlan
 from arle.executor.sampler import SamplingBatch
 from arle.model.decoder import DecoderLM
 from arle_kernels.decode_attention import pick_num_splits
+from arle_kernels.extend_attention import plan_blocks
 
 FP8_KV = torch.float8_e4m3fn
 
@@ -65,6 +67,8 @@ class DeviceStep:
     num_decode: int
     max_q_len: int
     num_splits: int
+    #: The extend kernel's (row, token block) work list (extend graphs; None: its grid)
+    extend_blocks: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +100,8 @@ class PagedAttention:
                                  s.num_splits, k_scale=ks, v_scale=vs, out=out[:nd])
         if s.num_tokens > nd:
             ops.extend_attention(q[nd:], k, v, s.page_table[nd:], s.cu_q_lens, s.seq_lens[nd:],
-                                 self.scale, s.max_q_len, k_scale=ks, v_scale=vs, out=out[nd:])
+                                 self.scale, s.max_q_len, k_scale=ks, v_scale=vs, out=out[nd:],
+                                 blocks=s.extend_blocks)
         return out.view(q.shape[0], -1)
 
 
@@ -104,6 +109,36 @@ class PagedAttention:
 #: specialises pointer arguments on 16-byte alignment, so unaligned views would compile (and
 #: stall the engine for) a second variant of every kernel.
 _ALIGN = 4
+
+
+@dataclass(frozen=True)
+class ExtendGraphShape:
+    """A step padded for an extend graph (`arle.executor.cuda.ExtendGraphs`): `tokens` token
+    slots, `rows` rows, every row an extend row (a decode row is one new token), and the
+    extend kernel's work as a list of (row, token block of `block_t` tokens) pairs."""
+
+    tokens: int
+    rows: int
+    block_t: int
+
+    @property
+    def blocks(self) -> int:
+        """Room for every token block: sum of ceil(q_len / block_t) <= tokens / block_t + rows."""
+        return self.tokens // self.block_t + self.rows
+
+    def layout(self) -> tuple[dict[str, tuple[int, int]], int]:
+        """Segment -> (start, length) within the graph's static block, and its size. Every
+        segment 16-byte aligned, as in the eager layout."""
+        t, r = self.tokens, self.rows
+        offsets: dict[str, tuple[int, int]] = {}
+        n = 0
+        for name, size in (("input_ids", t), ("tok_slots", t), ("positions", t),
+                           ("kv_slots", t), ("seq_lens", r), ("cu_q_lens", r + 1),
+                           ("sample_index", r), ("extend_blocks", 2 * self.blocks)):
+            n += -n % _ALIGN
+            offsets[name] = (n, size)
+            n += size
+        return offsets, n
 
 
 @dataclass
@@ -138,9 +173,10 @@ class PackedStep:
         return meta[start:start + n]
 
 
-def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int = 0
-              ) -> PackedStep:
-    """Flatten a plan for the device: plain Python, no torch (runs on the event loop)."""
+def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int = 0,
+              extend: ExtendGraphShape | None = None) -> PackedStep:
+    """Flatten a plan for the device: plain Python, no torch (runs on the event loop).
+    graph_bs: a decode graph's layout; extend: an extend graph's (see `_pack_extend_graph`)."""
     ps = page_size
     rows = plan.rows
     nd = plan.num_decode_rows
@@ -160,7 +196,10 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
         n = -(-r.seq_len // ps)
         table += r.pages[:n]
         table += [0] * (max_pages - n)
-    if graph_bs:
+    if extend is not None:
+        sample_at = _pack_extend_graph(plan, ps, pad_slot, extend, put)
+        put("page_table", table)
+    elif graph_bs:
         pad = graph_bs - nd
         # NOTE: the four [bs] segments stay back to back: one copy fills the graph's meta block
         put("decode_slots", [r.slot for r in rows] + [pad_slot] * pad)
@@ -201,6 +240,47 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
                       max_seq_len=max_seq, sample_rows=sample_at)
 
 
+def _pack_extend_graph(plan: StepPlan, ps: int, pad_slot: int, shape: ExtendGraphShape,
+                       put: Callable[..., None]) -> list[int]:
+    """The static block of an extend graph (`ExtendGraphShape.layout`), padded: token slots
+    past the step's tokens get id 0, position 0, no K/V write (-1); rows past its rows own no
+    tokens (cu_q_lens stays at the token count) and no token block. tok_slots: a decode row's
+    request slot (its input is on the device, in the token buffer), pad_slot elsewhere.
+    Returns the token index each sampling row samples at."""
+    offsets, size = shape.layout()
+    block = [0] * size
+    ids: list[int] = []
+    tok_slots: list[int] = []
+    positions: list[int] = []
+    kv_slots: list[int] = []
+    sample_at: list[int] = []
+    cu = [0]
+    for r in plan.rows:
+        ids += r.input_ids if r.input_ids is not None else [0]
+        tok_slots += [pad_slot] * r.num_tokens if r.input_ids is not None else [r.slot]
+        pos = range(r.start, r.seq_len)
+        positions += pos
+        kv_slots += [r.pages[p // ps] * ps + p % ps for p in pos]
+        if r.sample:
+            sample_at.append(len(ids) - 1)
+        cu.append(cu[-1] + r.num_tokens)
+    t, nr = len(ids), len(plan.rows)
+    assert t <= shape.tokens and nr <= shape.rows, f"{t} tokens, {nr} rows > {shape}"
+    pad_t, pad_r = shape.tokens - t, shape.rows - nr
+    seq_lens = [r.seq_len for r in plan.rows]
+    values = {
+        "input_ids": ids + [0] * pad_t, "tok_slots": tok_slots + [pad_slot] * pad_t,
+        "positions": positions + [0] * pad_t, "kv_slots": kv_slots + [-1] * pad_t,
+        "seq_lens": seq_lens + [0] * pad_r, "cu_q_lens": cu + [t] * pad_r,
+        "sample_index": sample_at + [0] * (shape.rows - len(sample_at)),
+        "extend_blocks": plan_blocks([r.num_tokens for r in plan.rows], seq_lens,
+                                     shape.block_t, shape.blocks)}
+    for name, (start, n) in offsets.items():
+        block[start:start + n] = values[name]
+    put("extend_graph", block)
+    return sample_at
+
+
 def step_views(packed: PackedStep, meta: torch.Tensor, num_splits: int
                ) -> tuple[DeviceStep, torch.Tensor]:
     """An eager step's `DeviceStep` as views into `meta` (the packed array, on the device), and
@@ -228,11 +308,11 @@ class StepInputs:
 
     @classmethod
     def of(cls, plan: StepPlan, page_size: int, graph_bs: int = 0,
-           pad_slot: int = 0) -> StepInputs:
+           pad_slot: int = 0, extend: ExtendGraphShape | None = None) -> StepInputs:
         rows = [r for r in plan.rows if r.sample]
         sampling = (SamplingBatch.build([r.params for r in rows],
                                         [r.sample_offset for r in rows]) if rows else None)
-        return cls(pack_step(plan, page_size, graph_bs, pad_slot), sampling,
+        return cls(pack_step(plan, page_size, graph_bs, pad_slot, extend), sampling,
                    [r.params.logprobs for r in rows],
                    [(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
                     for n in plan.new_slots])
