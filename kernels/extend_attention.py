@@ -45,8 +45,13 @@ tokens after a long prefix gets only KVH programs (16 tokens after 4080: 99 us, 
 Block sizes come from a small rule (`_pick_config`), one compiled variant per (dtype, D, G,
 rule branch): no autotuning, so compile time at server start stays small.
 
+With a block list (`blocks`, planned on the host by `plan_blocks`) the grid is (N, KVH) instead:
+program i takes the list's (row, token block) pair i, longest work first, and pairs of row -1
+(padding) return at once. A CUDA graph of a padded batch (the executor's extend graphs) uses it:
+its grid is fixed by the list's length, and rows past the step's own cost no programs.
+
 NOTE: the wrapper never reads a device tensor on the host and its grid depends only on host ints
-(max_q_len, KVH, rows), so it can be captured in a CUDA graph for a fixed max_q_len.
+(max_q_len, KVH, rows, or the block list's length), so it can be captured in a CUDA graph.
 NOTE: requires head_dim and page_size powers of two (head_dim >= 16), the last dim of q, out and
 the caches contiguous, and the V cache (and v_scale) strided like the K cache (and k_scale).
 """
