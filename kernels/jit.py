@@ -106,10 +106,15 @@ def set_pdl(on: bool | None) -> None:
     _pdl = on
 
 
+_PDL_ON: dict[str, Any] = {"launch_pdl": True}
+_PDL_OFF: dict[str, Any] = {}
+
+
 def pdl_launch(pdl: bool) -> dict[str, Any]:
     """The launch keyword of a kernel taking `PDL: tl.constexpr` (nothing when off: the
-    interpreter knows no such option)."""
-    return {"launch_pdl": True} if pdl else {}
+    interpreter knows no such option). NOTE: shared dicts (every launch unpacks one; none
+    builds a new one); never modify them."""
+    return _PDL_ON if pdl else _PDL_OFF
 
 
 __all__ = ["gdc_launch_dependents", "gdc_wait", "jit_varying", "pdl_enabled", "pdl_launch",

@@ -39,6 +39,7 @@ from arle.executor.paged import (
     PackedStep,
     PagedAttention,
     StepInputs,
+    extend_graph_block,
     step_views,
 )
 from arle.executor.plan import StepPlan
@@ -162,25 +163,15 @@ class ExtendGraphs:
         self.sizes = [t for t in EXTEND_GRAPH_TOKENS if t < max_tokens] + [max_tokens]
         self.rows = rows
         self.shapes = {t: ExtendGraphShape(t, rows, block_t) for t in self.sizes}
-        self.blocks = {t: self._padding(shape, pad_slot).to(device)
+        # NOTE: filled with padding (no rows, no token blocks, no K/V writes): what warm-up and
+        # capture run on
+        self.blocks = {t: torch.tensor(extend_graph_block([], 1, pad_slot, shape)[0],
+                                       dtype=torch.int32, device=device)
                        for t, shape in self.shapes.items()}
         self.page_table = torch.zeros(rows, max_pages, dtype=torch.int32, device=device)
         self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0
-
-    @staticmethod
-    def _padding(shape: ExtendGraphShape, pad_slot: int) -> torch.Tensor:
-        """A static block of nothing but padding (what warm-up and capture run on): no rows,
-        no token blocks, no K/V writes."""
-        offsets, size = shape.layout()
-        block = torch.zeros(size, dtype=torch.int32)
-        for name, value in (("tok_slots", pad_slot), ("kv_slots", -1), ("extend_blocks", -1)):
-            start, n = offsets[name]
-            block[start:start + n] = value
-        start, n = offsets["extend_blocks"]
-        block[start + 1:start + n:2] = 0  # (row -1, block 0) pairs
-        return block
 
     def size_for(self, num_tokens: int, num_rows: int) -> int:
         """The graph a step of that many tokens and rows replays; 0: none (run it eagerly)."""
@@ -201,7 +192,7 @@ class ExtendGraphs:
              ) -> tuple[DeviceStep, torch.Tensor]:
         """Graph t's inputs as a step (views of its static block; decode rows' ids gathered
         from the token buffer) and the sampling rows' token indices."""
-        offsets, _ = self.shapes[t].layout()
+        offsets, _ = self.shapes[t].layout
         block = self.blocks[t]
 
         def seg(name: str) -> torch.Tensor:

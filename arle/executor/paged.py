@@ -6,12 +6,12 @@ CPU, Triton on CUDA). Also `pack_step` (a plan flattened into one int32 array on
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from arle.executor.plan import StepPlan
+from arle.executor.plan import Row, StepPlan
 from arle.executor.sampler import SamplingBatch
 from arle.model.decoder import DecoderLM
 from arle_kernels.decode_attention import pick_num_splits
@@ -126,9 +126,11 @@ class ExtendGraphShape:
         """Room for every token block: sum of ceil(q_len / block_t) <= tokens / block_t + rows."""
         return self.tokens // self.block_t + self.rows
 
+    @cached_property
     def layout(self) -> tuple[dict[str, tuple[int, int]], int]:
         """Segment -> (start, length) within the graph's static block, and its size. Every
-        segment 16-byte aligned, as in the eager layout."""
+        segment 16-byte aligned, as in the eager layout (computed once: packing reads it every
+        step)."""
         t, r = self.tokens, self.rows
         offsets: dict[str, tuple[int, int]] = {}
         n = 0
@@ -176,7 +178,7 @@ class PackedStep:
 def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int = 0,
               extend: ExtendGraphShape | None = None) -> PackedStep:
     """Flatten a plan for the device: plain Python, no torch (runs on the event loop).
-    graph_bs: a decode graph's layout; extend: an extend graph's (see `_pack_extend_graph`)."""
+    graph_bs: a decode graph's layout; extend: an extend graph's (see `extend_graph_block`)."""
     ps = page_size
     rows = plan.rows
     nd = plan.num_decode_rows
@@ -197,7 +199,8 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
         table += r.pages[:n]
         table += [0] * (max_pages - n)
     if extend is not None:
-        sample_at = _pack_extend_graph(plan, ps, pad_slot, extend, put)
+        block, sample_at = extend_graph_block(rows, ps, pad_slot, extend)
+        put("extend_graph", block)
         put("page_table", table)
     elif graph_bs:
         pad = graph_bs - nd
@@ -210,21 +213,10 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
         put("page_table", table + [0] * (max_pages * pad))
         sample_at = list(range(nd))
     else:
-        ids: list[int] = []
-        positions: list[int] = []
-        kv_slots: list[int] = []
-        sample_at = []
+        ids, positions, kv_slots, sample_at = _token_segments(rows, ps)
         cu = [0]
-        for r in rows:
-            ids += r.input_ids if r.input_ids is not None else [0]
-            pos = range(r.start, r.seq_len)
-            positions += pos
-            pages = r.pages
-            kv_slots += [pages[p // ps] * ps + p % ps for p in pos]
-            if r.sample:
-                sample_at.append(len(ids) - 1)
-            if r.input_ids is not None:
-                cu.append(cu[-1] + r.num_tokens)
+        for r in rows[nd:]:  # decode rows come first; the extend rows' new tokens follow
+            cu.append(cu[-1] + r.num_tokens)
         put("input_ids", ids)
         put("positions", positions)
         put("kv_slots", kv_slots)
@@ -240,45 +232,54 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
                       max_seq_len=max_seq, sample_rows=sample_at)
 
 
-def _pack_extend_graph(plan: StepPlan, ps: int, pad_slot: int, shape: ExtendGraphShape,
-                       put: Callable[..., None]) -> list[int]:
-    """The static block of an extend graph (`ExtendGraphShape.layout`), padded: token slots
-    past the step's tokens get id 0, position 0, no K/V write (-1); rows past its rows own no
-    tokens (cu_q_lens stays at the token count) and no token block. tok_slots: a decode row's
-    request slot (its input is on the device, in the token buffer), pad_slot elsewhere.
-    Returns the token index each sampling row samples at."""
-    offsets, size = shape.layout()
-    block = [0] * size
+def _token_segments(rows: list[Row], ps: int
+                    ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per token of the rows, back to back: input ids (0 for a decode row: its input is on the
+    device), positions, K/V cache slots; and the token index each sampling row samples at."""
     ids: list[int] = []
-    tok_slots: list[int] = []
     positions: list[int] = []
     kv_slots: list[int] = []
     sample_at: list[int] = []
-    cu = [0]
-    for r in plan.rows:
+    for r in rows:
         ids += r.input_ids if r.input_ids is not None else [0]
-        tok_slots += [pad_slot] * r.num_tokens if r.input_ids is not None else [r.slot]
         pos = range(r.start, r.seq_len)
         positions += pos
         kv_slots += [r.pages[p // ps] * ps + p % ps for p in pos]
         if r.sample:
             sample_at.append(len(ids) - 1)
+    return ids, positions, kv_slots, sample_at
+
+
+def extend_graph_block(rows: list[Row], ps: int, pad_slot: int, shape: ExtendGraphShape
+                       ) -> tuple[list[int], list[int]]:
+    """The static block of an extend graph (`ExtendGraphShape.layout`) for these rows, and the
+    token index each sampling row samples at. Padded: token slots past the rows' tokens get id
+    0, position 0, no K/V write (-1); rows past theirs own no tokens (cu_q_lens stays at the
+    token count) and no token block. tok_slots: a decode row's request slot (its input is on
+    the device, in the token buffer), pad_slot elsewhere. No rows: pure padding (what the
+    graphs are captured on)."""
+    ids, positions, kv_slots, sample_at = _token_segments(rows, ps)
+    tok_slots: list[int] = []
+    cu = [0]
+    for r in rows:
+        tok_slots += [pad_slot] * r.num_tokens if r.input_ids is not None else [r.slot]
         cu.append(cu[-1] + r.num_tokens)
-    t, nr = len(ids), len(plan.rows)
+    t, nr = len(ids), len(rows)
     assert t <= shape.tokens and nr <= shape.rows, f"{t} tokens, {nr} rows > {shape}"
     pad_t, pad_r = shape.tokens - t, shape.rows - nr
-    seq_lens = [r.seq_len for r in plan.rows]
+    seq_lens = [r.seq_len for r in rows]
     values = {
         "input_ids": ids + [0] * pad_t, "tok_slots": tok_slots + [pad_slot] * pad_t,
         "positions": positions + [0] * pad_t, "kv_slots": kv_slots + [-1] * pad_t,
         "seq_lens": seq_lens + [0] * pad_r, "cu_q_lens": cu + [t] * pad_r,
         "sample_index": sample_at + [0] * (shape.rows - len(sample_at)),
-        "extend_blocks": plan_blocks([r.num_tokens for r in plan.rows], seq_lens,
+        "extend_blocks": plan_blocks([r.num_tokens for r in rows], seq_lens,
                                      shape.block_t, shape.blocks)}
+    offsets, size = shape.layout
+    block = [0] * size
     for name, (start, n) in offsets.items():
         block[start:start + n] = values[name]
-    put("extend_graph", block)
-    return sample_at
+    return block, sample_at
 
 
 def step_views(packed: PackedStep, meta: torch.Tensor, num_splits: int
