@@ -62,6 +62,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     split_k: int = 1
+    mma: bool = False  # tensor cores (`_gemv_mma_kernel`, 3..16 rows) rather than FMAs
 
 
 @triton.jit
@@ -143,6 +144,70 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
         if GLU:
             y = silu_mul(y.to(dtype), tl.sum(acc_up, axis=2).to(dtype))
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, y.to(dtype), mask=out_mask)
+
+
+@triton.jit
+def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
+                     stride_xm, stride_wn, stride_ym, stride_ys,
+                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GLU: tl.constexpr, PDL: tl.constexpr, PRECISION: tl.constexpr):
+    """`_gemv_kernel`'s contract (same arguments, same outputs) for 3..16 rows, on tensor cores:
+    y^T [BLOCK_N, M_PAD] += W tile [BLOCK_N, BLOCK_K] @ x^T tile [BLOCK_K, M_PAD] ("swap AB":
+    the weight's rows fill the MMA's 16+ rows, the few rows of x its narrow side, padded to 16).
+
+    At 8 rows an FMA kernel does 8 multiply-adds per weight element and runs out of issue
+    slots; one MMA does them all. W is still read once per step, by many small programs
+    (1-4 warps), its first tile before `gdc_wait` as in `_gemv_kernel`.
+    NOTE: the config depends on (N, K) only, never on M, so a row's sum runs in the same order
+    whatever else is in the batch (batch invariance)."""
+    if PDL:
+        gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, M_PAD)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # NOTE: padded rows / columns re-read the last valid row of x / W: no masks for them
+    rows_x = tl.minimum(offs_m, M - 1)
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + rows_x[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, M_PAD]: x^T
+    up_ptrs = w_ptrs + N * stride_wn  # GLU only
+    k_lo = pid_k * k_per_split
+    k_hi = k_lo + k_per_split
+    acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    w = _load_chunk(w_ptrs, k_lo, K, offs_k[None, :], EVEN_K, "evict_first")
+    if GLU:
+        w_up = _load_chunk(up_ptrs, k_lo, K, offs_k[None, :], EVEN_K, "evict_first")
+    if PDL:
+        gdc_wait()
+    x = _load_chunk(x_ptrs, k_lo, K, offs_k[:, None], EVEN_K, "evict_last")
+    acc = tl.dot(w, x, acc, input_precision=PRECISION)
+    if GLU:
+        acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        w = _load_chunk(w_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
+        x = _load_chunk(x_ptrs, k0, K, offs_k[:, None], EVEN_K, "evict_last")
+        acc = tl.dot(w, x, acc, input_precision=PRECISION)
+        if GLU:
+            w_up = _load_chunk(up_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
+            acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
+    out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    if PARTIAL:
+        y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, acc, mask=out_mask)
+    else:
+        dtype = y_ptr.dtype.element_ty
+        y = acc
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0)
+            y += b.to(tl.float32)[:, None]
+        if GLU:
+            y = silu_mul(y.to(dtype), acc_up.to(dtype))
+        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
         tl.store(y_ptrs, y.to(dtype), mask=out_mask)
 
 
@@ -240,14 +305,19 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
             "M_PAD": triton.next_power_of_2(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "GLU": glu, "PDL": pdl, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             **pdl_launch(pdl)}
+    kernel = _gemv_kernel
+    if cfg.mma:  # tl.dot needs 16 rows; fp32 inputs (tests) must not drop to tf32
+        kernel = _gemv_mma_kernel
+        meta.update(M_PAD=max(16, meta["M_PAD"]),
+                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     grid = (triton.cdiv(n, cfg.block_n), splits)
     if splits == 1:
-        _gemv_kernel[grid](x, weight, b, y, m, n, k, k_per_split, x.stride(0),
-                           weight.stride(0), y.stride(0), 0, **meta)
+        kernel[grid](x, weight, b, y, m, n, k, k_per_split, x.stride(0),
+                     weight.stride(0), y.stride(0), 0, **meta)
         return y
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    _gemv_kernel[grid](x, weight, b, part, m, n, k, k_per_split, x.stride(0),
-                       weight.stride(0), part.stride(1), part.stride(0), **meta)
+    kernel[grid](x, weight, b, part, m, n, k, k_per_split, x.stride(0),
+                 weight.stride(0), part.stride(1), part.stride(0), **meta)
     _split_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
         part, b, y, n, splits, part.stride(0), part.stride(1), y.stride(0), HAS_BIAS=has_bias,
         BLOCK=_REDUCE_BLOCK, PDL=pdl, num_warps=4, **pdl_launch(pdl))
@@ -394,6 +464,65 @@ def bench_gemv(shapes: dict[str, tuple[int, int]] | None = None,
                              "fused_us": fused_us, "gemv_then_silu_us": apart_us})
                 print(f"gate_up+silu M={m}: fused {fused_us:.1f} us, gemv then silu_and_mul "
                       f"{apart_us:.1f} us")
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+#: the tensor-core kernel's candidate tiles: (block_n, block_k, num_warps, num_stages)
+MMA_TILES: tuple[tuple[int, int, int, int], ...] = (
+    (16, 128, 1, 1), (16, 256, 1, 1), (16, 128, 1, 3), (32, 128, 1, 2), (32, 128, 2, 1),
+    (32, 256, 2, 1), (32, 256, 2, 2), (16, 256, 2, 1), (64, 128, 4, 3), (64, 64, 4, 4))
+
+
+def _with_config(cfg: GemvConfig, glu: bool = False) -> Callable[[Tensor, Tensor], Tensor]:
+    return lambda x, w: _launch(x, w, None, None, cfg, glu)
+
+
+def sweep_mma(shapes: dict[str, tuple[int, int]] | None = None, ms: tuple[int, ...] = (8,),
+              splits: tuple[int, ...] = (1, 2, 4, 8),
+              dtype: torch.dtype = torch.bfloat16) -> list[dict[str, object]]:
+    """Time the tensor-core kernel (`_gemv_mma_kernel`) over MMA_TILES x splits against cuBLAS
+    and the FMA kernel, per shape and M (CUDA-graph medians, as bench_gemv); gate_up also as
+    the fused SiLU·up against cuBLAS + silu_and_mul. Prints the best per shape; returns all."""
+    assert torch.cuda.is_available(), "sweep_mma needs a CUDA GPU"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict[str, object]] = []
+    for name, (n, k) in (shapes or BENCH_SHAPES).items():
+        w_bytes = n * k * torch.finfo(dtype).bits // 8
+        copies = max(2, -(-400_000_000 // w_bytes))
+        weights = [(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).to(dtype)
+                   for _ in range(copies)]
+        for m in ms:
+            x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+            base = {"shape": name, "m": m, "n": n, "k": k}
+            cublas = _time_us(F.linear, x, weights)
+            fma = _time_us(gemv, x, weights)  # the FMA kernel's config at this M
+            rows.append({**base, "kernel": "cublas", "us": cublas})
+            rows.append({**base, "kernel": "fma", "us": fma})
+            best: tuple[float, str] = (float("inf"), "")
+            for (bn, bk, warps, stages), split in itertools.product(MMA_TILES, splits):
+                if split > 1 and triton.cdiv(k, bk) < 2 * split:
+                    continue
+                cfg = GemvConfig(bn, bk, warps, stages, split, mma=True)
+                us = _time_us(_with_config(cfg), x, weights)
+                rows.append({**base, "kernel": "mma", "us": us, "block_n": bn, "block_k": bk,
+                             "warps": warps, "stages": stages, "split": split})
+                best = min(best, (us, f"n{bn} k{bk} w{warps} st{stages} s{split}"))
+            print(f"{name:8} M={m:2} cuBLAS {cublas:6.1f} fma {fma:6.1f} | mma best {best[0]:6.1f}"
+                  f" ({w_bytes / best[0] / 1e3:5.0f} GB/s) {best[1]}", flush=True)
+            if name == "gate_up":  # the fused activation: split K is not allowed there
+                for bn, bk, warps, stages in MMA_TILES:
+                    cfg = GemvConfig(bn, bk, warps, stages, 1, mma=True)
+                    us = _time_us(_with_config(cfg, glu=True), x, weights)
+                    rows.append({**base, "kernel": "mma_glu", "us": us, "block_n": bn,
+                                 "block_k": bk, "warps": warps, "stages": stages, "split": 1})
+                apart = _time_us(lambda a, w: silu_and_mul(F.linear(a, w)), x, weights)
+                rows.append({**base, "kernel": "cublas+silu", "us": apart})
+                glu_best = min(r["us"] for r in rows if r["kernel"] == "mma_glu"  # type: ignore
+                               and r["m"] == m)
+                print(f"gate_up+silu M={m}: cuBLAS + silu_and_mul {apart:.1f}, mma glu best "
+                      f"{glu_best:.1f}", flush=True)
         del weights
         torch.cuda.empty_cache()
     return rows

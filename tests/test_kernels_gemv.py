@@ -18,6 +18,7 @@ from helpers import run_interpreter_check
 
 from arle_kernels.gemv import (
     BENCH_SHAPES,
+    MMA_TILES,
     GemvConfig,
     _launch,
     _pick_config,
@@ -157,6 +158,18 @@ def interp_check_gemv() -> None:
             check_silu_mul(x, w, tol, GemvConfig(block_n=8, block_k=32, num_warps=1))
 
 
+    # the tensor-core kernel (3..16 rows, padded to 16): BLOCK_N not dividing N, masked and
+    # even K, split K with a ragged last split, the fused activation (bf16 tl.dot is broken
+    # under the interpreter: fp32 and fp16 only)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-3)):
+        for m, k, split in ((3, 96, 1), (8, 256, 3), (16, 200, 2)):
+            x, w, b = make_inputs(m, 40, k, dtype, "cpu", bias=split == 1, seed=20 + m)
+            cfg = GemvConfig(block_n=16, block_k=64, num_warps=1, split_k=split, mma=True)
+            check(x, w, b, tol, cfg)
+            check_silu_mul(x, w, tol, GemvConfig(block_n=16, block_k=64, num_warps=1,
+                                                 mma=True))
+
+
 def check_silu_mul(x: torch.Tensor, gate_up: torch.Tensor, tol: float,
                    cfg: GemvConfig | None = None) -> torch.Tensor:
     """gemv_silu_mul (or `cfg` through _launch) into a NaN-poisoned output against its
@@ -223,6 +236,29 @@ def test_gpu_silu_mul(m: int) -> None:
     for n2, k in (BENCH_SHAPES["gate_up"], (2 * 1000, 2500)):
         x, w, _ = make_inputs(m, n2, k, torch.bfloat16, "cuda", bias=False, seed=m)
         check_silu_mul(x, w, 1e-2)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", MMA_TILES, ids=lambda t: "n{}k{}w{}s{}".format(*t))
+def test_gpu_mma_tiles(tile: tuple[int, int, int, int]) -> None:
+    """Every candidate tile of the tensor-core kernel, on Qwen3-4B's o_proj and down shapes
+    (split K 1 and 4) and an odd one, at 3 / 8 / 16 rows, bf16 and fp32 (ieee, not tf32), and
+    the fused activation: against fp64 and gemv_ref. A row's bits do not depend on the other
+    rows (the same first 3 rows at M = 3 and 16: batch invariance)."""
+    bn, bk, warps, stages = tile
+    for (n, k), dtype in ((BENCH_SHAPES["o_proj"], torch.bfloat16),
+                          (BENCH_SHAPES["down"], torch.bfloat16), ((1000, 2500), torch.float32)):
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        for split in (1, 4):
+            cfg = GemvConfig(bn, bk, warps, stages, split, mma=True)
+            x, w, b = make_inputs(16, n, k, dtype, "cuda", bias=split == 1, seed=n)
+            full = check(x, w, b, tol, cfg)
+            for m in (3, 8):
+                part = check(x[:m].contiguous(), w, b, tol, cfg)
+                assert torch.equal(part, full[:m]), f"rows changed with M: {cfg}"
+    x, w, _ = make_inputs(8, 2 * 1000, 2560, torch.bfloat16, "cuda", bias=False, seed=5)
+    check_silu_mul(x, w, 1e-2, GemvConfig(bn, bk, warps, stages, 1, mma=True))
 
 
 @needs_cuda
