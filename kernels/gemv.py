@@ -233,34 +233,55 @@ def _split_reduce_kernel(p_ptr, b_ptr, y_ptr, N, splits, stride_ps, stride_pm, s
 _REDUCE_BLOCK = 1024
 
 
-def _pick_config(m: int, n: int, k: int) -> GemvConfig:
-    """One config per shape family, from a sweep on the H200 (CUDA-graph timings, Qwen3-4B's
+def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
+    """One config per shape family, from sweeps on the H200 (CUDA-graph timings, Qwen3-4B's
     shapes; see use_gemv for the numbers):
 
     - M = 1: one warp per output row, 4 runs of 8 per lane (BLOCK_K 1024): thousands of small
       programs keep every SM's memory pipe full, and the final sum is a warp shuffle.
     - M = 2: two rows per program; for few rows (N < 4096, o_proj / down) 2-4 warps share a row's
       K range, else one warp.
-    - M >= 3 (slower than cuBLAS; use_gemv says no): BLOCK_N = M_PAD rows, 2 warps.
+    - M = 3..16: the tensor-core kernel (`_mma_config`); glu: the fused gate_up.
     - split K only when N gives fewer than 2 programs per SM (N < 264 at M = 1): each split
       at least 2 BLOCK_K chunks, up to ~4 programs per SM.
     """
     m_pad = triton.next_power_of_2(max(m, 1))
+    if m_pad > 2:
+        return _mma_config(n, k, glu)
     if m_pad == 1:
         cfg = GemvConfig(block_n=1, block_k=1024, num_warps=1)
-    elif m_pad == 2 and n >= 4096:
+    elif n >= 4096:
         cfg = GemvConfig(block_n=2, block_k=512, num_warps=1)
-    elif m_pad == 2:
+    else:
         cfg = GemvConfig(block_n=2, block_k=1024, num_warps=2) if k < 8192 else \
             GemvConfig(block_n=2, block_k=2048, num_warps=4)
-    else:
-        cfg = GemvConfig(block_n=min(m_pad, 64 // m_pad), block_k=512, num_warps=2)
     programs = triton.cdiv(n, cfg.block_n)
     if programs < 2 * _NUM_SMS:
         chunks = triton.cdiv(k, cfg.block_k)
         split = min(max(1, chunks // 2), triton.cdiv(4 * _NUM_SMS, programs))
         cfg = replace(cfg, split_k=split)
     return cfg
+
+
+def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
+    """The tensor-core kernel's tile for 3..16 rows, from `sweep_mma` on the H200 (M = 8 and 16,
+    11 tiles x splits 1-8; docs/benchmarks/gpu-2026-11-29d):
+
+    - glu (gate_up + SiLU·up) and a wide N (>= 32768, lm_head): 32 rows a program, 2 warps,
+      BLOCK_K 256, no split: 31.1 us for Qwen3-4B's gate_up against cuBLAS + silu_and_mul's
+      32.6; lm_head 181.7 against 188.6.
+    - otherwise 64 rows a program on one warpgroup (wgmma), BLOCK_K 128, 3 stages (cp.async),
+      K split so that there are ~176 programs (the best in the sweep: 160 for o_proj / down,
+      192 for qkv): o_proj 8.8 us against cuBLAS's 10.3, down 16.5 against 18.1.
+    NOTE: a function of (N, K) only, never of M: a row's sum does not depend on the batch."""
+    if glu or n >= 32768:
+        return GemvConfig(block_n=32, block_k=256, num_warps=2, num_stages=1, mma=True)
+    programs = triton.cdiv(n, 64)
+    split = 1
+    while split * 2 * programs <= 176 * 1.5 and triton.cdiv(k, 128) >= 2 * (split * 2):
+        split *= 2
+    return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split,
+                      mma=True)
 
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None) -> None:
@@ -345,7 +366,7 @@ def gemv_silu_mul(x: Tensor, gate_up: Tensor, *, out: Tensor | None = None) -> T
     """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up] ([2N, K], no bias): an MLP's
     gate_up projection and activation in one kernel, [M, N]. Gate and up are each rounded to
     x's dtype before the activation, as `silu_and_mul(gemv(x, gate_up))` rounds them."""
-    cfg = replace(_pick_config(x.shape[0], gate_up.shape[0], x.shape[1]), split_k=1)
+    cfg = replace(_pick_config(x.shape[0], gate_up.shape[0], x.shape[1], glu=True), split_k=1)
     return _launch(x, gate_up, None, out, cfg, glu=True)
 
 
@@ -354,17 +375,22 @@ def gemv_silu_mul_ref(x: Tensor, gate_up: Tensor, *, out: Tensor | None = None) 
     return y if out is None else out.copy_(y)
 
 
-def use_gemv(m: int, n: int, k: int) -> bool:
-    """Whether a linear layer of m rows and an [n, k] weight should use gemv over F.linear.
+def use_gemv(m: int, n: int, k: int, glu: bool = False) -> bool:
+    """Whether a linear layer of m rows and an [n, k] weight (glu: a gate_up with its
+    activation) should use gemv over F.linear (cuBLAS).
 
     Measured on the H200 (triton 3.6, bf16, per call back to back in a CUDA graph), Qwen3-4B's
     qkv / o_proj / gate_up / down / lm_head: at M = 1 gemv takes 10.0 / 7.0 / 24.6 / 13.8 / 170
     us against cuBLAS's 11.1 / 10.3 / 28.6 / 17.3 / 179 (a decode step's linears: 2.16 ms
     against 2.60 ms); at M = 2 it wins on each shape with its M = 2 configs (step 2.4-2.5 ms
-    against 2.62). At M >= 3 it is 1.3-4x slower than cuBLAS (the per-element FMAs grow with
-    M, cuBLAS's tensor cores don't care), so: M <= USE_GEMV_MAX_M (2), any shape.
+    against 2.62). At M = 3..16 the tensor-core kernel wins on o_proj, down, gate_up + SiLU·up
+    and lm_head (see _mma_config) and loses on qkv (10.9 against 10.3 us at M = 8) and on a
+    gate_up without its activation: so narrow (N <= 4096) and wide (N >= 32768) weights and
+    the fused gate_up, not the middle.
     """
-    return 1 <= m <= USE_GEMV_MAX_M
+    if 1 <= m <= USE_GEMV_MAX_M:
+        return True
+    return USE_GEMV_MAX_M < m <= MAX_M and (glu or n <= 4096 or n >= 32768)
 
 
 # ---------------------------------------------------------------------------------------------

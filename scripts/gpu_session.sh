@@ -32,7 +32,7 @@ phase() {  # name timeout command...
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
   case $p in
-    tests) say tests; timeout 200 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" -rfE \
+    tests) say tests; timeout 280 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" -rfE \
              tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
              tests/test_kernels_gemv.py \

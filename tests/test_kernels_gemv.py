@@ -18,7 +18,6 @@ from helpers import run_interpreter_check
 
 from arle_kernels.gemv import (
     BENCH_SHAPES,
-    MMA_TILES,
     GemvConfig,
     _launch,
     _pick_config,
@@ -84,26 +83,38 @@ def test_ref_matches_fp64_and_f_linear() -> None:
 
 
 def test_use_gemv_rule() -> None:
-    """M = 1 and 2 on every Qwen3-4B shape (where it beat cuBLAS on the H200), never M = 0 or
-    M >= 3 (where it lost)."""
+    """M = 1 and 2 on every Qwen3-4B shape (where the FMA kernel beat cuBLAS on the H200);
+    M = 3..16 where the tensor-core kernel did (o_proj, down, the fused gate_up, lm_head) and
+    not qkv; never M = 0 or M > 16."""
     for n, k in BENCH_SHAPES.values():
         assert use_gemv(1, n, k) and use_gemv(2, n, k)
-        assert not any(use_gemv(m, n, k) for m in (0, 3, 4, 8, 64))
+        assert not any(use_gemv(m, n, k) for m in (0, 17, 64))
+    for m in (3, 8, 16):
+        assert all(use_gemv(m, *BENCH_SHAPES[s]) for s in ("o_proj", "down", "lm_head"))
+        assert use_gemv(m, *BENCH_SHAPES["gate_up"], glu=True)
+        assert not use_gemv(m, *BENCH_SHAPES["qkv"])
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
 @pytest.mark.parametrize("shape", list(BENCH_SHAPES))
 def test_pick_config(m: int, shape: str) -> None:
-    """Configs the GPU layout argument holds for (BLOCK_K a multiple of 8 x 32 x warps), at
-    most one split per BLOCK_K chunk, enough programs for 132 SMs, and at most 64 fp32
-    accumulator registers per thread (M_PAD x BLOCK_N x runs of 8 per thread)."""
+    """Configs the GPU layout argument holds for, at most one split per 2 BLOCK_K chunks
+    (mma) or one (FMA), enough programs for 132 SMs. FMA kernel (M <= 2): BLOCK_K a multiple of
+    8 x 32 x warps, at most 64 fp32 accumulator registers per thread (M_PAD x BLOCK_N x runs of
+    8 per thread). Tensor-core kernel (M = 3..16): tiles of >= 16 rows, and one config for every
+    M (a row's sum must not depend on the batch)."""
     n, k = BENCH_SHAPES[shape]
     cfg = _pick_config(m, n, k)
-    assert cfg.block_k % (8 * 32 * cfg.num_warps) == 0
     assert cfg.block_n & (cfg.block_n - 1) == 0
-    assert 1 <= cfg.split_k <= -(-k // cfg.block_k)
     assert -(-n // cfg.block_n) * cfg.split_k >= 132
-    assert triton_next_pow2(m) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 8 * 64
+    if m <= 2:
+        assert not cfg.mma and cfg.block_k % (8 * 32 * cfg.num_warps) == 0
+        assert 1 <= cfg.split_k <= -(-k // cfg.block_k)
+        assert triton_next_pow2(m) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 8 * 64
+    else:
+        assert cfg.mma and cfg.block_n >= 16 and cfg.block_k >= 16
+        assert 1 <= 2 * cfg.split_k <= -(-k // cfg.block_k)
+        assert all(_pick_config(other, n, k) == cfg for other in (3, 5, 16))
 
 
 def test_pick_config_splits_small_n() -> None:
@@ -238,11 +249,17 @@ def test_gpu_silu_mul(m: int) -> None:
         check_silu_mul(x, w, 1e-2)
 
 
+#: the tiles _mma_config picks (sweep_mma times the other candidates in MMA_TILES)
+USED_TILES = sorted({(c.block_n, c.block_k, c.num_warps, c.num_stages)
+                     for c in (_pick_config(8, n, k, glu) for n, k in BENCH_SHAPES.values()
+                               for glu in (False, True))})
+
+
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", MMA_TILES, ids=lambda t: "n{}k{}w{}s{}".format(*t))
+@pytest.mark.parametrize("tile", USED_TILES, ids=lambda t: "n{}k{}w{}s{}".format(*t))
 def test_gpu_mma_tiles(tile: tuple[int, int, int, int]) -> None:
-    """Every candidate tile of the tensor-core kernel, on Qwen3-4B's o_proj and down shapes
+    """The tensor-core kernel's tiles in use, on Qwen3-4B's o_proj and down shapes
     (split K 1 and 4) and an odd one, at 3 / 8 / 16 rows, bf16 and fp32 (ieee, not tf32), and
     the fused activation: against fp64 and gemv_ref. A row's bits do not depend on the other
     rows (the same first 3 rows at M = 3 and 16: batch invariance)."""

@@ -32,8 +32,8 @@ SINGLE = TPGroup()
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias). On CUDA with one or two rows (batch-1/2 decode) our Triton GEMV,
-    which streams the weights faster than cuBLAS there (docs/benchmarks: gemv); else cuBLAS."""
+    """x @ weight^T (+ bias). On CUDA with few rows (decode) our Triton GEMV where it streams
+    the weights faster than cuBLAS (`use_gemv`: docs/benchmarks); else cuBLAS."""
     if x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -44,7 +44,7 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up: torch.Tensor,
     """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up] (an MLP's projection and its
     activation). Where `linear` takes the GEMV, one kernel does both (the activation in its
     epilogue: no gate_up round trip, one launch less per layer); else linear + silu_and_mul."""
-    if x.is_cuda and use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1]):
+    if x.is_cuda and use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1], glu=True):
         return gemv_silu_mul(x, gate_up)
     return silu_and_mul(linear(x, gate_up))
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "str | int | None"], None]
