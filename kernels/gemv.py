@@ -40,7 +40,13 @@ import triton.language as tl
 from torch import Tensor
 
 from arle_kernels.fused import silu_and_mul, silu_and_mul_ref, silu_mul
-from arle_kernels.jit import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
+from arle_kernels.jit import (
+    gdc_launch_dependents,
+    gdc_wait,
+    jit_varying,
+    pdl_enabled,
+    pdl_launch,
+)
 
 #: rows up to this many run through the kernel (beyond it cuBLAS's GEMM is the right tool)
 MAX_M = 16
@@ -147,7 +153,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
         tl.store(y_ptrs, y.to(dtype), mask=out_mask)
 
 
-@triton.jit
+# NOTE: M and the partials' split stride (M x N) change with the batch: not specialised, so
+# eager steps of 3..16 rows share one variant (see jit_varying)
+@jit_varying("M", "stride_ys")
 def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
                      stride_xm, stride_wn, stride_ym, stride_ys,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
