@@ -279,14 +279,15 @@ def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
       BLOCK_K 256, no split: 31.1 us for Qwen3-4B's gate_up against cuBLAS + silu_and_mul's
       32.6; lm_head 181.7 against 188.6.
     - otherwise 64 rows a program on one warpgroup (wgmma), BLOCK_K 128, 3 stages (cp.async),
-      K split so that there are ~176 programs (the best in the sweep: 160 for o_proj / down,
-      192 for qkv): o_proj 8.8 us against cuBLAS's 10.3, down 16.5 against 18.1.
+      K doubly split while the grid stays within 2 programs per SM (the best in the sweep: 160
+      programs for o_proj / down, 192 for qkv): o_proj 8.8 us against cuBLAS's 10.3, down 16.5
+      against 18.1 alone, but no gain in the engine under PDL, so use_gemv leaves them to cuBLAS.
     NOTE: a function of (N, K) only, never of M: a row's sum does not depend on the batch."""
     if glu or n >= 32768:
         return GemvConfig(block_n=32, block_k=256, num_warps=2, num_stages=1, mma=True)
     programs = triton.cdiv(n, 64)
     split = 1
-    while split * 2 * programs <= 176 * 1.5 and triton.cdiv(k, 128) >= 2 * (split * 2):
+    while 2 * split * programs <= 2 * _NUM_SMS and triton.cdiv(k, 128) >= 4 * split:
         split *= 2
     return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split,
                       mma=True)
@@ -391,14 +392,17 @@ def use_gemv(m: int, n: int, k: int, glu: bool = False) -> bool:
     qkv / o_proj / gate_up / down / lm_head: at M = 1 gemv takes 10.0 / 7.0 / 24.6 / 13.8 / 170
     us against cuBLAS's 11.1 / 10.3 / 28.6 / 17.3 / 179 (a decode step's linears: 2.16 ms
     against 2.60 ms); at M = 2 it wins on each shape with its M = 2 configs (step 2.4-2.5 ms
-    against 2.62). At M = 3..16 the tensor-core kernel wins on o_proj, down, gate_up + SiLU·up
-    and lm_head (see _mma_config) and loses on qkv (10.9 against 10.3 us at M = 8) and on a
-    gate_up without its activation: so narrow (N <= 4096) and wide (N >= 32768) weights and
-    the fused gate_up, not the middle.
+    against 2.62). At M = 3..16 the tensor-core kernel beats cuBLAS alone on o_proj, down,
+    gate_up + SiLU·up and lm_head (see _mma_config) and loses on qkv (10.9 against 10.3 us at
+    M = 8). In the engine (batch-8 decode graph, Qwen3-4B, same call) only the fused gate_up and
+    lm_head pay: with them 3.418 ms a step against cuBLAS's 3.540; with o_proj and down too
+    (split K, 64-row tiles) 3.693, slower, though 60 us faster with PDL off (3.543 against
+    3.603): the split tiles lose more under PDL than they gain. So: the fused gate_up and wide
+    weights (N >= 32768, lm_head), not the rest.
     """
     if 1 <= m <= USE_GEMV_MAX_M:
         return True
-    return USE_GEMV_MAX_M < m <= MAX_M and (glu or n <= 4096 or n >= 32768)
+    return USE_GEMV_MAX_M < m <= MAX_M and (glu or n >= 32768)
 
 
 # ---------------------------------------------------------------------------------------------

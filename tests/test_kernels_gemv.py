@@ -84,15 +84,16 @@ def test_ref_matches_fp64_and_f_linear() -> None:
 
 def test_use_gemv_rule() -> None:
     """M = 1 and 2 on every Qwen3-4B shape (where the FMA kernel beat cuBLAS on the H200);
-    M = 3..16 where the tensor-core kernel did (o_proj, down, the fused gate_up, lm_head) and
-    not qkv; never M = 0 or M > 16."""
+    M = 3..16 where the tensor-core kernel made the engine's batch-8 step faster (the fused
+    gate_up, lm_head), not where it lost (qkv) or only won alone (o_proj, down); never M = 0
+    or M > 16."""
     for n, k in BENCH_SHAPES.values():
         assert use_gemv(1, n, k) and use_gemv(2, n, k)
         assert not any(use_gemv(m, n, k) for m in (0, 17, 64))
     for m in (3, 8, 16):
-        assert all(use_gemv(m, *BENCH_SHAPES[s]) for s in ("o_proj", "down", "lm_head"))
+        assert use_gemv(m, *BENCH_SHAPES["lm_head"])
         assert use_gemv(m, *BENCH_SHAPES["gate_up"], glu=True)
-        assert not use_gemv(m, *BENCH_SHAPES["qkv"])
+        assert not any(use_gemv(m, *BENCH_SHAPES[s]) for s in ("qkv", "o_proj", "down"))
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
