@@ -222,13 +222,15 @@ async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any,
     """After the serve warm-up, staggered arrivals (mixed steps with every count of decode
     rows, page tables of every width, several prefills per step) build no new Triton variant:
     each would stall every request for up to seconds mid-serving. A model of its own head shape
-    (head dim 64, 8 query heads per KV head), so no earlier test built its variants."""
+    (head dim 64, 8 query heads per KV head), so no earlier test built its variants. (Seen on
+    the H200: eager lm_head at 3..16 rows built its tensor-core variant mid-serving.)"""
     from arle.diagnostics import Phase, warmup_passes
     from arle_kernels.jit import watch_compiles
 
+    # NOTE: a vocabulary >= 32768, so lm_head takes the tensor-core GEMV at 3..16 rows
     write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", **{
         **GPU_SHAPE, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 1,
-        "head_dim": 64}), seed=4)
+        "head_dim": 64, "vocab_size": 32768}), seed=4)
     engine = make_engine(load_model(tmp_path, "bfloat16", "cuda"), max_running_requests=16,
                          kv_cache_tokens=32768, cuda_graph=cuda_graph)
     phases: list[Phase] = []

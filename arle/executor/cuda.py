@@ -23,7 +23,7 @@ import concurrent.futures
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -52,7 +52,7 @@ from arle.executor.sampler import (
     sample_into,
 )
 from arle.logging import get_logger
-from arle.model.decoder import DecoderLM
+from arle.model.decoder import DecoderLayer, DecoderLM
 from arle_kernels.decode_attention import pick_num_splits
 from arle_kernels.extend_attention import block_tokens
 from arle_kernels.ops import ops_for
@@ -274,6 +274,7 @@ class CUDAExecutor:
                 self._capture_extend(self.extend_graphs, pool)
         else:
             self._build_decode_variants()
+            self._build_linear_variants()
         #: What start-up measured, for `arle warmup` and the model info.
         self.startup_info = {
             "memory_plan": {"total_bytes": total, "weights_bytes": weights,
@@ -404,6 +405,24 @@ class CUDAExecutor:
             for n in sorted(counts):
                 self.model.ops.decode_attention(q, k, v, table, seq_lens, 1.0, n, k_scale=ks,
                                                 v_scale=vs)
+        self.stream.synchronize()
+
+    def _build_linear_variants(self) -> None:
+        """Without graphs, the linear layers run at any row count, and the GEMV kernels have a
+        variant per class of rows (1, 2: FMA; 3..16: tensor cores, for gate_up + SiLU·up and
+        lm_head) that the warm-up passes may not reach: lm_head at 3..16 rows runs only once
+        3 rows sample in one step. Build them now: one layer's linears and lm_head on zeros."""
+        layer = cast(DecoderLayer, self.model.layers[0])
+        cfg = self.model.config
+        dtype = self.model.embed_tokens.weight.dtype
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            for rows in (1, 2, 3):
+                x = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=self.device)
+                layer.self_attn.qkv_proj(x)
+                attn = layer.self_attn.num_heads * layer.self_attn.head_dim  # this rank's
+                layer.self_attn.o_proj(torch.zeros(rows, attn, dtype=dtype, device=self.device))
+                layer.mlp(x, self.model.ops)
+                self.model.logits(x)
         self.stream.synchronize()
 
     def _forward_decode(self, step: DeviceStep) -> torch.Tensor:
