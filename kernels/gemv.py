@@ -83,6 +83,17 @@ def _load_chunk(ptrs, k0, K, kk, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _program_tile(M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """Both GEMV kernels' start: let the next kernel launch (PDL), then this program's split
+    index, row offsets and output columns."""
+    if PDL:
+        gdc_launch_dependents()
+    offs_m = tl.arange(0, M_PAD)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.program_id(1), offs_m, offs_n
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
                  stride_xm, stride_wn, stride_ym, stride_ys,
                  HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
@@ -98,12 +109,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     NOTE: k_per_split is a multiple of BLOCK_K; EVEN_K means K is too, and every split is
     full (no masks at all).
     """
-    if PDL:
-        gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, M_PAD)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_k, offs_m, offs_n = _program_tile(M_PAD, BLOCK_N, PDL)
     # A K chunk is viewed as [BLOCK_K // 8, 8]: a thread owns runs of 8 contiguous elements
     # (one 16-byte bf16 load) and sums its products over a run at once, in registers; lanes and
     # warps span BLOCK_K // 8, and the sum across them happens once, after the loop.
@@ -173,12 +179,7 @@ def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     (1-4 warps), its first tile before `gdc_wait` as in `_gemv_kernel`.
     NOTE: the config depends on (N, K) only, never on M, so a row's sum runs in the same order
     whatever else is in the batch (batch invariance)."""
-    if PDL:
-        gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, M_PAD)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_k, offs_m, offs_n = _program_tile(M_PAD, BLOCK_N, PDL)
     offs_k = tl.arange(0, BLOCK_K)
     # NOTE: padded rows / columns re-read the last valid row of x / W: no masks for them
     rows_x = tl.minimum(offs_m, M - 1)
