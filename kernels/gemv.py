@@ -462,6 +462,16 @@ def _time_us(fn: Callable[[Tensor, Tensor], object], x: Tensor, weights: list[Te
     return sorted(times[1:])[3]  # the median of the last 7 (the first warms up)
 
 
+def _rotating_weights(n: int, k: int, dtype: torch.dtype, gen: torch.Generator
+                      ) -> tuple[int, list[Tensor]]:
+    """One [n, k] weight's bytes, and enough random copies of it (~400 MB together) that a copy
+    comes back only after L2 (50 MB) has forgotten it."""
+    w_bytes = n * k * torch.finfo(dtype).bits // 8
+    copies = max(2, -(-400_000_000 // w_bytes))
+    return w_bytes, [(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).to(dtype)
+                     for _ in range(copies)]
+
+
 def bench_gemv(shapes: dict[str, tuple[int, int]] | None = None,
                ms: tuple[int, ...] = (1, 2, 4, 8),
                dtype: torch.dtype = torch.bfloat16) -> list[dict[str, object]]:
@@ -477,10 +487,7 @@ def bench_gemv(shapes: dict[str, tuple[int, int]] | None = None,
           f"GB/s: {'gemv':>5} {'cuBLAS':>6} | speedup | eager us: {'gemv':>6} {'cuBLAS':>6} | "
           f"use config")
     for name, (n, k) in (shapes or BENCH_SHAPES).items():
-        w_bytes = n * k * torch.finfo(dtype).bits // 8
-        copies = max(2, -(-400_000_000 // w_bytes))  # a copy comes back after ~400 MB
-        weights = [(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).to(dtype)
-                   for _ in range(copies)]
+        w_bytes, weights = _rotating_weights(n, k, dtype, gen)
         for m in ms:
             x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
             g_us, c_us = _time_us(gemv, x, weights), _time_us(F.linear, x, weights)
@@ -531,10 +538,7 @@ def sweep_mma(shapes: dict[str, tuple[int, int]] | None = None, ms: tuple[int, .
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, object]] = []
     for name, (n, k) in (shapes or BENCH_SHAPES).items():
-        w_bytes = n * k * torch.finfo(dtype).bits // 8
-        copies = max(2, -(-400_000_000 // w_bytes))
-        weights = [(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).to(dtype)
-                   for _ in range(copies)]
+        w_bytes, weights = _rotating_weights(n, k, dtype, gen)
         for m in ms:
             x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
             base = {"shape": name, "m": m, "n": n, "k": k}

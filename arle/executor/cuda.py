@@ -273,8 +273,7 @@ class CUDAExecutor:
                     cfg.vocab_size, self.pad_slot, self.device)
                 self._capture_extend(self.extend_graphs, pool)
         else:
-            self._build_decode_variants()
-            self._build_linear_variants()
+            self._build_eager_variants()
         #: What start-up measured, for `arle warmup` and the model info.
         self.startup_info = {
             "memory_plan": {"total_bytes": total, "weights_bytes": weights,
@@ -389,37 +388,30 @@ class CUDAExecutor:
         hidden = self.model(step.input_ids, PagedAttention(self.kv, step, self.rotary, self.model))
         graphs.logits.copy_(self.model.logits(hidden[sample_index]))
 
-    def _build_decode_variants(self) -> None:
-        """Without graphs, eager decode steps pick their split count by batch size (1..32, a
-        power of two, each its own merge-kernel variant): build them all now, not mid-serving.
-        One row of one token over page 0; the output is thrown away."""
+    def _build_eager_variants(self) -> None:
+        """Without graphs, build now (not mid-serving, where a compile stalls every request)
+        the kernel variants eager steps pick by their size, which the warm-up passes may not
+        all reach: the decode kernel's split counts (1..32 by batch size, a power of two, each
+        its own merge-kernel variant), and the GEMVs' row classes (1, 2: FMA; 3..16: tensor
+        cores, for gate_up + SiLU·up and lm_head, which runs at 3..16 rows only once 3 rows
+        sample in one step). On zeros and page 0; the outputs are thrown away."""
         cfg = self.model.config
         counts = {pick_num_splits(b, cfg.num_kv_heads, self.config.max_model_len, self.num_sms)
                   for b in range(1, self.num_slots + 1)}
         k, v, ks, vs = self.kv.layer(0)
-        q = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=self.model.embed_tokens.weight.dtype,
-                        device=self.device)
+        dtype = self.model.embed_tokens.weight.dtype
+        q = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=self.device)
         table = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
         seq_lens = torch.ones(1, dtype=torch.int32, device=self.device)
+        layer = cast(DecoderLayer, self.model.layers[0])
+        attn = layer.self_attn.num_heads * layer.self_attn.head_dim  # this rank's
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for n in sorted(counts):
                 self.model.ops.decode_attention(q, k, v, table, seq_lens, 1.0, n, k_scale=ks,
                                                 v_scale=vs)
-        self.stream.synchronize()
-
-    def _build_linear_variants(self) -> None:
-        """Without graphs, the linear layers run at any row count, and the GEMV kernels have a
-        variant per class of rows (1, 2: FMA; 3..16: tensor cores, for gate_up + SiLU·up and
-        lm_head) that the warm-up passes may not reach: lm_head at 3..16 rows runs only once
-        3 rows sample in one step. Build them now: one layer's linears and lm_head on zeros."""
-        layer = cast(DecoderLayer, self.model.layers[0])
-        cfg = self.model.config
-        dtype = self.model.embed_tokens.weight.dtype
-        with torch.inference_mode(), torch.cuda.stream(self.stream):
             for rows in (1, 2, 3):
                 x = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=self.device)
                 layer.self_attn.qkv_proj(x)
-                attn = layer.self_attn.num_heads * layer.self_attn.head_dim  # this rank's
                 layer.self_attn.o_proj(torch.zeros(rows, attn, dtype=dtype, device=self.device))
                 layer.mlp(x, self.model.ops)
                 self.model.logits(x)

@@ -47,6 +47,8 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up: torch.Tensor,
     if x.is_cuda and use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1], glu=True):
         return gemv_silu_mul(x, gate_up)
     return silu_and_mul(linear(x, gate_up))
+
+
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "str | int | None"], None]
 
 
