@@ -19,8 +19,8 @@ The kernels compute the same function up to fp32 rounding inside (reduction orde
 contraction, Triton's approximate exp; sqrt and division are IEEE): an intermediate may round
 the other way, rarely, which moves a bf16 result by an ulp of that intermediate (<= 2 ulps).
 
-Launches: one per op, one program per token row (a 2-D grid over column blocks for the purely
-elementwise silu and noise). The wrappers read no device tensor on the host and size grids
+Launches: one per op, one program per token row (two for `qk_norm_rope_store_kv`: q, and k/v;
+a 2-D grid over column blocks for the purely elementwise silu and noise). The wrappers read no device tensor on the host and size grids
 from shapes only, so all of them are safe to capture in a CUDA graph.
 """
 
@@ -298,12 +298,15 @@ def _qk_norm_rope_store_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per token: its q heads (norm + rope -> q out), then, unless its slot is < 0,
-    its k heads (norm + rope) and v heads into the cache at the slot. Every element of the
-    token's qkv row is read once and q / k / v written once."""
+    """Two programs per token (t, part): part 0 its q heads (norm + rope -> q out), part 1,
+    unless its slot is < 0, its k heads (norm + rope) and v heads into the cache at the slot.
+    Every element of the token's qkv row is read once and q / k / v written once.
+    NOTE: two parts, so q's and k/v's chains of loads and stores run side by side (at batch 1
+    the kernel is one token: its latency is the cost)."""
     if PDL:
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     # positions, slots and the rotary table are the step's metadata: safe before the wait
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -315,13 +318,13 @@ def _qk_norm_rope_store_kv_kernel(
         gdc_wait()
     row = qkv_ptr + t * stride_qkv
 
-    q1, q2, offs, mask = _norm_rope_heads(row, qw_ptr, eps, cos, sin, H, BLOCK_H, D, HALF,
-                                          BLOCK_HALF, HAS_NORM)
-    q_row = q_ptr + t * (H * D)
-    tl.store(q_row + offs, q1, mask=mask)
-    tl.store(q_row + offs + HALF, q2, mask=mask)
-
-    if slot >= 0:  # NOTE: slot -1 marks a padding row (CUDA graph): no K/V read or write
+    if part == 0:
+        q1, q2, offs, mask = _norm_rope_heads(row, qw_ptr, eps, cos, sin, H, BLOCK_H, D, HALF,
+                                              BLOCK_HALF, HAS_NORM)
+        q_row = q_ptr + t * (H * D)
+        tl.store(q_row + offs, q1, mask=mask)
+        tl.store(q_row + offs + HALF, q2, mask=mask)
+    elif slot >= 0:  # NOTE: slot -1 marks a padding row (CUDA graph): no K/V read or write
         k1, k2, kv_offs, kv_mask = _norm_rope_heads(row + H * D, kw_ptr, eps, cos, sin, KVH,
                                                     BLOCK_KVH, D, HALF, BLOCK_HALF, HAS_NORM)
         v_row = row + (H + KVH) * D
@@ -387,7 +390,7 @@ def qk_norm_rope_store_kv(qkv: Tensor, positions: Tensor, cos_sin: Tensor,
     half = d // 2
     block_h = triton.next_power_of_2(num_heads)
     pdl = pdl_enabled()
-    _qk_norm_rope_store_kv_kernel[(t,)](
+    _qk_norm_rope_store_kv_kernel[(t, 2)](
         qkv, positions, cos_sin, qw, kw, kv_slots, q, k_cache, v_cache, ks, vs,
         eps, k_cache.shape[1], qkv.stride(0), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *s_strides,
