@@ -64,8 +64,7 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
-    LINE: tl.constexpr, IS_FP8: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    IS_FP8: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (row, KV head, split): the G query heads of the KV head against the split's tokens.
     SINGLE: write the final output (o_ptr is `out`, in q's dtype) and no lse."""
@@ -80,19 +79,8 @@ def _decode_split_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     # NOTE: seq_lens and the page table are the step's metadata; q and this step's K/V (just
-    # stored by the previous kernel) are read only after the wait. Before it, the first block's
-    # K/V lines are prefetched into L2 (no registers held; the stale copy of this step's token
-    # it may bring is overwritten in L2 by that token's store).
-    pt_row = page_table_ptr + b * stride_pt
+    # stored by the previous kernel) are read only after the wait
     if PDL:
-        offs_n = start + tl.arange(0, BLOCK_N)
-        page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=offs_n < end, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        lines = tl.arange(0, D // LINE)[None, :] * LINE  # one address per 128-byte line
-        _prefetch_l2(k_ptr + (page * stride_kp + in_page * stride_ks + kvh * stride_kh)[:, None]
-                     + lines)
-        _prefetch_l2(v_ptr + (page * stride_vp + in_page * stride_vs + kvh * stride_vh)[:, None]
-                     + lines)
         gdc_wait()
 
     offs_g = tl.arange(0, G_PAD)
@@ -105,6 +93,7 @@ def _decode_split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([G_PAD], tl.float32)  # running sum of exp2
     acc = tl.zeros([G_PAD, D], tl.float32)
+    pt_row = page_table_ptr + b * stride_pt
     # NOTE: start is a multiple of BLOCK_N and every block holds >= 1 real token (n0 < end), so
     # each block's row max is finite and no exp2(-inf - -inf) appears.
     for n0 in range(start, end, BLOCK_N):
@@ -149,13 +138,6 @@ def _decode_split_kernel(
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the lines at ptrs (PTX prefetch: no register holds the data, nothing waits)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 @jit_varying("num_splits", "stride_pb", "stride_ph", "stride_lb", "stride_lh")
 def _merge_kernel(
     o_part_ptr, lse_ptr, out_ptr, num_splits,
@@ -179,10 +161,8 @@ def _merge_kernel(
     m = tl.max(lse, 0)
     m = tl.where(m > float("-inf"), m, 0.0)
     w = tl.where(live, tl.exp(lse - m), 0.0)
-    # NOTE: masked by the split count, not by `live`: the two loads go out together (an empty
-    # split wrote zeros, which weigh 0)
     o = tl.load(o_part_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
-                + offs_d[None, :], mask=(offs_s < num_splits)[:, None], other=0.0)  # [S_PAD, D]
+                + offs_d[None, :], mask=live[:, None], other=0.0)  # [S_PAD, D]
     den = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
@@ -259,8 +239,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         page_table.stride(0),
         *o_strides, *l_strides,
         D=d, PAGE_SIZE=page_size, BLOCK_N=block_n, G_PAD=g_pad,
-        LINE=max(1, min(d, 128 // k_cache.element_size())), IS_FP8=is_fp8, SINGLE=single,
-        PRECISION=precision, PDL=pdl,
+        IS_FP8=is_fp8, SINGLE=single, PRECISION=precision, PDL=pdl,
         num_warps=warps, num_stages=stages, **pdl_launch(pdl),
     )
     if not single:

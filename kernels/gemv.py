@@ -250,10 +250,7 @@ def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
     shapes; see use_gemv for the numbers):
 
     - M = 1: one warp per output row, 4 runs of 8 per lane (BLOCK_K 1024): thousands of small
-      programs keep every SM's memory pipe full, and the final sum is a warp shuffle. From
-      K = 4096 (o_proj, down) two warps a row and BLOCK_K 2048: half the loop trips, twice the
-      bytes in flight a program (`sweep_fma`, H200: o_proj 5.8 against 7.0 us, down 13.6
-      against 16.5; qkv and gate_up, K = 2560, gain nothing).
+      programs keep every SM's memory pipe full, and the final sum is a warp shuffle.
     - M = 2: two rows per program; for few rows (N < 4096, o_proj / down) 2-4 warps share a row's
       K range, else one warp.
     - M = 3..16: the tensor-core kernel (`_mma_config`); glu: the fused gate_up.
@@ -264,8 +261,7 @@ def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
     if m_pad > 2:
         return _mma_config(n, k, glu)
     if m_pad == 1:
-        cfg = GemvConfig(block_n=1, block_k=2048, num_warps=2) if k >= 4096 else \
-            GemvConfig(block_n=1, block_k=1024, num_warps=1)
+        cfg = GemvConfig(block_n=1, block_k=1024, num_warps=1)
     elif n >= 4096:
         cfg = GemvConfig(block_n=2, block_k=512, num_warps=1)
     else:
@@ -576,43 +572,3 @@ def sweep_mma(shapes: dict[str, tuple[int, int]] | None = None, ms: tuple[int, .
         del weights
         torch.cuda.empty_cache()
     return rows
-
-
-#: the FMA kernel's candidate tiles at 1-2 rows: (block_n, block_k, num_warps, num_stages);
-#: the first is _pick_config's M = 1 choice for K < 4096. More bytes in flight per warp (longer BLOCK_K,
-#: two rows, pipelined stages) against more, smaller programs.
-FMA_TILES: tuple[tuple[int, int, int, int], ...] = (
-    (1, 1024, 1, 1), (1, 512, 1, 1), (1, 2048, 1, 1), (1, 4096, 1, 1), (1, 512, 1, 3),
-    (1, 1024, 1, 2), (1, 1024, 1, 3), (2, 512, 1, 1), (2, 1024, 1, 1), (2, 2048, 1, 1),
-    (2, 512, 1, 3), (4, 1024, 1, 1), (1, 2048, 2, 1), (1, 4096, 2, 1), (2, 2048, 2, 1),
-    (4, 2048, 2, 1), (1, 4096, 4, 1), (2, 4096, 4, 1))
-
-
-def sweep_fma(shapes: dict[str, tuple[int, int]] | None = None, m: int = 1,
-              splits: tuple[int, ...] = (1, 2),
-              dtype: torch.dtype = torch.bfloat16) -> list[dict[str, object]]:
-    """Time the FMA kernel over FMA_TILES x splits at m rows against cuBLAS and the picked
-    config, per shape (CUDA-graph medians, as bench_gemv). Prints the best per shape."""
-    assert torch.cuda.is_available(), "sweep_fma needs a CUDA GPU"
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rows: list[dict[str, object]] = []
-    for name, (n, k) in (shapes or BENCH_SHAPES).items():
-        w_bytes, weights = _rotating_weights(n, k, dtype, gen)
-        x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
-        base = {"shape": name, "m": m, "n": n, "k": k}
-        cublas, picked = _time_us(F.linear, x, weights), _time_us(gemv, x, weights)
-        rows += [{**base, "kernel": "cublas", "us": cublas}, {**base, "kernel": "picked", "us": picked}]
-        best: tuple[float, str] = (float("inf"), "")
-        for (bn, bk, warps, stages), split in itertools.product(FMA_TILES, splits):
-            if split > 1 and triton.cdiv(k, bk) < 2 * split:
-                continue
-            us = _time_us(_with_config(GemvConfig(bn, bk, warps, stages, split)), x, weights)
-            rows.append({**base, "kernel": "fma", "us": us, "block_n": bn, "block_k": bk,
-                         "warps": warps, "stages": stages, "split": split})
-            best = min(best, (us, f"n{bn} k{bk} w{warps} st{stages} s{split}"))
-        print(f"{name:8} M={m} cuBLAS {cublas:6.1f} picked {picked:6.1f} | best {best[0]:6.1f} "
-              f"({w_bytes / best[0] / 1e3:5.0f} GB/s) {best[1]}", flush=True)
-        del weights
-        torch.cuda.empty_cache()
-    return rows
-
