@@ -20,8 +20,9 @@ contraction, Triton's approximate exp; sqrt and division are IEEE): an intermedi
 the other way, rarely, which moves a bf16 result by an ulp of that intermediate (<= 2 ulps).
 
 Launches: one per op, one program per token row (two for `qk_norm_rope_store_kv`: q, and k/v;
-a 2-D grid over column blocks for the purely elementwise silu and noise). The wrappers read no device tensor on the host and size grids
-from shapes only, so all of them are safe to capture in a CUDA graph.
+a 2-D grid over column blocks for the purely elementwise silu and noise). The wrappers read no
+device tensor on the host and size grids from shapes only, so all of them are safe to capture
+in a CUDA graph.
 """
 
 from __future__ import annotations
