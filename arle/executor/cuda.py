@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -353,14 +353,11 @@ class CUDAExecutor:
             for bs in reversed(graphs.sizes):
                 graphs.num_splits[bs] = pick_num_splits(bs, cfg.num_kv_heads,
                                                         self.config.max_model_len, self.num_sms)
-                step = graphs.step(bs, self.token_buffer)
-                for _ in range(2):  # compile and warm every kernel outside the capture
-                    self._forward_decode(step)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                    step = graphs.step(bs, self.token_buffer)
-                    graphs.logits[bs] = self._forward_decode(step)
-                graphs.graphs[bs] = graph
+
+                def run(bs: int = bs) -> None:
+                    graphs.logits[bs] = self._forward_decode(graphs.step(bs, self.token_buffer))
+
+                graphs.graphs[bs] = self._record(run, pool, warm_runs=2)
         self.stream.synchronize()
         graphs.capture_s = time.perf_counter() - t0
         log.info("cuda_graphs_captured", batch_sizes=graphs.sizes,
@@ -373,15 +370,26 @@ class CUDAExecutor:
         t0 = time.perf_counter()
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for t in reversed(graphs.sizes):
-                self._forward_extend(graphs, t)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+
+                def run(t: int = t) -> None:
                     self._forward_extend(graphs, t)
-                graphs.graphs[t] = graph
+
+                graphs.graphs[t] = self._record(run, pool, warm_runs=1)
         self.stream.synchronize()
         graphs.capture_s = time.perf_counter() - t0
         log.info("extend_graphs_captured", tokens=graphs.sizes, rows=graphs.rows,
                  seconds=round(graphs.capture_s, 2))
+
+    def _record(self, run: Callable[[], None], pool: _PoolHandle, warm_runs: int
+                ) -> torch.cuda.CUDAGraph:
+        """run() eagerly warm_runs times (kernel variants and cuBLAS's choices are made outside
+        the capture), then captured as a graph in `pool`, on the executor's stream."""
+        for _ in range(warm_runs):
+            run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+            run()
+        return graph
 
     def _forward_extend(self, graphs: ExtendGraphs, t: int) -> None:
         step, sample_index = graphs.step(t, self.token_buffer, self.pad_slot)
@@ -563,6 +571,3 @@ def _to_device(batch: SamplingBatch, device: torch.device) -> SamplingBatch:
              for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                           "frequency_penalty", "presence_penalty", "seeds", "offsets")}
     return replace(batch, **moved)
-
-
-
