@@ -67,8 +67,9 @@ def main() -> None:
         results.setdefault(name, []).append(m)
 
     refs = []
+    auto: Any = transformers.AutoModelForCausalLM  # its stubs mistype from_pretrained
     for dtype in (torch.float32, torch.bfloat16):
-        hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+        hf = auto.from_pretrained(args.model, dtype=dtype)
         hf = hf.cuda().eval()
         with torch.no_grad():
             outs = [hf(torch.tensor([ids], device="cuda")).logits[0].float() for ids in prompts]
