@@ -10,8 +10,8 @@
 # the checkout afterwards (ARLE_COMMIT names it).
 set -u
 OUT=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p $RES $OUT
-then=""
-if [ "${1:-}" = "--then" ]; then then=$2; shift 2; fi
+phases=""
+if [ "${1:-}" = "--then" ]; then phases=$2; shift 2; fi
 T0=$SECONDS
 log() { echo "== $((SECONDS - T0)) s: $*" | tee -a $RES/ab_log.txt; }
 bash scripts/gpu_session.sh >/dev/null 2>&1  # installs the wheels into /tmp/site
@@ -28,6 +28,6 @@ for spec in "$@"; do
 done
 ln -sfn "$PWD/kernels" /tmp/site/arle_kernels
 # shellcheck disable=SC2086  # phases are words
-[ -n "$then" ] && bash scripts/gpu_session.sh $then >/dev/null 2>&1
+[ -n "$phases" ] && bash scripts/gpu_session.sh $phases >/dev/null 2>&1
 log done
 tar -cf $OUT/results.tar -C $RES .

@@ -64,12 +64,15 @@ _OPTIONS = {f.name for f in dataclasses.fields(CUDAOptions)}
 class Launch:
     """One kernel launch, specialised as Triton's launcher would."""
 
-    kernel: str
+    fn: JITFunction
     signature: dict[str, str]
     constexprs: dict[tuple[int, ...], Any]
     attrs: dict[tuple[int, ...], list[list[Any]]]
     options: dict[str, Any]
-    fn: JITFunction
+
+    @property
+    def kernel(self) -> str:
+        return self.fn.__name__
 
     def config(self) -> str:
         """Its constexprs and options: one compiled variant each."""
@@ -108,7 +111,7 @@ def specialise(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             signature[name] = "fp32"
         else:
             raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
-    return Launch(fn.__name__, signature, constexprs, attrs, options, fn)
+    return Launch(fn, signature, constexprs, attrs, options)
 
 
 @contextmanager
