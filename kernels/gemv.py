@@ -3,8 +3,9 @@
 At batch 1 a decode step reads every weight once and does ~1 FLOP per byte, so a linear layer
 is bound by how fast W streams from HBM. This kernel is built for that: W [N, K] row-major (as
 nn.Linear stores it), x [M, K] with M small (1..16), fp32 accumulation, output in x's dtype.
-Two kernels share that contract: `_gemv_kernel` (FMAs, 1-2 rows) and `_gemv_mma_kernel`
-(tensor cores, 3..16 rows; its docstring says why and how).
+Three kernels share that contract: `_gemv_kernel` (FMAs, 1-2 rows), and for 3..16 rows on
+tensor cores `_gemv_tma_kernel` (Hopper: tiles brought in by the copy engine) or elsewhere
+`_gemv_mma_kernel` (cp.async); their docstrings say why and how.
 
 - Each program owns BLOCK_N output columns for *all* M rows, so W is read exactly once per
   step whatever M is; x (a few KB) is re-read by every program, from L1/L2.
@@ -21,18 +22,20 @@ Two kernels share that contract: `_gemv_kernel` (FMAs, 1-2 rows) and `_gemv_mma_
 - `gemv_silu_mul`: an MLP's gate_up projection with its activation in the epilogue. A program
   sums gate row n and up row n + N and stores silu(gate) * up (HF's roundings): one launch and
   no [M, 2N] round trip (24.3 against 27.6 us for Qwen3-4B's gate_up + silu_and_mul, H200;
-  at 8 rows on tensor cores 31.1 against cuBLAS + silu_and_mul's 32.6).
+  at 8 rows with TMA 28.5 against cuBLAS + silu_and_mul's 31.6).
 
 One config per (M, N, K), picked by `_pick_config` (no autotune). The wrapper reads no device
 tensor on the host and sizes its grid from shapes only, so it is safe to capture in a CUDA graph.
 `use_gemv(m, n, k, glu)` is the rule for when to call it instead of F.linear (cuBLAS);
 `bench_gemv()` measures both (`python -c "from arle_kernels.gemv import bench_gemv;
-bench_gemv()"`), `sweep_mma()` the tensor-core kernel's tiles.
+bench_gemv()"`), `sweep_mma()` the tensor-core kernels' tiles.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -72,6 +75,7 @@ class GemvConfig:
     num_stages: int = 1
     split_k: int = 1
     mma: bool = False  # tensor cores (`_gemv_mma_kernel`, 3..16 rows) rather than FMAs
+    tma: bool = False  # with mma: tiles brought in by TMA (`_gemv_tma_kernel`, Hopper)
 
 
 @triton.jit
@@ -162,6 +166,28 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
         tl.store(y_ptrs, y.to(dtype), mask=out_mask)
 
 
+@triton.jit
+def _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
+                      stride_ys, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                      GLU: tl.constexpr):
+    """The tensor-core kernels' epilogue: y^T tile acc [BLOCK_N, M_PAD] to y [M, N] (PARTIAL:
+    fp32 into split pid_k's slice) with the bias, or silu(acc) * acc_up (GLU), in y's dtype."""
+    out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    if PARTIAL:
+        y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, acc, mask=out_mask)
+    else:
+        dtype = y_ptr.dtype.element_ty
+        y = acc
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0)
+            y += b.to(tl.float32)[:, None]
+        if GLU:
+            y = silu_mul(y.to(dtype), acc_up.to(dtype))
+        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, y.to(dtype), mask=out_mask)
+
+
 # NOTE: M and the partials' split stride (M x N) change with the batch: not specialised, so
 # eager steps of 3..16 rows share one variant (see jit_varying)
 @jit_varying("M", "stride_ys")
@@ -207,20 +233,43 @@ def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
         if GLU:
             w_up = _load_chunk(up_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
             acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
-    out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    if PARTIAL:
-        y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, acc, mask=out_mask)
-    else:
-        dtype = y_ptr.dtype.element_ty
-        y = acc
-        if HAS_BIAS:
-            b = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0)
-            y += b.to(tl.float32)[:, None]
+    _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
+                      stride_ys, HAS_BIAS, PARTIAL, GLU)
+
+
+# NOTE: M changes with the batch and is not specialised (one variant for 3..16 rows)
+@jit_varying("M", "stride_ys")
+def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_ym, stride_ys,
+                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, M_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr,
+                     PDL: tl.constexpr, PRECISION: tl.constexpr):
+    """`_gemv_mma_kernel`'s contract with the tiles brought in by the copy engine (TMA):
+    y^T [BLOCK_N, M_PAD] += W tile [BLOCK_N, BLOCK_K] @ x^T tile [BLOCK_K, M_PAD], W and x read
+    through tensor descriptors (x's rows past M and K's tail arrive as zeros: no masks, no
+    index math), `num_stages` tiles in flight per program (Triton pipelines the TMA loads
+    with barriers), and the MMA on one warpgroup (wgmma, BLOCK_N >= 64).
+    NOTE: k_per_split is a multiple of BLOCK_K, so no chunk crosses into the next split."""
+    if PDL:
+        gdc_launch_dependents()
+    pid_k = tl.program_id(1)
+    off_n = tl.program_id(0) * BLOCK_N
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    if PDL:
+        gdc_wait()
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        x = x_desc.load([0, k0])  # [M_PAD, BLOCK_K]
+        w = w_desc.load([off_n, k0])
+        acc = tl.dot(w, x.T, acc, input_precision=PRECISION)
         if GLU:
-            y = silu_mul(y.to(dtype), acc_up.to(dtype))
-        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, y.to(dtype), mask=out_mask)
+            w_up = w_desc.load([off_n + N, k0])
+            acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PRECISION)
+    _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
+                      stride_ys, HAS_BIAS, PARTIAL, GLU)
 
 
 @triton.jit
@@ -243,6 +292,8 @@ def _split_reduce_kernel(p_ptr, b_ptr, y_ptr, N, splits, stride_ps, stride_pm, s
 
 
 _REDUCE_BLOCK = 1024
+#: shared memory the TMA kernel's stages may take (an H100/H200 SM has 227 KB for a program)
+_TMA_SMEM = 200 * 1024
 
 
 def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
@@ -276,17 +327,28 @@ def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
 
 
 def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
-    """The tensor-core kernel's tile for 3..16 rows, from `sweep_mma` on the H200 (M = 8 and 16,
-    11 tiles x splits 1-8; docs/benchmarks/gpu-2026-11-29d):
+    """The tensor-core kernel's tile for 3..16 rows.
 
-    - glu (gate_up + SiLU·up) and a wide N (>= 32768, lm_head): 32 rows a program, 2 warps,
-      BLOCK_K 256, no split: 31.1 us for Qwen3-4B's gate_up against cuBLAS + silu_and_mul's
-      32.6; lm_head 181.7 against 188.6.
-    - otherwise 64 rows a program on one warpgroup (wgmma), BLOCK_K 128, 3 stages (cp.async),
-      K doubly split while the grid stays within 2 programs per SM (the best in the sweep: 160
-      programs for o_proj / down, 192 for qkv): o_proj 8.8 us against cuBLAS's 10.3, down 16.5
-      against 18.1 alone, but no gain in the engine under PDL, so use_gemv leaves them to cuBLAS.
+    On Hopper, `_gemv_tma_kernel` (from `sweep_mma(tma=True)` on the H200, M = 8, 11 tiles x
+    splits 1-16; docs/benchmarks/gpu-2026-11-30): 64 rows a program on one warpgroup, BLOCK_K
+    128, 4 TMA stages (6 for the fused gate_up, which fits 5), and K split in two or four
+    while the grid has fewer programs than SMs (qkv 192 programs, o_proj and down 160):
+    qkv / o_proj / gate_up + SiLU·up / down / lm_head 10.5 / 8.7 / 28.5 / 15.9 / 178.6 us
+    against cuBLAS's 10.3 / 10.5 / 31.6 (+ silu_and_mul) / 18.0 / 189.4, and a batch-8 step
+    of 3.12 ms against 3.39 with cuBLAS (same call).
+
+    Elsewhere (and for rows TMA cannot read) `_gemv_mma_kernel` (`sweep_mma`, M = 8 and 16;
+    docs/benchmarks/gpu-2026-11-29d): glu and a wide N (>= 32768, lm_head) 32 rows a program,
+    2 warps, BLOCK_K 256; otherwise 64 rows on one warpgroup, BLOCK_K 128, 3 cp.async stages,
+    K doubly split while the grid stays within 2 programs per SM.
     NOTE: a function of (N, K) only, never of M: a row's sum does not depend on the batch."""
+    if tma_available():
+        tiles = triton.cdiv(n // 2 if glu else n, 64)
+        split = 1
+        while not glu and tiles * split < _NUM_SMS and triton.cdiv(k, 128) >= 16 * split:
+            split *= 2
+        return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=6 if glu else 4,
+                          split_k=split, mma=True, tma=True)
     if glu or n >= 32768:
         return GemvConfig(block_n=32, block_k=256, num_warps=2, num_stages=1, mma=True)
     programs = triton.cdiv(n, 64)
@@ -295,6 +357,22 @@ def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
         split *= 2
     return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split,
                       mma=True)
+
+
+@functools.cache
+def tma_available() -> bool:
+    """Whether `_gemv_tma_kernel` can run: an NVIDIA GPU of compute capability 9.0+ (the copy
+    engine's tensor copies, wgmma), a Triton with host tensor descriptors, not the interpreter.
+    Decided once per process."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    if torch.version.hip is not None or torch.cuda.get_device_capability() < (9, 0):
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None) -> None:
@@ -339,23 +417,53 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
             "M_PAD": triton.next_power_of_2(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "GLU": glu, "PDL": pdl, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             **pdl_launch(pdl)}
-    kernel = _gemv_kernel
+    grid = (triton.cdiv(n, cfg.block_n), splits)
+    # split K: the programs write fp32 partials [splits, M, N], summed by _split_reduce_kernel
+    dst = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    dst_strides = (y.stride(0), 0) if splits == 1 else (dst.stride(1), dst.stride(0))
     if cfg.mma:  # tl.dot needs 16 rows; fp32 inputs (tests) must not drop to tf32
-        kernel = _gemv_mma_kernel
         meta.update(M_PAD=max(16, meta["M_PAD"]),
                     PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    grid = (triton.cdiv(n, cfg.block_n), splits)
-    if splits == 1:
-        kernel[grid](x, weight, b, y, m, n, k, k_per_split, x.stride(0),
-                     weight.stride(0), y.stride(0), 0, **meta)
-        return y
-    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    kernel[grid](x, weight, b, part, m, n, k, k_per_split, x.stride(0),
-                 weight.stride(0), part.stride(1), part.stride(0), **meta)
-    _split_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
-        part, b, y, n, splits, part.stride(0), part.stride(1), y.stride(0), HAS_BIAS=has_bias,
-        BLOCK=_REDUCE_BLOCK, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    if cfg.mma and cfg.tma and _tma_ok(x, weight):
+        _launch_tma(x, weight, b, dst, dst_strides, cfg, meta, grid, k_per_split)
+    else:
+        kernel = _gemv_mma_kernel if cfg.mma else _gemv_kernel
+        kernel[grid](x, weight, b, dst, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+                     *dst_strides, **meta)
+    if splits > 1:
+        _split_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
+            dst, b, y, n, splits, dst.stride(0), dst.stride(1), y.stride(0), HAS_BIAS=has_bias,
+            BLOCK=_REDUCE_BLOCK, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return y
+
+
+def _tma_ok(*tensors: Tensor) -> bool:
+    """Whether TMA can read these: 16-byte aligned starts and row strides (else the
+    `_gemv_mma_kernel` with cfg's tile takes the call)."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+               for t in tensors)
+
+
+def _launch_tma(x: Tensor, weight: Tensor, b: Tensor, dst: Tensor, dst_strides: tuple[int, int],
+                cfg: GemvConfig, meta: dict[str, object], grid: tuple[int, int],
+                k_per_split: int) -> None:
+    """`_gemv_tma_kernel` into dst (y, or the partials): descriptors for x (its rows past M
+    read as zeros) and W."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x.shape
+    m_pad = int(meta["M_PAD"])  # type: ignore[call-overload]
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [m_pad, cfg.block_k])
+    w_desc = TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1],
+                              [cfg.block_n, cfg.block_k])
+    # NOTE: fewer stages where cfg's would not fit in shared memory (the fused gate_up
+    # brings in two W tiles a stage)
+    w_rows = cfg.block_n * (2 if meta["GLU"] else 1)
+    stages = max(2, min(cfg.num_stages, _TMA_SMEM // ((w_rows + m_pad) * cfg.block_k
+                                                      * x.element_size())))
+    meta = {key: v for key, v in meta.items() if key != "EVEN_K"} | {"num_stages": stages}
+    n = dst.shape[-1]
+    _gemv_tma_kernel[grid](x_desc, w_desc, b, dst, m, n, k, k_per_split, *dst_strides, **meta)
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
@@ -396,17 +504,18 @@ def use_gemv(m: int, n: int, k: int, glu: bool = False) -> bool:
     qkv / o_proj / gate_up / down / lm_head: at M = 1 gemv takes 10.0 / 7.0 / 24.6 / 13.8 / 170
     us against cuBLAS's 11.1 / 10.3 / 28.6 / 17.3 / 179 (a decode step's linears: 2.16 ms
     against 2.60 ms); at M = 2 it wins on each shape with its M = 2 configs (step 2.4-2.5 ms
-    against 2.62). At M = 3..16 the tensor-core kernel beats cuBLAS alone on o_proj, down,
-    gate_up + SiLU·up and lm_head (see _mma_config) and loses on qkv (10.9 against 10.3 us at
-    M = 8). In the engine (batch-8 decode graph, Qwen3-4B, same call) only the fused gate_up and
-    lm_head pay: with them 3.418 ms a step against cuBLAS's 3.540; with o_proj and down too
-    (split K, 64-row tiles) 3.693, slower, though 60 us faster with PDL off (3.543 against
-    3.603): the split tiles lose more under PDL than they gain. So: the fused gate_up and wide
-    weights (N >= 32768, lm_head), not the rest.
+    against 2.62).
+
+    At M = 3..16 on Hopper the TMA kernel takes every shape: alone it is level with cuBLAS on
+    qkv and faster on the rest (see _mma_config), and in the engine it chains to its
+    neighbours under PDL, which cuBLAS's kernels cannot: the batch-8 step took 3.12 ms against
+    3.39 (docs/benchmarks/gpu-2026-11-30). Without TMA the cp.async kernel pays only for the
+    fused gate_up and wide weights (N >= 32768, lm_head): 3.418 ms a step against cuBLAS's
+    3.540; with o_proj and down too (split K) it was 3.693, slower (gpu-2026-11-29d).
     """
     if 1 <= m <= USE_GEMV_MAX_M:
         return True
-    return USE_GEMV_MAX_M < m <= MAX_M and (glu or n >= 32768)
+    return USE_GEMV_MAX_M < m <= MAX_M and (glu or n >= 32768 or tma_available())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,17 +633,27 @@ MMA_TILES: tuple[tuple[int, int, int, int], ...] = (
     (32, 256, 2, 1), (32, 256, 2, 2), (16, 256, 2, 1), (64, 128, 4, 3), (64, 64, 4, 4))
 
 
+#: the TMA kernel's candidate tiles (block_n >= 64: wgmma; below, mma.sync from shared memory)
+TMA_TILES: tuple[tuple[int, int, int, int], ...] = (
+    (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 2),
+    (64, 256, 4, 3), (64, 64, 4, 4), (64, 64, 4, 8), (128, 128, 4, 3), (128, 128, 8, 4),
+    (128, 64, 4, 6), (32, 128, 2, 4), (32, 128, 4, 4), (32, 256, 2, 3), (16, 128, 1, 4),
+    (16, 128, 1, 6), (16, 256, 1, 3))
+
+
 def _with_config(cfg: GemvConfig, glu: bool = False) -> Callable[[Tensor, Tensor], Tensor]:
     return lambda x, w: _launch(x, w, None, None, cfg, glu)
 
 
 def sweep_mma(shapes: dict[str, tuple[int, int]] | None = None, ms: tuple[int, ...] = (8,),
               splits: tuple[int, ...] = (1, 2, 4, 8),
-              dtype: torch.dtype = torch.bfloat16) -> list[dict[str, object]]:
-    """Time the tensor-core kernel (`_gemv_mma_kernel`) over MMA_TILES x splits against cuBLAS
-    and the FMA kernel, per shape and M (CUDA-graph medians, as bench_gemv); gate_up also as
-    the fused SiLU·up against cuBLAS + silu_and_mul. Prints the best per shape; returns all."""
+              dtype: torch.dtype = torch.bfloat16, tma: bool = False) -> list[dict[str, object]]:
+    """Time the tensor-core kernel (`_gemv_mma_kernel`; tma: `_gemv_tma_kernel` over TMA_TILES)
+    over MMA_TILES x splits against cuBLAS and the FMA kernel, per shape and M (CUDA-graph
+    medians, as bench_gemv); gate_up also as the fused SiLU·up against cuBLAS + silu_and_mul.
+    Prints the best per shape; returns all."""
     assert torch.cuda.is_available(), "sweep_mma needs a CUDA GPU"
+    tiles = TMA_TILES if tma else MMA_TILES
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, object]] = []
     for name, (n, k) in (shapes or BENCH_SHAPES).items():
@@ -547,20 +666,28 @@ def sweep_mma(shapes: dict[str, tuple[int, int]] | None = None, ms: tuple[int, .
             rows.append({**base, "kernel": "cublas", "us": cublas})
             rows.append({**base, "kernel": "fma", "us": fma})
             best: tuple[float, str] = (float("inf"), "")
-            for (bn, bk, warps, stages), split in itertools.product(MMA_TILES, splits):
+            for (bn, bk, warps, stages), split in itertools.product(tiles, splits):
                 if split > 1 and triton.cdiv(k, bk) < 2 * split:
                     continue
-                cfg = GemvConfig(bn, bk, warps, stages, split, mma=True)
-                us = _time_us(_with_config(cfg), x, weights)
+                cfg = GemvConfig(bn, bk, warps, stages, split, mma=True, tma=tma)
+                try:
+                    us = _time_us(_with_config(cfg), x, weights)
+                except Exception as e:  # a tile past the SM's resources: skip it
+                    print(f"{name} {cfg}: {type(e).__name__}", flush=True)
+                    continue
                 rows.append({**base, "kernel": "mma", "us": us, "block_n": bn, "block_k": bk,
                              "warps": warps, "stages": stages, "split": split})
                 best = min(best, (us, f"n{bn} k{bk} w{warps} st{stages} s{split}"))
             print(f"{name:8} M={m:2} cuBLAS {cublas:6.1f} fma {fma:6.1f} | mma best {best[0]:6.1f}"
                   f" ({w_bytes / best[0] / 1e3:5.0f} GB/s) {best[1]}", flush=True)
             if name == "gate_up":  # the fused activation: split K is not allowed there
-                for bn, bk, warps, stages in MMA_TILES:
-                    cfg = GemvConfig(bn, bk, warps, stages, 1, mma=True)
-                    us = _time_us(_with_config(cfg, glu=True), x, weights)
+                for bn, bk, warps, stages in tiles:
+                    cfg = GemvConfig(bn, bk, warps, stages, 1, mma=True, tma=tma)
+                    try:
+                        us = _time_us(_with_config(cfg, glu=True), x, weights)
+                    except Exception as e:
+                        print(f"{name} glu {cfg}: {type(e).__name__}", flush=True)
+                        continue
                     rows.append({**base, "kernel": "mma_glu", "us": us, "block_n": bn,
                                  "block_k": bk, "warps": warps, "stages": stages, "split": 1})
                 apart = _time_us(lambda a, w: silu_and_mul(F.linear(a, w)), x, weights)

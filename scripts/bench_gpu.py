@@ -53,7 +53,9 @@ def _median_ms(fn: Any, iters: int = 20) -> float:
 
 def _kernel_breakdown(fn: Any, iters: int = 20) -> dict[str, Any]:
     """Device time per call of `fn`, by kernel name (CUPTI sees the kernels inside a graph):
-    where a step's time goes, and how much of it is gaps between kernels."""
+    where a step's time goes, and how much of it is gaps between kernels. Under PDL kernels
+    overlap and their times no longer add up; `critical` says what each kernel of a layer adds
+    to the step's span instead (see `_critical_path`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -66,16 +68,52 @@ def _kernel_breakdown(fn: Any, iters: int = 20) -> dict[str, Any]:
         torch.cuda.synchronize()
     wall_us = (time.perf_counter() - t0) * 1e6 / iters
     by_name: dict[str, list[float]] = {}
+    spans: list[tuple[str, float, float]] = []
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
             row = by_name.setdefault(e.name[:80], [0, 0.0])
             row[0] += 1
             row[1] += e.device_time_total
+            spans.append((e.name[:80], e.time_range.start, e.time_range.end))
     rows = sorted(((n, c / iters, us / iters) for n, (c, us) in by_name.items()),
                   key=lambda r: -r[2])
     return {"kernel_us": sum(r[2] for r in rows), "kernels": sum(r[1] for r in rows),
             "profiled_wall_us": wall_us,
-            "top": [{"name": n, "per_step": c, "us": round(us, 1)} for n, c, us in rows[:25]]}
+            "top": [{"name": n, "per_step": c, "us": round(us, 1)} for n, c, us in rows[:25]],
+            "critical": _critical_path(spans, iters)}
+
+
+def _critical_path(spans: list[tuple[str, float, float]], iters: int,
+                   marker: str = "qk_norm_rope") -> list[dict[str, Any]]:
+    """What each kernel adds to a step's span: in start order, how far its end lies past the
+    latest end before it (0 when it finished under an earlier kernel). Kernels are labelled by
+    their offset from the layer's `marker` kernel, so the four GEMVs of a layer stay apart;
+    "pre" / "tail" are the kernels before the first layer and after the last. Per step, in us:
+    `critical` (summed over layers: the step's span is their total) and `busy` (end - start,
+    which under PDL includes the time spent waiting for the kernel before)."""
+    spans = sorted(spans, key=lambda s: s[1])
+    per_step = len(spans) // max(iters, 1)
+    marks = [i for i, s in enumerate(spans[:per_step]) if marker in s[0]]
+    period = marks[1] - marks[0] if len(marks) > 1 else 0
+    rows: dict[str, list[float]] = {}
+    latest = float("-inf")
+    for i, (name, start, end) in enumerate(spans[:per_step * iters]):
+        j = i % per_step
+        if j == 0:
+            latest = start
+        if not period or j < marks[0]:
+            label = f"pre {name}"
+        elif j >= marks[-1] + period:
+            label = f"tail {name}"
+        else:
+            label = f"{(j - marks[0]) % period:02d} {name}"
+        row = rows.setdefault(label, [0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += max(0.0, end - latest)
+        row[2] += end - start
+        latest = max(latest, end)
+    return [{"label": k, "per_step": c / iters, "critical_us": round(cr / iters, 1),
+             "busy_us": round(b / iters, 1)} for k, (c, cr, b) in sorted(rows.items())]
 
 
 def ceilings(args: argparse.Namespace) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests and benchmarks of issue 5, phase by phase, each under a timeout.
-#   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench parity ceilings decode
+#   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench tmasweep parity ceilings decode
 #     decode_nopdl host launch prefill serve serve_warm serve_pdl serve_ttft serve_ablation hf hf_eager offline decode8b)
 # Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/log.txt, $OUT/pytest.txt and
 # $OUT/results.tar (every phase's JSON; at most 8 files come back from $OUT, so one archive,
@@ -45,6 +45,17 @@ t.bench_extend(4096)" ;;
     dbench) phase dbench 300 python3 -c "
 import json, sys; sys.path.insert(0, 'tests'); import test_kernels_decode_attention as t
 json.dump(t.bench_decode(), open('$RES/dbench.json', 'w'), indent=0)" ;;
+    tmasweep) phase tmasweep 300 python3 -c "
+import json; from arle_kernels.gemv import sweep_mma
+rows = sweep_mma(tma=True, splits=(1, 2, 4, 8, 16))
+json.dump(rows, open('$RES/sweep_tma.json', 'w'), indent=0)
+picks = {}  # the fastest tile per (N, K, glu): what an engine run with ARLE_TMA_PICKS tries
+for r in rows:
+    if r['kernel'] in ('mma', 'mma_glu'):
+        key = '{},{},{}'.format(r['n'], r['k'], int(r['kernel'] == 'mma_glu'))
+        if key not in picks or r['us'] < picks[key][5]:
+            picks[key] = [r['block_n'], r['block_k'], r['warps'], r['stages'], r['split'], r['us']]
+json.dump(picks, open('$RES/tma_picks.json', 'w'), indent=0)" ;;
     parity) d=$(model qwen3-4b); phase parity 120 python3 scripts/check_gpu_parity.py "$d" \
               --prompts 2 --len 512 --out $RES/parity.json ;;
     ceilings) phase ceilings 60 python3 scripts/bench_gpu.py ceilings --out $RES/ceilings.json ;;

@@ -38,6 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDAOptions
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
@@ -47,6 +48,7 @@ from make_random_model import CONFIGS  # noqa: E402
 from arle.model.config import ModelConfig  # noqa: E402
 from arle_kernels import decode_attention as da  # noqa: E402
 from arle_kernels import fused  # noqa: E402
+from arle_kernels import gemv as gemv_module  # noqa: E402
 from arle_kernels.gemv import gemv, gemv_silu_mul, use_gemv  # noqa: E402
 from arle_kernels.jit import set_pdl  # noqa: E402
 
@@ -109,6 +111,9 @@ def specialise(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
+        elif isinstance(value, TensorDescriptor):
+            block = ",".join(map(str, value.block_shape))
+            signature[name] = f"tensordesc<{_TRITON_DTYPES[value.base.dtype]}[{block}]>"
         else:
             raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
     return Launch(fn, signature, constexprs, attrs, options)
@@ -116,7 +121,8 @@ def specialise(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 
 @contextmanager
 def caught_launches() -> Iterator[list[Launch]]:
-    """Inside: every `kernel[grid](...)` is recorded instead of run (PDL on, as on the H200)."""
+    """Inside: every `kernel[grid](...)` is recorded instead of run (PDL on and the TMA
+    kernels chosen, as on the H200)."""
     launches: list[Launch] = []
     original = JITFunction.run
 
@@ -125,11 +131,14 @@ def caught_launches() -> Iterator[list[Launch]]:
 
     JITFunction.run = record
     set_pdl(True)
+    tma = gemv_module.tma_available
+    gemv_module.tma_available = lambda: True  # type: ignore[assignment]  # as on the H200
     try:
         yield launches
     finally:
         JITFunction.run = original
         set_pdl(None)
+        gemv_module.tma_available = tma
 
 
 def _ptxas() -> str:

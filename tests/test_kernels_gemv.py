@@ -10,6 +10,7 @@ element the kernel does not write shows.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -180,6 +181,14 @@ def interp_check_gemv() -> None:
             check(x, w, b, tol, cfg)
             check_silu_mul(x, w, tol, GemvConfig(block_n=16, block_k=64, num_warps=1,
                                                  mma=True))
+    # the TMA kernel (descriptors zero-fill x's rows past M and K's tail), fp16; K = 100 has
+    # rows TMA cannot read (200 bytes: not 16-byte aligned) and falls back to the kernel above
+    for m, k, split in ((3, 96, 1), (8, 256, 3), (16, 200, 2), (5, 100, 1)):
+        x, w, b = make_inputs(m, 40, k, torch.float16, "cpu", bias=split == 1, seed=30 + m)
+        cfg = GemvConfig(block_n=64, block_k=32, num_warps=4, num_stages=2, split_k=split,
+                         mma=True, tma=True)
+        check(x, w, b, 1e-3, cfg)
+        check_silu_mul(x, w, 1e-3, replace(cfg, split_k=1))
 
 
 def check_silu_mul(x: torch.Tensor, gate_up: torch.Tensor, tol: float,
@@ -264,19 +273,39 @@ def test_gpu_mma_tiles(tile: tuple[int, int, int, int]) -> None:
     (split K 1 and 4) and an odd one, at 3 / 8 / 16 rows, bf16 and fp32 (ieee, not tf32), and
     the fused activation: against fp64 and gemv_ref. A row's bits do not depend on the other
     rows (the same first 3 rows at M = 3 and 16: batch invariance)."""
+    check_mma_tile(tile, tma=False, odd_dtype=torch.float32)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 4)],
+                         ids=lambda t: "n{}k{}w{}s{}".format(*t))
+def test_gpu_tma_tiles(tile: tuple[int, int, int, int]) -> None:
+    """The TMA kernel (Hopper): test_gpu_mma_tiles' checks, its odd shape in fp16 (TMA pads
+    x's rows past M and K's tail with zeros: 2504 is no multiple of any BLOCK_K), and a K of
+    2500 (rows not 16-byte aligned: TMA cannot read them, the cp.async kernel takes over)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs compute capability 9.0 (Hopper)")
+    check_mma_tile(tile, tma=True, odd_dtype=torch.float16, odd_k=2504)
+    x, w, b = make_inputs(8, 1000, 2500, torch.bfloat16, "cuda", bias=True, seed=7)
+    check(x, w, b, 1e-2, GemvConfig(*tile, split_k=1, mma=True, tma=True))
+
+
+def check_mma_tile(tile: tuple[int, int, int, int], tma: bool, odd_dtype: torch.dtype,
+                   odd_k: int = 2500) -> None:
     bn, bk, warps, stages = tile
     for (n, k), dtype in ((BENCH_SHAPES["o_proj"], torch.bfloat16),
-                          (BENCH_SHAPES["down"], torch.bfloat16), ((1000, 2500), torch.float32)):
-        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+                          (BENCH_SHAPES["down"], torch.bfloat16), ((1000, odd_k), odd_dtype)):
+        tol = 1e-2 if dtype != torch.float32 else 1e-5
         for split in (1, 4):
-            cfg = GemvConfig(bn, bk, warps, stages, split, mma=True)
+            cfg = GemvConfig(bn, bk, warps, stages, split, mma=True, tma=tma)
             x, w, b = make_inputs(16, n, k, dtype, "cuda", bias=split == 1, seed=n)
             full = check(x, w, b, tol, cfg)
             for m in (3, 8):
                 part = check(x[:m].contiguous(), w, b, tol, cfg)
                 assert torch.equal(part, full[:m]), f"rows changed with M: {cfg}"
     x, w, _ = make_inputs(8, 2 * 1000, 2560, torch.bfloat16, "cuda", bias=False, seed=5)
-    check_silu_mul(x, w, 1e-2, GemvConfig(bn, bk, warps, stages, 1, mma=True))
+    check_silu_mul(x, w, 1e-2, GemvConfig(bn, bk, warps, stages, 1, mma=True, tma=tma))
 
 
 @needs_cuda
