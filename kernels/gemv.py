@@ -342,13 +342,19 @@ def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
     2 warps, BLOCK_K 256; otherwise 64 rows on one warpgroup, BLOCK_K 128, 3 cp.async stages,
     K doubly split while the grid stays within 2 programs per SM.
     NOTE: a function of (N, K) only, never of M: a row's sum does not depend on the batch."""
-    if tma_available():
-        tiles = triton.cdiv(n // 2 if glu else n, 64)
-        split = 1
-        while not glu and tiles * split < _NUM_SMS and triton.cdiv(k, 128) >= 16 * split:
-            split *= 2
-        return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=6 if glu else 4,
-                          split_k=split, mma=True, tma=True)
+    return _tma_config(n, k, glu) if tma_available() else _cp_async_config(n, k, glu)
+
+
+def _tma_config(n: int, k: int, glu: bool) -> GemvConfig:
+    tiles = triton.cdiv(n // 2 if glu else n, 64)
+    split = 1
+    while not glu and tiles * split < _NUM_SMS and triton.cdiv(k, 128) >= 16 * split:
+        split *= 2
+    return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=6 if glu else 4,
+                      split_k=split, mma=True, tma=True)
+
+
+def _cp_async_config(n: int, k: int, glu: bool) -> GemvConfig:
     if glu or n >= 32768:
         return GemvConfig(block_n=32, block_k=256, num_warps=2, num_stages=1, mma=True)
     programs = triton.cdiv(n, 64)

@@ -10,6 +10,7 @@ element the kernel does not write shows.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -17,11 +18,14 @@ import torch
 import torch.nn.functional as F
 from helpers import run_interpreter_check
 
+from arle_kernels import gemv as gemv_module
 from arle_kernels.gemv import (
     BENCH_SHAPES,
     GemvConfig,
+    _cp_async_config,
     _launch,
     _pick_config,
+    _tma_config,
     gemv,
     gemv_ref,
     gemv_silu_mul,
@@ -83,18 +87,21 @@ def test_ref_matches_fp64_and_f_linear() -> None:
     assert gemv_ref(x, w, b, out=out) is out and torch.equal(out, ref)
 
 
-def test_use_gemv_rule() -> None:
+@pytest.mark.parametrize("tma", [False, True], ids=["cp_async", "tma"])
+def test_use_gemv_rule(tma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """M = 1 and 2 on every Qwen3-4B shape (where the FMA kernel beat cuBLAS on the H200);
-    M = 3..16 where the tensor-core kernel made the engine's batch-8 step faster (the fused
-    gate_up, lm_head), not where it lost (qkv) or only won alone (o_proj, down); never M = 0
-    or M > 16."""
+    M = 3..16 with TMA (Hopper) every shape; without it where the cp.async kernel made the
+    engine's batch-8 step faster (the fused gate_up, lm_head), not where it lost (qkv) or only
+    won alone (o_proj, down); never M = 0 or M > 16."""
+    monkeypatch.setattr(gemv_module, "tma_available", lambda: tma)
     for n, k in BENCH_SHAPES.values():
         assert use_gemv(1, n, k) and use_gemv(2, n, k)
         assert not any(use_gemv(m, n, k) for m in (0, 17, 64))
     for m in (3, 8, 16):
         assert use_gemv(m, *BENCH_SHAPES["lm_head"])
         assert use_gemv(m, *BENCH_SHAPES["gate_up"], glu=True)
-        assert not any(use_gemv(m, *BENCH_SHAPES[s]) for s in ("qkv", "o_proj", "down"))
+        rest = [use_gemv(m, *BENCH_SHAPES[s]) for s in ("qkv", "o_proj", "down")]
+        assert rest == [tma] * 3
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
@@ -259,15 +266,17 @@ def test_gpu_silu_mul(m: int) -> None:
         check_silu_mul(x, w, 1e-2)
 
 
-#: the tiles _mma_config picks (sweep_mma times the other candidates in MMA_TILES)
-USED_TILES = sorted({(c.block_n, c.block_k, c.num_warps, c.num_stages)
-                     for c in (_pick_config(8, n, k, glu) for n, k in BENCH_SHAPES.values()
-                               for glu in (False, True))})
+def used_tiles(config: Callable[[int, int, bool], GemvConfig]) -> list[tuple[int, ...]]:
+    """The tiles `config` picks for Qwen3-4B's shapes (sweep_mma times the other candidates)."""
+    return sorted({(c.block_n, c.block_k, c.num_warps, c.num_stages)
+                   for c in (config(n, k, glu) for n, k in BENCH_SHAPES.values()
+                             for glu in (False, True))})
 
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", USED_TILES, ids=lambda t: "n{}k{}w{}s{}".format(*t))
+@pytest.mark.parametrize("tile", used_tiles(_cp_async_config),
+                         ids=lambda t: "n{}k{}w{}s{}".format(*t))
 def test_gpu_mma_tiles(tile: tuple[int, int, int, int]) -> None:
     """The tensor-core kernel's tiles in use, on Qwen3-4B's o_proj and down shapes
     (split K 1 and 4) and an odd one, at 3 / 8 / 16 rows, bf16 and fp32 (ieee, not tf32), and
@@ -278,10 +287,11 @@ def test_gpu_mma_tiles(tile: tuple[int, int, int, int]) -> None:
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 4)],
+@pytest.mark.parametrize("tile", sorted({*used_tiles(_tma_config), (32, 128, 2, 4)}),
                          ids=lambda t: "n{}k{}w{}s{}".format(*t))
 def test_gpu_tma_tiles(tile: tuple[int, int, int, int]) -> None:
-    """The TMA kernel (Hopper): test_gpu_mma_tiles' checks, its odd shape in fp16 (TMA pads
+    """The TMA kernel's tiles in use and one on mma.sync (Hopper): test_gpu_mma_tiles'
+    checks, its odd shape in fp16 (TMA pads
     x's rows past M and K's tail with zeros: 2504 is no multiple of any BLOCK_K), and a K of
     2500 (rows not 16-byte aligned: TMA cannot read them, the cp.async kernel takes over)."""
     if torch.cuda.get_device_capability() < (9, 0):
