@@ -9,7 +9,9 @@ Layout of the work:
   at offset i % page_size), with an online softmax in fp32 (exp2, scores pre-scaled by
   scale * log2(e)). It writes the split's normalised output [B, H, S, D] and its log-sum-exp
   [B, H, S] (natural log of sum_j exp(scale * q.k_j)), both fp32. A split with no tokens writes
-  lse = -inf and zeros.
+  lse = -inf and zeros. Under PDL with few rows (PRELOAD) a program loads its first block's
+  page numbers and K/V before `gdc_wait`, while the kernel before it still runs: all but the
+  row's newest token, which that kernel writes this step and which is added after the wait.
 - Pass 2, `_merge_kernel`, grid (B, H): weights each split by exp(lse - max lse) and writes the
   row's [D] output in q's dtype. With num_splits == 1 pass 1 writes the output directly and
   pass 2 is skipped (one launch).
@@ -46,6 +48,48 @@ from arle_kernels.attention import check_kv_scales, decode_gather_index
 from arle_kernels.jit import gdc_launch_dependents, gdc_wait, jit_varying, pdl_enabled, pdl_launch
 
 _LOG2E = 1.4426950408889634
+#: up to this many rows the split kernel loads its first block before `gdc_wait` (PRELOAD):
+#: 65 us off the batch-8 step of Qwen3-4B on the H200; at 32 rows and more it held fewer
+#: programs per SM (76 registers against 64) and lost (docs/benchmarks/gpu-2026-11-30)
+PRELOAD_MAX_BATCH = 16
+
+
+@triton.jit
+def _block(n0, end, pt_row, k_ptr, v_ptr, kvh, offs_d, stride_kp, stride_ks, stride_kh,
+           stride_vp, stride_vs, stride_vh, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The block of tokens [n0, n0 + BLOCK_N): which are the split's (< end), their pages (from
+    the page table) and slots, and pointers to K^T [D, BLOCK_N] and V [BLOCK_N, D]."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+    in_page = offs_n % PAGE_SIZE
+    k_ptrs = k_ptr + (page * stride_kp + in_page * stride_ks + kvh * stride_kh)[None, :] \
+        + offs_d[:, None]
+    v_ptrs = v_ptr + (page * stride_vp + in_page * stride_vs + kvh * stride_vh)[:, None] \
+        + offs_d[None, :]
+    return offs_n, mask_n, page, in_page, k_ptrs, v_ptrs
+
+
+@triton.jit
+def _attend(q, k, v, mask_n, page, in_page, kvh, ks_ptr, vs_ptr, stride_sp, stride_ss,
+            stride_sh, qk_scale, m_i, l_i, acc, IS_FP8: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of BLOCK_N tokens (K^T [D, BLOCK_N], V [BLOCK_N, D]; mask_n: which are the
+    split's) into the online softmax: the new running max, sum and unnormalised output."""
+    s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION)  # [G_PAD, BLOCK_N] fp32
+    if IS_FP8:
+        s_off = page * stride_sp + in_page * stride_ss + kvh * stride_sh
+        k_sc = tl.load(ks_ptr + s_off, mask=mask_n, other=0.0)
+        s = s * k_sc[None, :]
+    s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IS_FP8:
+        v_sc = tl.load(vs_ptr + s_off, mask=mask_n, other=0.0)
+        p = p * v_sc[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 # NOTE: what changes from step to step is not specialised (see jit_varying): the split count,
@@ -65,9 +109,11 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
     IS_FP8: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     """One (row, KV head, split): the G query heads of the KV head against the split's tokens.
-    SINGLE: write the final output (o_ptr is `out`, in q's dtype) and no lse."""
+    SINGLE: write the final output (o_ptr is `out`, in q's dtype) and no lse. PRELOAD (PDL,
+    bf16/fp16 KV): the first block's history is loaded before the wait (module docstring)."""
     if PDL:
         gdc_launch_dependents()
     b = tl.program_id(0)
@@ -78,52 +124,56 @@ def _decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    # NOTE: seq_lens and the page table are the step's metadata; q and this step's K/V (just
-    # stored by the previous kernel) are read only after the wait
-    if PDL:
-        gdc_wait()
-
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     mask_g = offs_g < group
     heads = kvh * group + offs_g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None], other=0.0)  # [G_PAD, D]
-
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([G_PAD], tl.float32)  # running sum of exp2
     acc = tl.zeros([G_PAD, D], tl.float32)
     pt_row = page_table_ptr + b * stride_pt
     # NOTE: start is a multiple of BLOCK_N and every block holds >= 1 real token (n0 < end), so
     # each block's row max is finite and no exp2(-inf - -inf) appears.
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
-        v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
-        # K loaded transposed [D, BLOCK_N]; masked lanes read nothing (fp8 needs other=0.0).
-        # V is loaded with K, before it is needed, so the two loads are in flight together.
-        k = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION)  # [G_PAD, BLOCK_N] fp32
-        if IS_FP8:
-            s_off = page * stride_sp + in_page * stride_ss + kvh * stride_sh
-            k_sc = tl.load(ks_ptr + s_off, mask=mask_n, other=0.0)
-            s = s * k_sc[None, :]
-        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IS_FP8:
-            v_sc = tl.load(vs_ptr + s_off, mask=mask_n, other=0.0)
-            p = p * v_sc[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=PRECISION)
-        m_i = m_new
+    first = start
+    if PRELOAD:
+        # NOTE: before the wait, the first block's history: every token but the newest (which
+        # the kernel before writes this step) is as earlier steps left it; the newest is
+        # added after the wait (the masked-out entries are zeros)
+        offs_n, mask_n, page, in_page, k_ptrs, v_ptrs = _block(
+            start, end, pt_row, k_ptr, v_ptr, kvh, offs_d, stride_kp, stride_ks, stride_kh,
+            stride_vp, stride_vs, stride_vh, PAGE_SIZE, BLOCK_N)
+        old = mask_n & (offs_n < seq_len - 1)
+        k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
+        gdc_wait()
+        new = mask_n & (offs_n == seq_len - 1)
+        k += tl.load(k_ptrs, mask=new[None, :], other=0.0)
+        v += tl.load(v_ptrs, mask=new[:, None], other=0.0)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_g[:, None], other=0.0)  # [G_PAD, D]
+        if start < end:
+            m_i, l_i, acc = _attend(q, k, v, mask_n, page, in_page, kvh, ks_ptr, vs_ptr,
+                                    stride_sp, stride_ss, stride_sh, qk_scale, m_i, l_i, acc,
+                                    IS_FP8, PRECISION)
+        first = start + BLOCK_N
+    else:
+        # NOTE: seq_lens and the page table are the step's metadata; q and this step's K/V
+        # (just stored by the previous kernel) are read only after the wait
+        if PDL:
+            gdc_wait()
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_g[:, None], other=0.0)  # [G_PAD, D]
+    for n0 in range(first, end, BLOCK_N):
+        offs_n, mask_n, page, in_page, k_ptrs, v_ptrs = _block(
+            n0, end, pt_row, k_ptr, v_ptr, kvh, offs_d, stride_kp, stride_ks, stride_kh,
+            stride_vp, stride_vs, stride_vh, PAGE_SIZE, BLOCK_N)
+        # masked lanes read nothing (fp8 needs other=0.0); V is loaded with K, before it is
+        # needed, so the two loads are in flight together
+        k = tl.load(k_ptrs, mask=mask_n[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+        m_i, l_i, acc = _attend(q, k, v, mask_n, page, in_page, kvh, ks_ptr, vs_ptr,
+                                stride_sp, stride_ss, stride_sh, qk_scale, m_i, l_i, acc,
+                                IS_FP8, PRECISION)
 
     has_tokens = l_i > 0.0  # False only for an empty split (or seq_len 0)
     l_safe = tl.where(has_tokens, l_i, 1.0)
@@ -240,6 +290,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *o_strides, *l_strides,
         D=d, PAGE_SIZE=page_size, BLOCK_N=block_n, G_PAD=g_pad,
         IS_FP8=is_fp8, SINGLE=single, PRECISION=precision, PDL=pdl,
+        PRELOAD=pdl and not is_fp8 and b <= PRELOAD_MAX_BATCH,
         num_warps=warps, num_stages=stages, **pdl_launch(pdl),
     )
     if not single:
@@ -321,4 +372,4 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: in
     return splits
 
 
-__all__ = ["decode_attention", "decode_attention_ref", "pick_num_splits"]
+__all__ = ["PRELOAD_MAX_BATCH", "decode_attention", "decode_attention_ref", "pick_num_splits"]

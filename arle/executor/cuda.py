@@ -53,7 +53,7 @@ from arle.executor.sampler import (
 )
 from arle.logging import get_logger
 from arle.model.decoder import DecoderLayer, DecoderLM
-from arle_kernels.decode_attention import pick_num_splits
+from arle_kernels.decode_attention import PRELOAD_MAX_BATCH, pick_num_splits
 from arle_kernels.extend_attention import block_tokens
 from arle_kernels.ops import ops_for
 
@@ -400,21 +400,25 @@ class CUDAExecutor:
         """Without graphs, build now (not mid-serving, where a compile stalls every request)
         the kernel variants eager steps pick by their size, which the warm-up passes may not
         all reach: the decode kernel's split counts (1..32 by batch size, a power of two, each
-        its own merge-kernel variant), and the GEMVs' row classes (1, 2: FMA; 3..16: tensor
-        cores, for gate_up + SiLU·up and lm_head, which runs at 3..16 rows only once 3 rows
-        sample in one step). On zeros and page 0; the outputs are thrown away."""
+        its own merge-kernel variant) with and without its first block loaded before the PDL
+        wait (up to PRELOAD_MAX_BATCH rows), and the GEMVs' row classes (1, 2: FMA; 3..16:
+        tensor cores, every linear layer with TMA, else gate_up + SiLU·up and lm_head, which
+        runs at 3..16 rows only once 3 rows sample in one step). On zeros and page 0; the
+        outputs are thrown away."""
         cfg = self.model.config
-        counts = {pick_num_splits(b, cfg.num_kv_heads, self.config.max_model_len, self.num_sms)
-                  for b in range(1, self.num_slots + 1)}
+        # each (split count, preload) variant, at the fewest rows that pick it
+        rows_for = {(pick_num_splits(b, cfg.num_kv_heads, self.config.max_model_len,
+                                     self.num_sms), b <= PRELOAD_MAX_BATCH): b
+                    for b in range(self.num_slots, 0, -1)}
         k, v, ks, vs = self.kv.layer(0)
         dtype = self.model.embed_tokens.weight.dtype
-        q = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=self.device)
-        table = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
-        seq_lens = torch.ones(1, dtype=torch.int32, device=self.device)
         layer = cast(DecoderLayer, self.model.layers[0])
         attn = layer.self_attn.num_heads * layer.self_attn.head_dim  # this rank's
         with torch.inference_mode(), torch.cuda.stream(self.stream):
-            for n in sorted(counts):
+            for (n, _), b in sorted(rows_for.items()):
+                q = torch.zeros(b, cfg.num_heads, cfg.head_dim, dtype=dtype, device=self.device)
+                table = torch.zeros(b, 1, dtype=torch.int32, device=self.device)
+                seq_lens = torch.ones(b, dtype=torch.int32, device=self.device)
                 self.model.ops.decode_attention(q, k, v, table, seq_lens, 1.0, n, k_scale=ks,
                                                 v_scale=vs)
             for rows in (1, 2, 3):
