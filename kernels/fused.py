@@ -28,7 +28,7 @@ in a CUDA graph.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial, reduce
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -54,18 +54,10 @@ _MASK64 = (1 << 64) - 1
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_row(x_row, r_row, offs, mask, splits, stride_xs, HAS_RESIDUAL: tl.constexpr,
-              PARTIALS: tl.constexpr):
+def _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
     """x's block in fp32; with a residual, x + residual rounded to the dtype (stored back into
-    the residual row) in fp32. PARTIALS: x is `splits` fp32 partial sums (stride_xs apart),
-    summed in order and rounded to the dtype, as the GEMV's split reduction would have."""
-    if PARTIALS:
-        x = tl.zeros(offs.shape, tl.float32)
-        for s in range(splits):
-            x += tl.load(x_row + s * stride_xs + offs, mask=mask, other=0.0)
-        x = x.to(r_row.dtype.element_ty)
-    else:
-        x = tl.load(x_row + offs, mask=mask, other=0.0)
+    the residual row) in fp32."""
+    x = tl.load(x_row + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(r_row + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
@@ -87,13 +79,12 @@ def _scale_row(x, inv_rms, w, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y, eps, splits,
-                     stride_xs, HAS_RESIDUAL: tl.constexpr, PARTIALS: tl.constexpr,
-                     BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                     PDL: tl.constexpr):
     """One program per row. NUM_BLOCKS == 1 (n <= BLOCK): the row stays in registers, read once.
     Otherwise pass 1 accumulates the sum of squares block by block (and writes x + residual),
-    pass 2 re-reads the row (from L2) and writes y. PARTIALS (with a residual): x is a split
-    GEMV's fp32 partial sums, summed here (see _load_row)."""
+    pass 2 re-reads the row (from L2) and writes y."""
     if PDL:
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -107,7 +98,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # a weight: safe before the wait
         if PDL:
             gdc_wait()
-        x = _load_row(x_row, r_row, offs, mask, splits, stride_xs, HAS_RESIDUAL, PARTIALS)
+        x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL)
         inv_rms = _inv_rms(tl.sum(x * x, 0), n, eps)
         tl.store(y_row + offs, _scale_row(x, inv_rms, w, dtype), mask=mask)
     else:
@@ -117,7 +108,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y
         for i in range(NUM_BLOCKS):
             offs = i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
-            x = _load_row(x_row, r_row, offs, mask, splits, stride_xs, HAS_RESIDUAL, PARTIALS)
+            x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL)
             acc += x * x
         inv_rms = _inv_rms(tl.sum(acc, 0), n, eps)
         # NOTE: pass 2 reads back the summed row pass 1 wrote (same program, same offsets);
@@ -157,9 +148,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return y
     block, num_blocks, warps = _norm_launch(n)
     pdl = pdl_enabled()
-    _rms_norm_kernel[(t,)](x, x, weight, y, n, x.stride(0), 0, y.stride(0), eps, 1, 0,
-                           HAS_RESIDUAL=False, PARTIALS=False, BLOCK=block,
-                           NUM_BLOCKS=num_blocks, PDL=pdl, num_warps=warps, **pdl_launch(pdl))
+    _rms_norm_kernel[(t,)](x, x, weight, y, n, x.stride(0), 0, y.stride(0), eps,
+                           HAS_RESIDUAL=False, BLOCK=block, NUM_BLOCKS=num_blocks, PDL=pdl,
+                           num_warps=warps, **pdl_launch(pdl))
     return y
 
 
@@ -167,27 +158,18 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
                  eps: float) -> tuple[Tensor, Tensor]:
     """r = x + residual (rounded to the dtype), y = rms_norm(r). Returns (y, r).
 
-    x is [T, N] in residual's dtype, or a split GEMV's fp32 partial sums [S, T, N]
-    (`gemv_partial_sums`), which are summed in order and rounded first: the same bits as
-    reducing them apart, one launch fewer.
     NOTE: r is written into `residual` in place, and `residual` itself is returned as r."""
-    partials = x.dim() == 3
-    rows = x[0] if partials else x
-    _check_norm(residual, weight)
-    assert rows.shape == residual.shape and rows.stride(1) == 1, "x: [T, N] or [S, T, N]"
-    assert x.dtype == (torch.float32 if partials else residual.dtype), \
-        "x: in residual's dtype, or fp32 partial sums"
-    y = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    t, n = rows.shape
+    _check_norm(x, weight)
+    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    t, n = x.shape
     if t == 0:
         return y, residual
     block, num_blocks, warps = _norm_launch(n)
     pdl = pdl_enabled()
-    _rms_norm_kernel[(t,)](rows, residual, weight, y, n, rows.stride(0), residual.stride(0),
-                           y.stride(0), eps, x.shape[0] if partials else 1,
-                           x.stride(0) if partials else 0, HAS_RESIDUAL=True, PARTIALS=partials,
-                           BLOCK=block, NUM_BLOCKS=num_blocks, PDL=pdl, num_warps=warps,
-                           **pdl_launch(pdl))
+    _rms_norm_kernel[(t,)](x, residual, weight, y, n, x.stride(0), residual.stride(0),
+                           y.stride(0), eps, HAS_RESIDUAL=True, BLOCK=block, NUM_BLOCKS=num_blocks,
+                           PDL=pdl, num_warps=warps, **pdl_launch(pdl))
     return y, residual
 
 
@@ -198,11 +180,8 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor,
                      eps: float) -> tuple[Tensor, Tensor]:
-    """(rms_norm(x + residual), x + residual); x may be fp32 partial sums [S, T, N] (summed in
-    order, rounded to the dtype). NOTE: updates `residual` in place, as the kernel does, and
-    returns it."""
-    if x.dim() == 3:
-        x = reduce(torch.add, x.unbind(0)).to(residual.dtype)
+    """(rms_norm(x + residual), x + residual). NOTE: updates `residual` in place, as the kernel
+    does, and returns it."""
     residual.add_(x)  # x + residual in the dtype, rounded once (as `h = h + f(h)`)
     return rms_norm_ref(residual, weight, eps), residual
 

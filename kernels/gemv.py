@@ -395,10 +395,9 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None) -
 
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
-            cfg: GemvConfig, glu: bool = False, unreduced: bool = False) -> Tensor:
+            cfg: GemvConfig, glu: bool = False) -> Tensor:
     """Run `cfg` (gemv picks it; tests and tuning pass their own). glu: weight is [gate; up]
-    and the result silu(x gate^T) * (x up^T), [M, N / 2] (no bias, no split K). unreduced
-    (no bias, no out): where cfg splits K, return the fp32 partial sums [splits, M, N]."""
+    and the result silu(x gate^T) * (x up^T), [M, N / 2] (no bias, no split K)."""
     _check(x, weight, bias, None)
     m, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
@@ -437,8 +436,6 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
         kernel = _gemv_mma_kernel if cfg.mma else _gemv_kernel
         kernel[grid](x, weight, b, dst, m, n, k, k_per_split, x.stride(0), weight.stride(0),
                      *dst_strides, **meta)
-    if splits > 1 and unreduced:
-        return dst
     if splits > 1:
         _split_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
             dst, b, y, n, splits, dst.stride(0), dst.stride(1), y.stride(0), HAS_BIAS=has_bias,
@@ -482,14 +479,6 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     `out` when given (a view with a row stride is fine) and returned."""
     cfg = _pick_config(x.shape[0], weight.shape[0], x.shape[1])
     return _launch(x, weight, bias, out, cfg)
-
-
-def gemv_partial_sums(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight^T as `gemv` computes it, but where its config splits K, the fp32 partial sums
-    [splits, M, N] unreduced, for a consumer that sums them in order itself (`add_rms_norm`
-    after o_proj and down: one launch fewer); else y [M, N] in x's dtype. No bias."""
-    cfg = _pick_config(x.shape[0], weight.shape[0], x.shape[1])
-    return _launch(x, weight, None, None, cfg, unreduced=True)
 
 
 def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,

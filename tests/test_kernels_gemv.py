@@ -9,7 +9,6 @@ element the kernel does not write shows.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -28,7 +27,6 @@ from arle_kernels.gemv import (
     _pick_config,
     _tma_config,
     gemv,
-    gemv_partial_sums,
     gemv_ref,
     gemv_silu_mul,
     gemv_silu_mul_ref,
@@ -190,11 +188,6 @@ def interp_check_gemv() -> None:
             check(x, w, b, tol, cfg)
             check_silu_mul(x, w, tol, GemvConfig(block_n=16, block_k=64, num_warps=1,
                                                  mma=True))
-    # partial sums left unreduced (N = 40 splits K at M = 1): summed in order, gemv's bits
-    x, w, _ = make_inputs(1, 40, 4096, torch.float32, "cpu", bias=False, seed=3)
-    parts = gemv_partial_sums(x, w)
-    assert parts.dim() == 3 and parts.shape[0] > 1 and parts.shape[1:] == (1, 40)
-    assert torch.equal(functools.reduce(torch.add, parts.unbind(0)), gemv(x, w))
     # the TMA kernel (descriptors zero-fill x's rows past M and K's tail), fp16; K = 100 has
     # rows TMA cannot read (200 bytes: not 16-byte aligned) and falls back to the kernel above
     for m, k, split in ((3, 96, 1), (8, 256, 3), (16, 200, 2), (5, 100, 1)):
@@ -278,28 +271,6 @@ def used_tiles(config: Callable[[int, int, bool], GemvConfig]) -> list[tuple[int
     return sorted({(c.block_n, c.block_k, c.num_warps, c.num_stages)
                    for c in (config(n, k, glu) for n, k in BENCH_SHAPES.values()
                              for glu in (False, True))})
-
-
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8])
-def test_gpu_partial_sums(m: int) -> None:
-    """gemv_partial_sums: where the config splits K (o_proj's and down's shapes at 8 rows), the
-    fp32 partials, which summed in order and rounded give gemv's bits; else gemv's y."""
-    for shape in ("o_proj", "down", "qkv"):
-        n, k = BENCH_SHAPES[shape]
-        x, w, _ = make_inputs(m, n, k, torch.bfloat16, "cuda", bias=False, seed=n + m)
-        y = gemv(x, w)
-        parts = gemv_partial_sums(x, w)
-        splits = _pick_config(m, n, k).split_k
-        if splits == 1:
-            assert torch.equal(parts, y)
-            continue
-        assert parts.dtype == torch.float32 and parts.shape[1:] == (m, n)
-        summed = parts[0].clone()
-        for part in parts[1:]:
-            summed += part
-        assert torch.equal(summed.to(y.dtype), y), shape
 
 
 @needs_cuda

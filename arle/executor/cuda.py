@@ -403,8 +403,8 @@ class CUDAExecutor:
         its own merge-kernel variant) with and without its first block loaded before the PDL
         wait (up to PRELOAD_MAX_BATCH rows), and the GEMVs' row classes (1, 2: FMA; 3..16:
         tensor cores, every linear layer with TMA, else gate_up + SiLU·up and lm_head, which
-        runs at 3..16 rows only once 3 rows sample in one step), with the norms that sum the
-        split ones' partial sums. On zeros and page 0; the outputs are thrown away."""
+        runs at 3..16 rows only once 3 rows sample in one step). On zeros and page 0; the
+        outputs are thrown away."""
         cfg = self.model.config
         # each (split count, preload) variant, at the fewest rows that pick it
         rows_for = {(pick_num_splits(b, cfg.num_kv_heads, self.config.max_model_len,
@@ -423,14 +423,9 @@ class CUDAExecutor:
                                                 v_scale=vs)
             for rows in (1, 2, 3):
                 x = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=self.device)
-                norm = layer.post_attention_layernorm
                 layer.self_attn.qkv_proj(x)
-                # o_proj and down as the layer runs them: partial sums (where K is split) that
-                # the next norm reduces
-                for h in (layer.self_attn.o_proj(torch.zeros(rows, attn, dtype=dtype,
-                                                             device=self.device), unreduced=True),
-                          layer.mlp(x, self.model.ops)):
-                    self.model.ops.add_rms_norm(h, torch.zeros_like(x), norm.weight, norm.eps)
+                layer.self_attn.o_proj(torch.zeros(rows, attn, dtype=dtype, device=self.device))
+                layer.mlp(x, self.model.ops)
                 self.model.logits(x)
         self.stream.synchronize()
 

@@ -65,11 +65,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        """o_proj's output, or its fp32 partial sums [S, M, N] (for `ops.add_rms_norm`)."""
         q_norm = self.q_norm.weight if self.q_norm is not None else None
         k_norm = self.k_norm.weight if self.k_norm is not None else None
-        return self.o_proj(backend.attend(self.layer, self.qkv_proj(x), q_norm, k_norm),
-                           unreduced=True)
+        return self.o_proj(backend.attend(self.layer, self.qkv_proj(x), q_norm, k_norm))
 
 
 class MLP(nn.Module):
@@ -80,9 +78,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        """down's output, or its fp32 partial sums [S, M, N] (for `ops.add_rms_norm`)."""
         return self.down_proj(linear_silu_and_mul(x, self.gate_up_proj.weight,
-                                                  ops.silu_and_mul), unreduced=True)
+                                                  ops.silu_and_mul))
 
 
 class DecoderLayer(nn.Module):
@@ -98,9 +95,7 @@ class DecoderLayer(nn.Module):
         """(x, residual) -> (this layer's MLP output, the residual stream before it).
 
         NOTE: the residual add is fused into the next norm (`ops.add_rms_norm`): the stream is
-        x + residual, rounded to the model dtype, exactly as `h = h + f(h)` in HF's code. So is
-        the sum of o_proj's and down's partial sums where their GEMV splits K: x may be those
-        ([S, M, N] fp32), and only `ops.add_rms_norm` ever reads it."""
+        x + residual, rounded to the model dtype, exactly as `h = h + f(h)` in HF's code."""
         norm = self.input_layernorm
         if residual is None:
             residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)

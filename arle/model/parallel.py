@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arle_kernels.gemv import gemv, gemv_partial_sums, gemv_silu_mul, use_gemv
+from arle_kernels.gemv import gemv, gemv_silu_mul, use_gemv
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,10 @@ SINGLE = TPGroup()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None, unreduced: bool = False) -> torch.Tensor:
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias). On CUDA with few rows (decode) our Triton GEMV where it streams
-    the weights faster than cuBLAS (`use_gemv`: docs/benchmarks); else cuBLAS. unreduced (no
-    bias): where the GEMV splits K, its fp32 partial sums [S, M, N] for `add_rms_norm`."""
+    the weights faster than cuBLAS (`use_gemv`: docs/benchmarks); else cuBLAS."""
     if x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
-        if unreduced and bias is None:
-            return gemv_partial_sums(x, weight)
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -136,11 +133,7 @@ class RowParallelLinear(nn.Module):
         n = param.shape[1]
         _copy(param.data, loaded.narrow(1, self.tp.rank * n, n) if self.tp.size > 1 else loaded)
 
-    def forward(self, x: torch.Tensor, unreduced: bool = False) -> torch.Tensor:
-        """y [M, N]; unreduced (for `add_rms_norm`, which sums them): the GEMV's fp32 partial
-        sums [S, M, N] where it splits K, on one rank and without a bias."""
-        if unreduced and self.tp.size == 1 and self.bias is None:
-            return linear(x, self.weight, unreduced=True)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)
         y = self.tp.all_reduce(y)
         # NOTE: the bias is added once, after the reduction, not on every rank.
