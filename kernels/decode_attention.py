@@ -49,8 +49,8 @@ from arle_kernels.jit import gdc_launch_dependents, gdc_wait, jit_varying, pdl_e
 
 _LOG2E = 1.4426950408889634
 #: up to this many rows the split kernel loads its first block before `gdc_wait` (PRELOAD):
-#: 65 us off the batch-8 step of Qwen3-4B on the H200; at 32 rows and more it held fewer
-#: programs per SM (76 registers against 64) and lost (docs/benchmarks/gpu-2026-11-30)
+#: 42-65 us off the batch-8 step of Qwen3-4B on the H200 (two calls); at 32 rows it held fewer
+#: programs per SM (76 registers against 64) and lost 110-210 us (docs/benchmarks/gpu-2026-11-29g)
 PRELOAD_MAX_BATCH = 16
 
 

@@ -330,7 +330,8 @@ def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
     """The tensor-core kernel's tile for 3..16 rows.
 
     On Hopper, `_gemv_tma_kernel` (from `sweep_mma(tma=True)` on the H200, M = 8, 11 tiles x
-    splits 1-16; docs/benchmarks/gpu-2026-11-30): 64 rows a program on one warpgroup, BLOCK_K
+    splits 1-16; the 6 smaller TMA_TILES and the sweep's own picks gained nothing more in the
+    engine; docs/benchmarks/gpu-2026-11-29g): 64 rows a program on one warpgroup, BLOCK_K
     128, 4 TMA stages (6 for the fused gate_up, which fits 5), and K split in two or four
     while the grid has fewer programs than SMs (qkv 192 programs, o_proj and down 160):
     qkv / o_proj / gate_up + SiLU·up / down / lm_head 10.5 / 8.7 / 28.5 / 15.9 / 178.6 us
@@ -515,7 +516,7 @@ def use_gemv(m: int, n: int, k: int, glu: bool = False) -> bool:
     At M = 3..16 on Hopper the TMA kernel takes every shape: alone it is level with cuBLAS on
     qkv and faster on the rest (see _mma_config), and in the engine it chains to its
     neighbours under PDL, which cuBLAS's kernels cannot: the batch-8 step took 3.12 ms against
-    3.39 (docs/benchmarks/gpu-2026-11-30). Without TMA the cp.async kernel pays only for the
+    3.39 (docs/benchmarks/gpu-2026-11-29g). Without TMA the cp.async kernel pays only for the
     fused gate_up and wide weights (N >= 32768, lm_head): 3.418 ms a step against cuBLAS's
     3.540; with o_proj and down too (split K) it was 3.693, slower (gpu-2026-11-29d).
     """

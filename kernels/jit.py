@@ -12,7 +12,8 @@ kernel (a GEMV loads its first chunk of weights, attention its page table), then
 launches of a few microseconds each, so the launch and ramp-up of each one hidden under its
 predecessor's tail is time off every step. Inside a CUDA graph the edges become programmatic.
 NOTE: the rule every kernel keeps: before `gdc_wait`, read only what no kernel of the step
-writes (weights, the step's metadata copied in before the first kernel) and write nothing.
+writes (weights, the step's metadata copied in before the first kernel, the K/V cache slots of
+earlier steps: decode attention leaves out each row's newest token) and write nothing.
 """
 
 from __future__ import annotations
