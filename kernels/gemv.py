@@ -247,7 +247,8 @@ def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_
     y^T [BLOCK_N, M_PAD] += W tile [BLOCK_N, BLOCK_K] @ x^T tile [BLOCK_K, M_PAD], W and x read
     through tensor descriptors (x's rows past M and K's tail arrive as zeros: no masks, no
     index math), `num_stages` tiles in flight per program (Triton pipelines the TMA loads
-    with barriers), and the MMA on one warpgroup (wgmma, BLOCK_N >= 64).
+    with barriers), and the MMA from shared memory (wgmma on a warpgroup at BLOCK_N >= 64,
+    mma.sync below). No load before `gdc_wait`: the loop's pipeline starts after it.
     NOTE: k_per_split is a multiple of BLOCK_K, so no chunk crosses into the next split."""
     if PDL:
         gdc_launch_dependents()
@@ -347,6 +348,7 @@ def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
 
 
 def _tma_config(n: int, k: int, glu: bool) -> GemvConfig:
+    """`_mma_config` on Hopper: the TMA kernel's tile and split (see there)."""
     tiles = triton.cdiv(n // 2 if glu else n, 64)
     split = 1
     while not glu and tiles * split < _NUM_SMS and triton.cdiv(k, 128) >= 16 * split:
@@ -356,6 +358,7 @@ def _tma_config(n: int, k: int, glu: bool) -> GemvConfig:
 
 
 def _cp_async_config(n: int, k: int, glu: bool) -> GemvConfig:
+    """`_mma_config` elsewhere: the cp.async kernel's tile and split (see there)."""
     if glu or n >= 32768:
         return GemvConfig(block_n=32, block_k=256, num_warps=2, num_stages=1, mma=True)
     programs = triton.cdiv(n, 64)
