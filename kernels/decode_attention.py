@@ -149,20 +149,18 @@ def _decode_split_kernel(
         new = mask_n & (offs_n == seq_len - 1)
         k += tl.load(k_ptrs, mask=new[None, :], other=0.0)
         v += tl.load(v_ptrs, mask=new[:, None], other=0.0)
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_g[:, None], other=0.0)  # [G_PAD, D]
+    elif PDL:
+        # NOTE: seq_lens and the page table are the step's metadata; q and this step's K/V
+        # (just stored by the previous kernel) are read only after the wait
+        gdc_wait()
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None], other=0.0)  # [G_PAD, D]
+    if PRELOAD:
         if start < end:
             m_i, l_i, acc = _attend(q, k, v, mask_n, page, in_page, kvh, ks_ptr, vs_ptr,
                                     stride_sp, stride_ss, stride_sh, qk_scale, m_i, l_i, acc,
                                     IS_FP8, PRECISION)
         first = start + BLOCK_N
-    else:
-        # NOTE: seq_lens and the page table are the step's metadata; q and this step's K/V
-        # (just stored by the previous kernel) are read only after the wait
-        if PDL:
-            gdc_wait()
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_g[:, None], other=0.0)  # [G_PAD, D]
     for n0 in range(first, end, BLOCK_N):
         offs_n, mask_n, page, in_page, k_ptrs, v_ptrs = _block(
             n0, end, pt_row, k_ptr, v_ptr, kvh, offs_d, stride_kp, stride_ks, stride_kh,

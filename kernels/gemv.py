@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -49,6 +48,7 @@ from arle_kernels.fused import silu_and_mul, silu_and_mul_ref, silu_mul
 from arle_kernels.jit import (
     gdc_launch_dependents,
     gdc_wait,
+    hopper_gpu,
     jit_varying,
     pdl_enabled,
     pdl_launch,
@@ -371,12 +371,9 @@ def _cp_async_config(n: int, k: int, glu: bool) -> GemvConfig:
 
 @functools.cache
 def tma_available() -> bool:
-    """Whether `_gemv_tma_kernel` can run: an NVIDIA GPU of compute capability 9.0+ (the copy
-    engine's tensor copies, wgmma), a Triton with host tensor descriptors, not the interpreter.
-    Decided once per process."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        return False
-    if torch.version.hip is not None or torch.cuda.get_device_capability() < (9, 0):
+    """Whether `_gemv_tma_kernel` can run: a Hopper-class GPU (`hopper_gpu`: the copy engine's
+    tensor copies, wgmma) and a Triton with host tensor descriptors. Decided once per process."""
+    if not hopper_gpu():
         return False
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
@@ -423,7 +420,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
     has_bias = bias is not None
     b = bias if bias is not None else y  # a dummy pointer when there is no bias
     pdl = pdl_enabled()
-    meta = {"HAS_BIAS": has_bias, "PARTIAL": splits > 1, "EVEN_K": k % k_per_split == 0,
+    meta = {"HAS_BIAS": has_bias, "PARTIAL": splits > 1,
             "M_PAD": triton.next_power_of_2(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "GLU": glu, "PDL": pdl, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             **pdl_launch(pdl)}
@@ -439,7 +436,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
     else:
         kernel = _gemv_mma_kernel if cfg.mma else _gemv_kernel
         kernel[grid](x, weight, b, dst, m, n, k, k_per_split, x.stride(0), weight.stride(0),
-                     *dst_strides, **meta)
+                     *dst_strides, EVEN_K=k % k_per_split == 0, **meta)
     if splits > 1:
         _split_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
             dst, b, y, n, splits, dst.stride(0), dst.stride(1), y.stride(0), HAS_BIAS=has_bias,
@@ -471,7 +468,7 @@ def _launch_tma(x: Tensor, weight: Tensor, b: Tensor, dst: Tensor, dst_strides: 
     w_rows = cfg.block_n * (2 if meta["GLU"] else 1)
     stages = max(2, min(cfg.num_stages, _TMA_SMEM // ((w_rows + m_pad) * cfg.block_k
                                                       * x.element_size())))
-    meta = {key: v for key, v in meta.items() if key != "EVEN_K"} | {"num_stages": stages}
+    meta = meta | {"num_stages": stages}
     n = dst.shape[-1]
     _gemv_tma_kernel[grid](x_desc, w_desc, b, dst, m, n, k, k_per_split, *dst_strides, **meta)
 

@@ -75,19 +75,25 @@ def watch_compiles(on_build: Callable[[str], None]) -> Callable[[], None] | None
 _pdl: bool | None = None
 
 
-def _pdl_supported() -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("ARLE_PDL", "1") == "0":
+def hopper_gpu() -> bool:
+    """An NVIDIA GPU of compute capability 9.0+ to compile for, not the interpreter: what PDL
+    and the TMA GEMV (`arle_kernels.gemv.tma_available`) both need first."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     import torch
 
-    if not torch.cuda.is_available() or torch.version.hip is not None:
+    return (torch.cuda.is_available() and torch.version.hip is None
+            and torch.cuda.get_device_capability() >= (9, 0))
+
+
+def _pdl_supported() -> bool:
+    if os.environ.get("ARLE_PDL", "1") == "0" or not hopper_gpu():
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
         return False
-    return ("launch_pdl" in CUDAOptions.__dataclass_fields__
-            and torch.cuda.get_device_capability() >= (9, 0))
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 def pdl_enabled() -> bool:
@@ -118,5 +124,6 @@ def pdl_launch(pdl: bool) -> dict[str, Any]:
     return _PDL_ON if pdl else _PDL_OFF
 
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "jit_varying", "pdl_enabled", "pdl_launch",
+__all__ = ["gdc_launch_dependents", "gdc_wait", "hopper_gpu", "jit_varying", "pdl_enabled",
+           "pdl_launch",
            "set_pdl", "watch_compiles"]
