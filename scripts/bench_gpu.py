@@ -399,9 +399,13 @@ def serve(args: argparse.Namespace) -> None:
         if ready is None:
             raise RuntimeError(f"server not ready (exit {proc.poll()})")
         for conc in args.concurrency:
+            # NOTE: new prompts for each run (and its warm-up, seed + 1). Until 2026-11-30 every
+            # run used seed 1: concurrency 8, 16 and 64 found the prompts of the run before in
+            # the prefix cache and prefilled one token a request (docs/benchmarks/
+            # gpu-2026-11-30.md: at concurrency 8, TTFT 20.7 ms instead of ~55).
             cfg = BenchConfig(base_url=f"http://127.0.0.1:{port}", num_prompts=args.num_prompts,
                               input_len=args.input_len, output_len=args.output_len,
-                              max_concurrency=conc, warmup_requests=2, seed=1)
+                              max_concurrency=conc, warmup_requests=2, seed=10 * conc + 1)
             s = asyncio.run(run_bench(cfg))
             out["runs"][str(conc)] = s
             _write(args.out, out)  # after every run: a cut-short call keeps what it measured

@@ -1,30 +1,39 @@
 #!/usr/bin/env bash
 # Decode A/B on the device: each TREE:TAG runs `bench_gpu.py decode` on a random Qwen3-4B, in
 # turn, within one call (the way docs/benchmarks compares a change against its base).
-#   bash scripts/gpu_ab.sh [--then "PHASE..."] TREE:TAG...
+#   bash scripts/gpu_ab.sh [--serve C] [--then "PHASE..."] TREE:TAG...
 # TREE is a folder with kernels/ scripts/ arle/: "." for the checkout, else e.g.
 #   git archive REV kernels scripts arle | tar -x -C var_x   (then patch it; pass it in `carry`)
 # Give each tree twice, interleaved: machines drift, and two runs of one tree in one call agree
 # to about 1 us. Writes decode_TAG.json and ab_log.txt into $OUT/results.tar (rewritten after
 # each run: a call cut short still returns what finished). --then: gpu_session.sh phases for
-# the checkout afterwards (ARLE_COMMIT names it).
+# the checkout afterwards (ARLE_COMMIT names it). --serve C: `bench_gpu.py serve` at concurrency
+# C (64 prompts, 512 in / 128 out) instead of decode, into serve_TAG.json.
 set -u
 OUT=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p $RES $OUT
-phases=""
+phases="" serve=""
+if [ "${1:-}" = "--serve" ]; then serve=$2; shift 2; fi
 if [ "${1:-}" = "--then" ]; then phases=$2; shift 2; fi
 T0=$SECONDS
 log() { echo "== $((SECONDS - T0)) s: $*" | tee -a $RES/ab_log.txt; }
 bash scripts/gpu_session.sh >/dev/null 2>&1  # installs the wheels into /tmp/site
 python3 scripts/make_random_model.py qwen3-4b /tmp/models/qwen3-4b >>$RES/ab_log.txt 2>&1
 log model
-for spec in "$@"; do
-  tree=${spec%%:*} tag=${spec#*:}
+run() {  # phase tree tag timeout args...: bench_gpu.py PHASE with the tree's arle and kernels
+  local phase=$1 tree=$2 tag=$3 t=$4; shift 4
   ln -sfn "$PWD/$tree/kernels" /tmp/site/arle_kernels  # the tree's kernels as arle_kernels
-  (cd "$tree" && PYTHONPATH=/tmp/site:$PWD ARLE_COMMIT=$tag timeout 90 python3 \
-     scripts/bench_gpu.py decode /tmp/models/qwen3-4b --out $RES/decode_$tag.json \
-     >>$RES/ab_dec.log 2>&1)
-  log "decode $tag rc=$?"
+  (cd "$tree" && PYTHONPATH=/tmp/site:$PWD ARLE_COMMIT=$tag timeout "$t" python3 \
+     scripts/bench_gpu.py "$phase" /tmp/models/qwen3-4b --out "$RES/${phase}_$tag.json" "$@" \
+     >>"$RES/ab_$phase.log" 2>&1)
+  log "$phase $tag rc=$?"
   tar -cf $OUT/results.tar -C $RES .
+}
+for spec in "$@"; do
+  if [ -n "$serve" ]; then
+    run serve "${spec%%:*}" "${spec#*:}" 120 --concurrency "$serve" --num-prompts 64
+  else
+    run decode "${spec%%:*}" "${spec#*:}" 90
+  fi
 done
 ln -sfn "$PWD/kernels" /tmp/site/arle_kernels
 # shellcheck disable=SC2086  # phases are words

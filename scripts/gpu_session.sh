@@ -85,9 +85,9 @@ json.dump(picks, open('$RES/tma_picks.json', 'w'), indent=0)" ;;
            phase serve_no_graph 150 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 8 \
               --num-prompts 16 --out $RES/serve_no_graph.json --serve-args=--disable-cuda-graph ;;
     serve_ttft) d=$(model qwen3-4b)  # the per-step token budget against TTFT at concurrency 8
-           for b in 1024 2048; do
+           for b in 1024 2048 4096; do
              phase serve_budget$b 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 8 \
-               --num-prompts 32 --out $RES/serve_budget$b.json --serve-args="--max-batched-tokens $b"
+               --num-prompts 64 --out $RES/serve_budget$b.json --serve-args="--max-batched-tokens $b"
            done ;;
     hf) d=$(model qwen3-4b); phase hf 400 python3 scripts/bench_hf.py "$d" --batch 1 8 \
               --modes eager static --repeats 1 --out $RES/hf_4b.json ;;

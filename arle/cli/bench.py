@@ -49,7 +49,10 @@ def bench(
     ] = math.inf,
     warmup_requests: Annotated[int, _opt(
         "--warmup-requests", min=0, help="Requests sent (and not measured) first.")] = 1,
-    seed: Annotated[int, _opt("--seed", help="Seed of the random prompts and arrivals.")] = 1,
+    seed: Annotated[int, _opt(
+        "--seed", help="Seed of the random prompts and arrivals (the warm-up's: seed + 1). "
+                       "Runs against one server with the same seed find their prompts in its "
+                       "prefix cache: give each run its own.")] = 1,
     vocab_size: Annotated[int | None, _opt(
         "--vocab-size", min=1,
         help="Draw prompt token ids below this (default: the server's /v1/models "
