@@ -133,7 +133,8 @@ def _engine_config(args: argparse.Namespace, **kw: Any) -> EngineConfig:
     base: dict[str, Any] = {"model": args.model, "device": "cuda", "dtype": "bfloat16",
                             "overlap": not args.disable_overlap,
                             "cuda_graph": not args.disable_cuda_graph,
-                            "kv_cache_dtype": args.kv_cache_dtype}
+                            "kv_cache_dtype": args.kv_cache_dtype,
+                            "max_batched_tokens": args.max_batched_tokens}
     base.update(kw)
     return EngineConfig(**base)
 
@@ -451,6 +452,8 @@ def main() -> None:
         s.add_argument("--disable-overlap", action="store_true")
         s.add_argument("--disable-cuda-graph", action="store_true")
         s.add_argument("--kv-cache-dtype", default="auto")
+        s.add_argument("--max-batched-tokens", type=int, default=None,
+                       help="the engine's step token budget (default: the engine's)")
         s.set_defaults(fn=fn)
     s = sub.add_parser("serve")
     s.add_argument("model")

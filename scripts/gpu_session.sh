@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests and benchmarks of issue 5, phase by phase, each under a timeout.
 #   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench tmasweep parity ceilings decode
-#     decode_nopdl host launch prefill serve serve_warm serve_pdl serve_ttft serve_ablation hf hf_eager offline decode8b)
+#     decode_nopdl host launch prefill serve serve_warm serve_pdl serve_ttft budget1024 serve_ablation hf hf_eager offline decode8b)
 # Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/log.txt, $OUT/pytest.txt and
 # $OUT/results.tar (every phase's JSON; at most 8 files come back from $OUT, so one archive,
 # rewritten after each phase: a call cut short still returns what finished).
@@ -84,6 +84,16 @@ json.dump(picks, open('$RES/tma_picks.json', 'w'), indent=0)" ;;
               --num-prompts 16 --out $RES/serve_no_overlap.json --serve-args=--disable-overlap
            phase serve_no_graph 150 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 8 \
               --num-prompts 16 --out $RES/serve_no_graph.json --serve-args=--disable-cuda-graph ;;
+    budget1024) d=$(model qwen3-4b)  # the engine phases at a step token budget of 1024
+           phase prefill_b1024 60 python3 scripts/bench_gpu.py prefill "$d" \
+              --max-batched-tokens 1024 --out $RES/prefill_4b_b1024.json
+           phase serve_b1024 200 python3 scripts/bench_gpu.py serve "$d" \
+              --out $RES/serve_4b_b1024.json --serve-args="--max-batched-tokens 1024"
+           d=$(model qwen3-0.6b)
+           for b in 1024 2048; do
+             phase offline_b$b 200 python3 scripts/bench_gpu.py offline "$d" \
+               --max-batched-tokens $b --out $RES/offline_0.6b_b$b.json
+           done ;;
     serve_ttft) d=$(model qwen3-4b)  # the per-step token budget against TTFT at concurrency 8
            for b in 1024 2048 4096; do
              phase serve_budget$b 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 8 \
