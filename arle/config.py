@@ -15,6 +15,16 @@ DEVICE_DEFAULTS = {
     "max_batched_tokens": (2048, 16384),
     "chunked_prefill_size": (512, 8192),
 }
+#: What a server (`serving`) takes instead. Fewer prompt tokens a step on a GPU: requests that
+#: arrive together then get their first tokens in turn, not all after one long step. On the
+#: H200 (Qwen3-4B, 512-token prompts, new ones each run) a 1024-token budget against 16384, at
+#: concurrency 8 in one call: TTFT 43 ms against 56, 2239 against 2191 output tok/s, TPOT 3.25
+#: against 3.23 ms; at 16 and 64 (other calls) TTFT 67 / 310 ms against 137 / 387. But the
+#: offline run, all work queued at once, lost 18% of its throughput at 1024 (same call), so
+#: only `arle serve` takes it (docs/benchmarks/gpu-2026-11-30.md).
+SERVING_DEFAULTS = {
+    "max_batched_tokens": (2048, 1024),
+}
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,8 @@ class EngineConfig:
     max_model_len: int | None = None
     #: Most requests decoding at once (None: 64 on CPU, 256 on CUDA).
     max_running_requests: int | None = None
-    #: Token budget of one step, prefill chunk tokens + one per decode row (None: 2048 / 16384).
+    #: Token budget of one step, prefill chunk tokens + one per decode row (None: 2048 / 16384;
+    #: serving: 2048 / 1024).
     max_batched_tokens: int | None = None
     #: Longest prefill chunk of one request in one step (None: 512 / 8192).
     chunked_prefill_size: int | None = None
@@ -54,6 +65,9 @@ class EngineConfig:
     cuda_graph: bool = True
     #: Largest decode batch captured (None: max_running_requests).
     cuda_graph_max_bs: int | None = None
+    #: An online server (`arle serve`): the unset fields take SERVING_DEFAULTS, which trade
+    #: some throughput for time to first token.
+    serving: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "max_batched_tokens",
@@ -69,6 +83,7 @@ class EngineConfig:
     def for_device(self, device: str) -> EngineConfig:
         """A copy with the device-dependent defaults (None fields) filled in."""
         col = 1 if device == "cuda" else 0
-        filled = {name: values[col] for name, values in DEVICE_DEFAULTS.items()
+        defaults = DEVICE_DEFAULTS | (SERVING_DEFAULTS if self.serving else {})
+        filled = {name: values[col] for name, values in defaults.items()
                   if getattr(self, name) is None}
         return replace(self, device=device, **filled)  # type: ignore[arg-type]

@@ -385,3 +385,35 @@ def test_complete_default_model_json_and_trace() -> None:
     traces = [e for e in events if e["event"] == "request_trace"]
     assert len(traces) == 1 and traces[0]["request_id"] == out["request_id"]
     assert traces[0]["route"] == "cli.complete"
+
+
+def test_serving_defaults() -> None:
+    """`serving` swaps in SERVING_DEFAULTS for the fields left unset: a 1024-token step budget
+    on CUDA (the CPU's stays 2048); an explicit value wins, and other fields are untouched."""
+    from arle.config import EngineConfig
+
+    server, engine = EngineConfig(serving=True), EngineConfig()
+    assert server.for_device("cuda").max_batched_tokens == 1024
+    assert engine.for_device("cuda").max_batched_tokens == 16384
+    assert server.for_device("cpu").max_batched_tokens == engine.for_device("cpu").max_batched_tokens
+    assert EngineConfig(serving=True, max_batched_tokens=4096).for_device(
+        "cuda").max_batched_tokens == 4096
+    assert (server.for_device("cuda").chunked_prefill_size
+            == engine.for_device("cuda").chunked_prefill_size)
+
+
+@pytest.mark.parametrize("flags, budget", [([], 1024), (["--max-batched-tokens", "4096"], 4096)])
+def test_serve_builds_a_serving_config(fake_engine: Path, monkeypatch: pytest.MonkeyPatch,
+                                       flags: list[str], budget: int) -> None:
+    """`arle serve` hands the engine a config marked `serving` (its own step budget on CUDA)."""
+    import arle.cli.serve as serve_cli
+
+    seen: list[Any] = []
+
+    async def fake_serve(config: Any, *args: Any) -> None:
+        seen.append(config)
+
+    monkeypatch.setattr(serve_cli, "_serve", fake_serve)
+    result = _invoke("serve", "--model", str(fake_engine), *flags)
+    assert result.exit_code == 0, result.output
+    assert seen[0].serving and seen[0].for_device("cuda").max_batched_tokens == budget

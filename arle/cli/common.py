@@ -113,7 +113,8 @@ _ENGINE_PARAMS = [
         _D.max_running_requests),
     _option("max_batched_tokens", Annotated[int | None, _engine_opt(
         "--max-batched-tokens", min=1,
-        help="Token budget of one engine step (default: 2048 on CPU, 16384 on CUDA).")],
+        help="Token budget of one engine step (default: 2048 on CPU, 16384 on CUDA; "
+             "1024 for `arle serve` on CUDA).")],
         _D.max_batched_tokens),
     _option("chunked_prefill_size", Annotated[int | None, _engine_opt(
         "--chunked-prefill-size", min=1,

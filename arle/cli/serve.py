@@ -66,7 +66,7 @@ def serve(
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /ready, /metrics, /v1/stats)."""
-    config = replace(config, max_waiting_requests=max_waiting)
+    config = replace(config, max_waiting_requests=max_waiting, serving=True)
     from arle.server.app import ServerSettings
 
     settings = ServerSettings(served_model_name=served_model_name, api_key=api_key or None,
