@@ -61,6 +61,8 @@ class RequestResult:
     prompt_len: int
     ok: bool = False
     output_len: int = 0
+    #: Prompt tokens the server took from its prefix cache (usage.prompt_tokens_details).
+    cached_tokens: int = 0
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
@@ -137,6 +139,8 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int],
                     return result
                 if obj.get("usage"):
                     usage_tokens = obj["usage"].get("completion_tokens")
+                    details = obj["usage"].get("prompt_tokens_details") or {}
+                    result.cached_tokens = int(details.get("cached_tokens") or 0)
                 choices = obj.get("choices") or []
                 if not choices or not choices[0].get("text"):
                     continue
@@ -198,6 +202,9 @@ def summarize(cfg: BenchConfig, model: str, results: list[RequestResult], durati
         "max_concurrency": cfg.max_concurrency, "warmup_requests": cfg.warmup_requests,
         "duration": duration_s, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
+        # NOTE: prompt tokens the server did not prefill (its prefix cache had them): a second
+        # run with the same seed against one server measures mostly this (where reported)
+        "total_cached_input_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": len(ok) / dur, "input_throughput": total_in / dur,
         "output_throughput": total_out / dur, "total_throughput": (total_in + total_out) / dur,
         **_stats("e2e_latency", [r.e2e_s for r in ok]),
@@ -259,6 +266,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
         ("Benchmark duration (s)", s["duration"]),
         ("Total input tokens", s["total_input_tokens"]),
+        ("Input tokens from the prefix cache", s["total_cached_input_tokens"]),
         ("Total generated tokens", s["total_output_tokens"]),
         ("Request throughput (req/s)", s["request_throughput"]),
         ("Input token throughput (tok/s)", s["input_throughput"]),

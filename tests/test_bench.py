@@ -79,6 +79,24 @@ def test_bench_against_arle_serve(smol_server: ServerProcess, tmp_path: Path) ->
 
 
 @pytest.mark.slow
+def test_bench_reports_prefix_cache_hits(smol_server: ServerProcess, tmp_path: Path) -> None:
+    """Run twice with one seed, the second run's prompts are in the server's prefix cache: the
+    summary counts those tokens (each 40-token prompt's two full 16-token pages) and the CLI
+    says so on stderr; the first run's prompts were all prefilled."""
+    args = ("--num-prompts", "4", "--random-input-len", "40", "--random-output-len", "2",
+            "--warmup-requests", "0", "--seed", "977")
+    runs = []
+    for name in ("first.json", "second.json"):
+        proc = _bench(smol_server.url, tmp_path / name, *args)
+        assert proc.returncode == 0, proc.stderr
+        runs.append((json.loads((tmp_path / name).read_text()), proc.stderr))
+    (first, first_err), (second, second_err) = runs
+    assert first["total_cached_input_tokens"] == 0 and "prefix cache" not in first_err
+    assert 4 * 32 <= second["total_cached_input_tokens"] < second["total_input_tokens"] == 160
+    assert "prefix cache" in second_err and "--seed" in second_err
+
+
+@pytest.mark.slow
 def test_bench_poisson_rate(smol_server: ServerProcess, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = _bench(smol_server.url, out, "--num-prompts", "4", "--random-input-len", "8",

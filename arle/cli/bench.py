@@ -86,6 +86,11 @@ def bench(
         summary = asyncio.run(run_bench(cfg, lambda: bar.advance(task)))
     sys.stdout.write(format_summary(summary) + "\n")
     sys.stdout.flush()
+    cached, total = summary["total_cached_input_tokens"], summary["total_input_tokens"]
+    if total and cached * 2 > total:
+        sys.stderr.write(f"note: {cached} of {total} prompt tokens came from the server's prefix "
+                         f"cache (a run before with --seed {seed}?): for prefill in the "
+                         "measurement, give each run its own --seed\n")
     path.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2) + b"\n")
     sys.stderr.write(f"arle: wrote {path}\n")
     if summary["completed"] == 0:
