@@ -453,7 +453,8 @@ def main() -> None:
         s.add_argument("--disable-cuda-graph", action="store_true")
         s.add_argument("--kv-cache-dtype", default="auto")
         s.add_argument("--max-batched-tokens", type=int, default=None,
-                       help="the engine's step token budget (default: the engine's)")
+                       help="the engine's step token budget (default: the engine's; "
+                            "prefill sets its own, one step for the whole prompt)")
         s.set_defaults(fn=fn)
     s = sub.add_parser("serve")
     s.add_argument("model")

@@ -84,9 +84,7 @@ json.dump(picks, open('$RES/tma_picks.json', 'w'), indent=0)" ;;
               --num-prompts 16 --out $RES/serve_no_overlap.json --serve-args=--disable-overlap
            phase serve_no_graph 150 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 8 \
               --num-prompts 16 --out $RES/serve_no_graph.json --serve-args=--disable-cuda-graph ;;
-    budget1024) d=$(model qwen3-4b)  # the engine phases at a step token budget of 1024
-           phase prefill_b1024 60 python3 scripts/bench_gpu.py prefill "$d" \
-              --max-batched-tokens 1024 --out $RES/prefill_4b_b1024.json
+    budget1024) d=$(model qwen3-4b)  # serving and offline at a step token budget of 1024
            phase serve_b1024 200 python3 scripts/bench_gpu.py serve "$d" \
               --out $RES/serve_4b_b1024.json --serve-args="--max-batched-tokens 1024"
            d=$(model qwen3-0.6b)
