@@ -125,5 +125,4 @@ def pdl_launch(pdl: bool) -> dict[str, Any]:
 
 
 __all__ = ["gdc_launch_dependents", "gdc_wait", "hopper_gpu", "jit_varying", "pdl_enabled",
-           "pdl_launch",
-           "set_pdl", "watch_compiles"]
+           "pdl_launch", "set_pdl", "watch_compiles"]

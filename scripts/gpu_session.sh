@@ -49,7 +49,7 @@ json.dump(t.bench_decode(), open('$RES/dbench.json', 'w'), indent=0)" ;;
 import json; from arle_kernels.gemv import sweep_mma
 rows = sweep_mma(tma=True, splits=(1, 2, 4, 8, 16))
 json.dump(rows, open('$RES/sweep_tma.json', 'w'), indent=0)
-picks = {}  # the fastest tile per (N, K, glu): what an engine run with ARLE_TMA_PICKS tries
+picks = {}  # the fastest tile per (N, K, glu), for a variant tree to try (gpu-2026-11-29g.md)
 for r in rows:
     if r['kernel'] in ('mma', 'mma_glu'):
         key = '{},{},{}'.format(r['n'], r['k'], int(r['kernel'] == 'mma_glu'))
