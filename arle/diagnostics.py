@@ -335,7 +335,10 @@ def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
             "extend_graphs": engine.model_info.get("extend_graphs"),
             "max_model_len": engine.max_model_len,
             "max_running_requests": engine.scheduler.config.max_running_requests,
-            "max_batched_tokens": engine.config.max_batched_tokens}
+            "max_batched_tokens": engine.config.max_batched_tokens,
+            "chunked_prefill_size": engine.scheduler.config.chunked_prefill_size,
+            # NOTE: `arle warmup` takes `arle serve`'s settings unless --engine-defaults
+            "serving": engine.config.serving}
 
 
 async def run_warmup(config: Any, prompt: str = "Say hello in one short sentence.",

@@ -148,6 +148,10 @@ def test_warmup_json_report(tiny_engines: list[AsyncEngine], tiny: LoadedModel) 
                                            "page_size": 16, "bytes": pool.bytes,
                                            "dtype": "float32"}
     assert pool.num_tokens == 2048
+    # the settings `arle serve` takes (SERVING_DEFAULTS), as its report says
+    assert engine.config.serving and report["memory"]["serving"] is True
+    assert report["memory"]["max_batched_tokens"] == engine.config.max_batched_tokens
+    assert report["memory"]["chunked_prefill_size"] == engine.scheduler.config.chunked_prefill_size
     assert report["model"]["architecture"] == "Qwen3ForCausalLM"
     assert report["model"]["parameters"] == sum(p.numel() for p in tiny.model.parameters())
     prefill = report["phases"][1]["detail"]
@@ -170,7 +174,21 @@ def test_warmup_text_report(tiny_engines: list[AsyncEngine]) -> None:
     for heading in ("hardware", "versions", "model", "memory plan", "phases", "request"):
         assert f"\n{heading}\n" in "\n" + out
     assert "kv pool    2048 tokens = 128 pages x 16" in out
+    assert "(arle serve defaults)" in out
     assert "TTFT" in out and "tok/s" in out
+
+
+def test_warmup_engine_defaults_and_explicit_budget(tiny_engines: list[AsyncEngine]) -> None:
+    """--engine-defaults warms up with the settings complete / chat / offline runs take; an
+    explicit --max-batched-tokens is kept either way."""
+    result = invoke("warmup", "--json", "--kv-cache-tokens", "2048", "--engine-defaults",
+                    "--max-batched-tokens", "300")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["memory"]["serving"] is False and not tiny_engines[0].config.serving
+    assert report["memory"]["max_batched_tokens"] == 300
+    assert "(engine defaults)" in invoke("warmup", "--kv-cache-tokens", "2048",
+                                         "--engine-defaults").stdout
 
 
 def test_warmup_fails_with_the_phase_and_reason(tmp_path: Path) -> None:

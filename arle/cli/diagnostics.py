@@ -60,6 +60,11 @@ def doctor(
 @arle_command(engine=True)
 def warmup(
     json_out: JsonOption = False,
+    serve_defaults: Annotated[bool, typer.Option(
+        "--serve-defaults/--engine-defaults",
+        help="Settings as `arle serve` takes them (on a GPU, its smaller step budget, and so "
+             "its memory plan and graphs), or as complete, chat and offline runs take them.")
+    ] = True,
     *,
     config: EngineConfig,
 ) -> None:
@@ -68,9 +73,11 @@ def warmup(
     Hardware, versions, the model, the memory plan, each phase's time, the request's TTFT and
     tok/s. Exits non-zero, with the reason, if a phase fails.
     """
+    from dataclasses import replace
+
     from arle.diagnostics import run_warmup
 
-    report = asyncio.run(run_warmup(config))
+    report = asyncio.run(run_warmup(replace(config, serving=serve_defaults)))
     if json_out:
         _print_json(report)
     else:
@@ -108,6 +115,9 @@ def _print_report(r: dict[str, Any]) -> None:
         out(f"  weights    {_size(mem['weights_bytes'])}")
         out(f"  kv pool    {kv['tokens']} tokens = {kv['pages']} pages x {kv['page_size']}, "
             f"{_size(kv['bytes'])} ({kv['dtype']})")
+        out(f"  step       {mem['max_batched_tokens']} tokens, chunks of "
+            f"{mem['chunked_prefill_size']} ({'arle serve' if mem['serving'] else 'engine'} "
+            f"defaults)")
         if mem.get("cuda"):
             cuda = mem["cuda"]
             out(f"  activations {_size(cuda['activation_peak_bytes'])} (profile run peak), "
