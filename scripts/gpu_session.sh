@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests and benchmarks of issue 5, phase by phase, each under a timeout.
-#   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench tmasweep parity ceilings decode
-#     decode_nopdl host launch prefill serve serve_warm serve_pdl serve_ttft budget1024 serve_ablation hf hf_eager offline decode8b)
+#   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench tmasweep fmasweep parity
+#     ceilings decode decode_nopdl host launch prefill serve serve_warm serve_pdl serve_ttft
+#     serve_long budget1024 serve_ablation hf hf_eager offline decode8b)
 # Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/log.txt, $OUT/pytest.txt and
 # $OUT/results.tar (every phase's JSON; at most 8 files come back from $OUT, so one archive,
 # rewritten after each phase: a call cut short still returns what finished).
@@ -79,11 +80,46 @@ json.dump(picks, open('$RES/tma_picks.json', 'w'), indent=0)" ;;
              phase serve_pdl$pdl 90 env ARLE_PDL=$pdl python3 scripts/bench_gpu.py serve "$d" \
                --concurrency 1 8 --num-prompts 16 --out $RES/serve_pdl$pdl.json
            done ;;
-    serve_ablation) d=$(model qwen3-4b)
-           phase serve_no_overlap 150 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 8 \
-              --num-prompts 16 --out $RES/serve_no_overlap.json --serve-args=--disable-overlap
-           phase serve_no_graph 150 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 8 \
-              --num-prompts 16 --out $RES/serve_no_graph.json --serve-args=--disable-cuda-graph ;;
+    serve_ablation) d=$(model qwen3-4b)  # overlap and graphs each off, against both on
+           for flags in "" --disable-overlap --disable-cuda-graph; do
+             phase "serve${flags:-_default}" 150 python3 scripts/bench_gpu.py serve "$d" \
+               --concurrency 1 8 --num-prompts 32 --out "$RES/serve${flags:-_default}.json" \
+               --serve-args="$flags"
+           done ;;
+    fmasweep) phase fmasweep 240 python3 -c "
+import json, torch
+from arle_kernels.gemv import BENCH_SHAPES, GemvConfig, _launch, _rotating_weights, _time_us
+from arle_kernels.gemv import gemv, gemv_silu_mul
+# the CUDA-core (FMA) kernel at 4 and 8 rows against the kernel gemv picks there (TMA)
+gen = torch.Generator(device='cuda').manual_seed(0)
+tiles = [(1, 256, 1), (2, 256, 1), (4, 256, 1), (8, 256, 1), (1, 512, 1), (2, 512, 1),
+         (4, 512, 1), (2, 512, 2), (4, 512, 2), (2, 1024, 4), (4, 1024, 4)]
+rows, picks = [], {}
+for name in ('qkv', 'o_proj', 'gate_up', 'down'):
+    n, k = BENCH_SHAPES[name]
+    glu = name == 'gate_up'
+    w_bytes, ws = _rotating_weights(n, k, torch.bfloat16, gen)
+    for m in (4, 8):
+        x = torch.randn(m, k, generator=gen, device='cuda').to(torch.bfloat16)
+        picked = _time_us(gemv_silu_mul if glu else gemv, x, ws)
+        rows.append(dict(shape=name, m=m, kernel='picked', us=picked))
+        for bn, bk, warps in tiles:
+            cfg = GemvConfig(bn, bk, warps)
+            try:
+                us = _time_us(lambda a, w, cfg=cfg: _launch(a, w, None, None, cfg, glu), x, ws)
+            except Exception as e:
+                print(name, m, cfg, type(e).__name__, flush=True)
+                continue
+            rows.append(dict(shape=name, m=m, kernel='fma', us=us, bn=bn, bk=bk, warps=warps))
+        best = min((r['us'], r['bn'], r['bk'], r['warps']) for r in rows
+                   if r['shape'] == name and r['m'] == m and r['kernel'] == 'fma')
+        print(f'{name} M={m} picked {picked:.1f} us, fma best {best} ({w_bytes / best[0] / 1e3:.0f} GB/s)',
+              flush=True)
+        if best[0] < picked:  # for a variant tree to try in the engine (ARLE_FMA_PICKS)
+            picks[f'{n},{k},{int(glu)}'] = list(best[1:])
+    del ws
+json.dump(rows, open('$RES/sweep_fma.json', 'w'), indent=0)
+json.dump(picks, open('$RES/fma_picks.json', 'w'), indent=0)" ;;
     budget1024) d=$(model qwen3-4b)  # serving and offline at a step token budget of 1024
            phase serve_b1024 200 python3 scripts/bench_gpu.py serve "$d" \
               --out $RES/serve_4b_b1024.json --serve-args="--max-batched-tokens 1024"
@@ -96,6 +132,12 @@ json.dump(picks, open('$RES/tma_picks.json', 'w'), indent=0)" ;;
            for b in 1024 2048 4096; do
              phase serve_budget$b 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 8 \
                --num-prompts 64 --out $RES/serve_budget$b.json --serve-args="--max-batched-tokens $b"
+           done ;;
+    serve_long) d=$(model qwen3-4b)  # one 4096-token prompt at a time, against the step budget
+           for b in 1024 2048 8192 16384; do
+             phase serve_long$b 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 \
+               --num-prompts 8 --input-len 4096 --output-len 16 --out $RES/serve_long$b.json \
+               --serve-args="--max-batched-tokens $b"
            done ;;
     hf) d=$(model qwen3-4b); phase hf 400 python3 scripts/bench_hf.py "$d" --batch 1 8 \
               --modes eager static --repeats 1 --out $RES/hf_4b.json ;;
