@@ -174,7 +174,7 @@ def test_warmup_text_report(tiny_engines: list[AsyncEngine]) -> None:
     for heading in ("hardware", "versions", "model", "memory plan", "phases", "request"):
         assert f"\n{heading}\n" in "\n" + out
     assert "kv pool    2048 tokens = 128 pages x 16" in out
-    assert "(arle serve defaults)" in out
+    assert "(arle serve settings)" in out
     assert "TTFT" in out and "tok/s" in out
 
 
@@ -187,7 +187,7 @@ def test_warmup_engine_defaults_and_explicit_budget(tiny_engines: list[AsyncEngi
     report = json.loads(result.stdout)
     assert report["memory"]["serving"] is False and not tiny_engines[0].config.serving
     assert report["memory"]["max_batched_tokens"] == 300
-    assert "(engine defaults)" in invoke("warmup", "--kv-cache-tokens", "2048",
+    assert "(engine settings)" in invoke("warmup", "--kv-cache-tokens", "2048",
                                          "--engine-defaults").stdout
 
 

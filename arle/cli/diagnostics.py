@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import replace
 from typing import Annotated, Any
 
 import orjson
@@ -73,8 +74,6 @@ def warmup(
     Hardware, versions, the model, the memory plan, each phase's time, the request's TTFT and
     tok/s. Exits non-zero, with the reason, if a phase fails.
     """
-    from dataclasses import replace
-
     from arle.diagnostics import run_warmup
 
     report = asyncio.run(run_warmup(replace(config, serving=serve_defaults)))
@@ -117,7 +116,7 @@ def _print_report(r: dict[str, Any]) -> None:
             f"{_size(kv['bytes'])} ({kv['dtype']})")
         out(f"  step       {mem['max_batched_tokens']} tokens, chunks of "
             f"{mem['chunked_prefill_size']} ({'arle serve' if mem['serving'] else 'engine'} "
-            f"defaults)")
+            f"settings)")
         if mem.get("cuda"):
             cuda = mem["cuda"]
             out(f"  activations {_size(cuda['activation_peak_bytes'])} (profile run peak), "
