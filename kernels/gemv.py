@@ -654,55 +654,62 @@ def _with_config(cfg: GemvConfig, glu: bool = False) -> Callable[[Tensor, Tensor
 
 def sweep_mma(shapes: dict[str, tuple[int, int]] | None = None, ms: tuple[int, ...] = (8,),
               splits: tuple[int, ...] = (1, 2, 4, 8),
-              dtype: torch.dtype = torch.bfloat16, tma: bool = False) -> list[dict[str, object]]:
+              dtype: torch.dtype = torch.bfloat16, tma: bool = False,
+              tiles: tuple[tuple[int, int, int, int], ...] | None = None,
+              mma: bool = True) -> list[dict[str, object]]:
     """Time the tensor-core kernel (`_gemv_mma_kernel`; tma: `_gemv_tma_kernel` over TMA_TILES)
-    over MMA_TILES x splits against cuBLAS and the FMA kernel, per shape and M (CUDA-graph
-    medians, as bench_gemv); gate_up also as the fused SiLU·up against cuBLAS + silu_and_mul.
-    Prints the best per shape; returns all."""
+    over MMA_TILES (or `tiles`) x splits against cuBLAS and the kernel gemv picks, per shape and
+    M (CUDA-graph medians, as bench_gemv); gate_up also as the fused SiLU·up against cuBLAS +
+    silu_and_mul. mma=False times the FMA kernel (`_gemv_kernel`) over `tiles` instead (rows
+    "fma_tile"). Prints the best per shape; returns all."""
     assert torch.cuda.is_available(), "sweep_mma needs a CUDA GPU"
-    tiles = TMA_TILES if tma else MMA_TILES
+    tiles = tiles or (TMA_TILES if tma else MMA_TILES)
+    kind = "mma" if mma else "fma_tile"
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict[str, object]] = []
+
+    def timed(cfg: GemvConfig, x: Tensor, weights: list[Tensor], glu: bool) -> float | None:
+        try:
+            return _time_us(_with_config(cfg, glu), x, weights)
+        except Exception as e:  # a tile past the SM's resources: skip it
+            print(f"{cfg} glu={glu}: {type(e).__name__}", flush=True)
+            return None
+
     for name, (n, k) in (shapes or BENCH_SHAPES).items():
         w_bytes, weights = _rotating_weights(n, k, dtype, gen)
         for m in ms:
             x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
             base = {"shape": name, "m": m, "n": n, "k": k}
             cublas = _time_us(F.linear, x, weights)
-            fma = _time_us(gemv, x, weights)  # the FMA kernel's config at this M
+            picked = _time_us(gemv, x, weights)  # the kernel and config gemv picks at this M
             rows.append({**base, "kernel": "cublas", "us": cublas})
-            rows.append({**base, "kernel": "fma", "us": fma})
+            rows.append({**base, "kernel": "fma", "us": picked})
             best: tuple[float, str] = (float("inf"), "")
             for (bn, bk, warps, stages), split in itertools.product(tiles, splits):
                 if split > 1 and triton.cdiv(k, bk) < 2 * split:
                     continue
-                cfg = GemvConfig(bn, bk, warps, stages, split, mma=True, tma=tma)
-                try:
-                    us = _time_us(_with_config(cfg), x, weights)
-                except Exception as e:  # a tile past the SM's resources: skip it
-                    print(f"{name} {cfg}: {type(e).__name__}", flush=True)
+                cfg = GemvConfig(bn, bk, warps, stages, split, mma=mma, tma=tma)
+                us = timed(cfg, x, weights, glu=False)
+                if us is None:
                     continue
-                rows.append({**base, "kernel": "mma", "us": us, "block_n": bn, "block_k": bk,
+                rows.append({**base, "kernel": kind, "us": us, "block_n": bn, "block_k": bk,
                              "warps": warps, "stages": stages, "split": split})
                 best = min(best, (us, f"n{bn} k{bk} w{warps} st{stages} s{split}"))
-            print(f"{name:8} M={m:2} cuBLAS {cublas:6.1f} fma {fma:6.1f} | mma best {best[0]:6.1f}"
-                  f" ({w_bytes / best[0] / 1e3:5.0f} GB/s) {best[1]}", flush=True)
+            print(f"{name:8} M={m:2} cuBLAS {cublas:6.1f} picked {picked:6.1f} | {kind} best "
+                  f"{best[0]:6.1f} ({w_bytes / best[0] / 1e3:5.0f} GB/s) {best[1]}", flush=True)
             if name == "gate_up":  # the fused activation: split K is not allowed there
-                for bn, bk, warps, stages in tiles:
-                    cfg = GemvConfig(bn, bk, warps, stages, 1, mma=True, tma=tma)
-                    try:
-                        us = _time_us(_with_config(cfg, glu=True), x, weights)
-                    except Exception as e:
-                        print(f"{name} glu {cfg}: {type(e).__name__}", flush=True)
-                        continue
-                    rows.append({**base, "kernel": "mma_glu", "us": us, "block_n": bn,
-                                 "block_k": bk, "warps": warps, "stages": stages, "split": 1})
+                glu_us = [(us, bn, bk, warps, stages) for bn, bk, warps, stages in tiles
+                          if (us := timed(GemvConfig(bn, bk, warps, stages, 1, mma=mma, tma=tma),
+                                          x, weights, glu=True)) is not None]
+                rows += [{**base, "kernel": f"{kind}_glu", "us": us, "block_n": bn,
+                          "block_k": bk, "warps": warps, "stages": stages, "split": 1}
+                         for us, bn, bk, warps, stages in glu_us]
                 apart = _time_us(lambda a, w: silu_and_mul(F.linear(a, w)), x, weights)
+                fused = _time_us(gemv_silu_mul, x, weights)
                 rows.append({**base, "kernel": "cublas+silu", "us": apart})
-                glu_best = min(r["us"] for r in rows if r["kernel"] == "mma_glu"  # type: ignore
-                               and r["m"] == m)
-                print(f"gate_up+silu M={m}: cuBLAS + silu_and_mul {apart:.1f}, mma glu best "
-                      f"{glu_best:.1f}", flush=True)
+                rows.append({**base, "kernel": "picked_glu", "us": fused})
+                print(f"gate_up+silu M={m}: cuBLAS + silu_and_mul {apart:.1f}, picked "
+                      f"{fused:.1f}, {kind} glu best {min(glu_us)[0]:.1f}", flush=True)
         del weights
         torch.cuda.empty_cache()
     return rows

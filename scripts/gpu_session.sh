@@ -48,15 +48,7 @@ import json, sys; sys.path.insert(0, 'tests'); import test_kernels_decode_attent
 json.dump(t.bench_decode(), open('$RES/dbench.json', 'w'), indent=0)" ;;
     tmasweep) phase tmasweep 300 python3 -c "
 import json; from arle_kernels.gemv import sweep_mma
-rows = sweep_mma(tma=True, splits=(1, 2, 4, 8, 16))
-json.dump(rows, open('$RES/sweep_tma.json', 'w'), indent=0)
-picks = {}  # the fastest tile per (N, K, glu), for a variant tree to try (gpu-2026-11-29g.md)
-for r in rows:
-    if r['kernel'] in ('mma', 'mma_glu'):
-        key = '{},{},{}'.format(r['n'], r['k'], int(r['kernel'] == 'mma_glu'))
-        if key not in picks or r['us'] < picks[key][5]:
-            picks[key] = [r['block_n'], r['block_k'], r['warps'], r['stages'], r['split'], r['us']]
-json.dump(picks, open('$RES/tma_picks.json', 'w'), indent=0)" ;;
+json.dump(sweep_mma(tma=True, splits=(1, 2, 4, 8, 16)), open('$RES/sweep_tma.json', 'w'), indent=0)" ;;
     parity) d=$(model qwen3-4b); phase parity 120 python3 scripts/check_gpu_parity.py "$d" \
               --prompts 2 --len 512 --out $RES/parity.json ;;
     ceilings) phase ceilings 60 python3 scripts/bench_gpu.py ceilings --out $RES/ceilings.json ;;
@@ -87,39 +79,14 @@ json.dump(picks, open('$RES/tma_picks.json', 'w'), indent=0)" ;;
                --serve-args="$flags"
            done ;;
     fmasweep) phase fmasweep 240 python3 -c "
-import json, torch
-from arle_kernels.gemv import BENCH_SHAPES, GemvConfig, _launch, _rotating_weights, _time_us
-from arle_kernels.gemv import gemv, gemv_silu_mul
-# the CUDA-core (FMA) kernel at 4 and 8 rows against the kernel gemv picks there (TMA)
-gen = torch.Generator(device='cuda').manual_seed(0)
-tiles = [(1, 256, 1), (2, 256, 1), (4, 256, 1), (8, 256, 1), (1, 512, 1), (2, 512, 1),
-         (4, 512, 1), (2, 512, 2), (4, 512, 2), (2, 1024, 4), (4, 1024, 4)]
-rows, picks = [], {}
-for name in ('qkv', 'o_proj', 'gate_up', 'down'):
-    n, k = BENCH_SHAPES[name]
-    glu = name == 'gate_up'
-    w_bytes, ws = _rotating_weights(n, k, torch.bfloat16, gen)
-    for m in (4, 8):
-        x = torch.randn(m, k, generator=gen, device='cuda').to(torch.bfloat16)
-        picked = _time_us(gemv_silu_mul if glu else gemv, x, ws)
-        rows.append(dict(shape=name, m=m, kernel='picked', us=picked))
-        for bn, bk, warps in tiles:
-            cfg = GemvConfig(bn, bk, warps)
-            try:
-                us = _time_us(lambda a, w, cfg=cfg: _launch(a, w, None, None, cfg, glu), x, ws)
-            except Exception as e:
-                print(name, m, cfg, type(e).__name__, flush=True)
-                continue
-            rows.append(dict(shape=name, m=m, kernel='fma', us=us, bn=bn, bk=bk, warps=warps))
-        best = min((r['us'], r['bn'], r['bk'], r['warps']) for r in rows
-                   if r['shape'] == name and r['m'] == m and r['kernel'] == 'fma')
-        print(f'{name} M={m} picked {picked:.1f} us, fma best {best} ({w_bytes / best[0] / 1e3:.0f} GB/s)',
-              flush=True)
-        if best[0] < picked:  # for a variant tree to try in the engine (ARLE_FMA_PICKS)
-            picks[f'{n},{k},{int(glu)}'] = list(best[1:])
-    del ws
-json.dump(rows, open('$RES/sweep_fma.json', 'w'), indent=0)
-json.dump(picks, open('$RES/fma_picks.json', 'w'), indent=0)" ;;
+import json; from arle_kernels.gemv import BENCH_SHAPES, sweep_mma
+# the CUDA-core (FMA) kernel at 4 and 8 rows, against the kernel gemv picks there (TMA)
+tiles = ((1, 256, 1, 1), (2, 256, 1, 1), (4, 256, 1, 1), (8, 256, 1, 1), (1, 512, 1, 1),
+         (2, 512, 1, 1), (4, 512, 1, 1), (2, 512, 2, 1), (4, 512, 2, 1), (2, 1024, 4, 1),
+         (4, 1024, 4, 1))
+shapes = {k: v for k, v in BENCH_SHAPES.items() if k != 'lm_head'}
+rows = sweep_mma(shapes, ms=(4, 8), splits=(1,), tiles=tiles, mma=False)
+json.dump(rows, open('$RES/sweep_fma.json', 'w'), indent=0)" ;;
     budget1024) d=$(model qwen3-4b)  # serving and offline at a step token budget of 1024
            phase serve_b1024 200 python3 scripts/bench_gpu.py serve "$d" \
               --out $RES/serve_4b_b1024.json --serve-args="--max-batched-tokens 1024"
