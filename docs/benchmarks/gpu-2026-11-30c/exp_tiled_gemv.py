@@ -75,7 +75,10 @@ def time_graph(fn, reps=8, calls=16):
     ts = []
     for _ in range(reps):
         a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record(); g.replay(); b.record(); torch.cuda.synchronize()
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
         ts.append(a.elapsed_time(b) * 1000 / calls)
     return sorted(ts)[len(ts) // 2]
 
@@ -95,21 +98,27 @@ def main(out):
         ref = gemv_silu_mul(x, ws[0]) if glu else gemv(x, ws[0])
         r = {"bytes": n * k * 2, "same_as_plain": bool(torch.equal(a, b)),
              "max_diff_vs_arle": float((a.float() - ref.float()).abs().max())}
-        r["arle_us"] = time_graph(lambda i: gemv_silu_mul(x, ws[i % copies]) if glu
-                                  else gemv(x, ws[i % copies]))
-        r["plain_us"] = time_graph(lambda i: run(x, ws[i % copies], False, glu))
-        r["tiled_us"] = time_graph(lambda i: run(x, wt[i % copies], True, glu))
+        def arle(i, x=x, ws=ws, copies=copies, glu=glu):
+            return gemv_silu_mul(x, ws[i % copies]) if glu else gemv(x, ws[i % copies])
+
+        def ours(i, tiled, stages=None, x=x, ws=ws, wt=wt, copies=copies, glu=glu):
+            return run(x, (wt if tiled else ws)[i % copies], tiled, glu, stages=stages)
+
+        r["arle_us"] = time_graph(arle)
+        r["plain_us"] = time_graph(lambda i: ours(i, False))
+        r["tiled_us"] = time_graph(lambda i: ours(i, True))
         for st in (3, 6):
             if glu and st == 6:
                 continue
-            r[f"tiled_st{st}_us"] = time_graph(lambda i: run(x, wt[i % copies], True, glu, stages=st))
+            r[f"tiled_st{st}_us"] = time_graph(lambda i, st=st: ours(i, True, st))
         for key in [kk for kk in r if kk.endswith("_us")]:
             r[key.replace("_us", "_TBps")] = r["bytes"] / r[key] / 1e6
         res[name] = r
         print(name, json.dumps(r), flush=True)
         del ws, wt
         torch.cuda.empty_cache()
-    json.dump(res, open(out, "w"), indent=1)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
