@@ -22,7 +22,7 @@ from typing import Annotated, Any, cast
 
 import typer
 
-from arle.config import Device, DType, EngineConfig, KVCacheDType
+from arle.config import DEVICE_DEFAULTS, SERVING_DEFAULTS, Device, DType, EngineConfig, KVCacheDType
 from arle.errors import ArleError, InvalidRequestError
 from arle.logging import configure_logging, resolve_log_format
 from arle.model.default import resolve_model_path
@@ -80,6 +80,12 @@ _KW = inspect.Parameter.KEYWORD_ONLY
 _D = EngineConfig()  # NOTE: the flags' defaults are EngineConfig's, never restated here.
 
 
+def _by_device(name: str) -> str:
+    """The help text's default of a device-dependent field, from DEVICE_DEFAULTS."""
+    cpu, cuda = DEVICE_DEFAULTS[name]
+    return f"default: {cpu} on CPU, {cuda} on CUDA"
+
+
 def _option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
     return inspect.Parameter(name, _KW, annotation=annotation, default=default)
 
@@ -109,16 +115,17 @@ _ENGINE_PARAMS = [
         _D.max_model_len),
     _option("max_running_requests", Annotated[int | None, _engine_opt(
         "--max-running-requests", min=1,
-        help="Most requests decoding at once (default: 64 on CPU, 256 on CUDA).")],
+        help=f"Most requests decoding at once ({_by_device('max_running_requests')}).")],
         _D.max_running_requests),
     _option("max_batched_tokens", Annotated[int | None, _engine_opt(
         "--max-batched-tokens", min=1,
-        help="Token budget of one engine step (default: 2048 on CPU, 16384 on CUDA; "
-             "1024 for `arle serve` on CUDA).")],
+        help=f"Token budget of one engine step ({_by_device('max_batched_tokens')}; "
+             f"{SERVING_DEFAULTS['max_batched_tokens'][1]} for `arle serve` on CUDA).")],
         _D.max_batched_tokens),
     _option("chunked_prefill_size", Annotated[int | None, _engine_opt(
         "--chunked-prefill-size", min=1,
-        help="Longest prefill chunk of one request per step (default: 512 / 8192).")],
+        help="Longest prefill chunk of one request per step "
+             f"({_by_device('chunked_prefill_size')}).")],
         _D.chunked_prefill_size),
     _option("kv_cache_tokens", Annotated[int | None, _engine_opt(
         "--kv-cache-tokens", min=1,
