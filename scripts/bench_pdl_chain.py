@@ -21,6 +21,7 @@ import json
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from arle_kernels.jit import gdc_launch_dependents, gdc_wait, pdl_launch
 
@@ -57,15 +58,8 @@ def chain_us(kernels: int, programs: int, pdl: bool) -> tuple[float, float]:
     graph.replay()
     torch.cuda.synchronize()
     last = float(bufs[kernels % 2][0])
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / kernels)
-    return sorted(times)[len(times) // 2], last
+    ms = triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
+    return float(ms) * 1000 / kernels, last
 
 
 def main() -> None:
