@@ -683,7 +683,7 @@ def sweep_mma(shapes: dict[str, tuple[int, int]] | None = None, ms: tuple[int, .
             cublas = _time_us(F.linear, x, weights)
             picked = _time_us(gemv, x, weights)  # the kernel and config gemv picks at this M
             rows.append({**base, "kernel": "cublas", "us": cublas})
-            rows.append({**base, "kernel": "fma", "us": picked})
+            rows.append({**base, "kernel": "picked", "us": picked})
             best: tuple[float, str] = (float("inf"), "")
             for (bn, bk, warps, stages), split in itertools.product(tiles, splits):
                 if split > 1 and triton.cdiv(k, bk) < 2 * split:
