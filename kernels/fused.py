@@ -15,6 +15,10 @@ with the same signature (the CPU executor, and what the kernels are tested again
   (FP8 caches: quantised per (token, KV head)), q returned.
 - `exponential_noise`: Exp(1) noise per (seed, offset) row, for seeded sampling on the device.
 
+`add_rms_norm`'s x and `qk_norm_rope_store_kv`'s qkv may also be a linear layer's `SplitSums`
+(kernels/split_sums.py): the kernel sums the slots, rounds as the linear would have, and
+leaves them zero, so the GEMV needs no reduce kernel of its own.
+
 The kernels compute the same function up to fp32 rounding inside (reduction order, FMA
 contraction, Triton's approximate exp; sqrt and division are IEEE): an intermediate may round
 the other way, rarely, which moves a bf16 result by an ulp of that intermediate (<= 2 ulps).
@@ -38,6 +42,7 @@ from torch import Tensor
 
 from arle_kernels.attention import check_kv_scales
 from arle_kernels.jit import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
+from arle_kernels.split_sums import SplitSums, consumed, take
 
 #: e4m3fn's largest finite value, and the floor of a head's amax (an all-zero head).
 FP8_MAX = 448.0
@@ -54,12 +59,46 @@ _MASK64 = (1 << 64) - 1
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
+def _sum_slots(ptrs, mask, stride_s, SLOTS: tl.constexpr):
+    """A `SplitSums` block: its SLOTS fp32 slots (stride_s apart) summed in slot order."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SLOTS):
+        x += tl.load(ptrs + s * stride_s, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _zero_slots(ptrs, mask, stride_s, SLOTS: tl.constexpr):
+    """Zeros into a `SplitSums` block's slots, once it is summed.
+    NOTE: only after a `tl.debug_barrier()` that follows every `_sum_slots` of the program: the
+    stores may take another register layout than the loads (and a small tile is held by
+    several threads), so without it a warp ahead zeroes what another has yet to read."""
+    for s in tl.static_range(SLOTS):
+        tl.store(ptrs + s * stride_s, tl.zeros(ptrs.shape, tl.float32), mask=mask)
+
+
+@triton.jit
+def _take_slots(ptrs, mask, stride_s, SLOTS: tl.constexpr):
+    """A `SplitSums` block summed, and its slots left zero."""
+    x = _sum_slots(ptrs, mask, stride_s, SLOTS)
+    tl.debug_barrier()
+    _zero_slots(ptrs, mask, stride_s, SLOTS)
+    return x
+
+
+@triton.jit
+def _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL: tl.constexpr, stride_s,
+              SLOTS: tl.constexpr):
     """x's block in fp32; with a residual, x + residual rounded to the dtype (stored back into
-    the residual row) in fp32."""
-    x = tl.load(x_row + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
+    the residual row) in fp32. SLOTS > 0: x is a `SplitSums` row (taken: summed, rounded to
+    the residual's dtype as the linear's output is, and zeroed)."""
+    if HAS_RESIDUAL:  # loaded first: in flight with x's loads (the slots' barrier waits)
         r = tl.load(r_row + offs, mask=mask, other=0.0)
+    if SLOTS > 0:
+        x = _take_slots(x_row + offs, mask, stride_s, SLOTS).to(r_row.dtype.element_ty)
+    else:
+        x = tl.load(x_row + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
         tl.store(r_row + offs, x, mask=mask)
     return x.to(tl.float32)
@@ -79,12 +118,13 @@ def _scale_row(x, inv_rms, w, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y, eps,
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y, stride_s, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-                     PDL: tl.constexpr):
+                     SLOTS: tl.constexpr, PDL: tl.constexpr):
     """One program per row. NUM_BLOCKS == 1 (n <= BLOCK): the row stays in registers, read once.
     Otherwise pass 1 accumulates the sum of squares block by block (and writes x + residual),
-    pass 2 re-reads the row (from L2) and writes y."""
+    pass 2 re-reads the row (from L2) and writes y. SLOTS > 0 (with a residual): x is a
+    `SplitSums` with that many slots (stride_s apart)."""
     if PDL:
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -98,7 +138,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # a weight: safe before the wait
         if PDL:
             gdc_wait()
-        x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL)
+        x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL, stride_s, SLOTS)
         inv_rms = _inv_rms(tl.sum(x * x, 0), n, eps)
         tl.store(y_row + offs, _scale_row(x, inv_rms, w, dtype), mask=mask)
     else:
@@ -108,7 +148,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y
         for i in range(NUM_BLOCKS):
             offs = i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
-            x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL)
+            x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL, stride_s, SLOTS)
             acc += x * x
         inv_rms = _inv_rms(tl.sum(acc, 0), n, eps)
         # NOTE: pass 2 reads back the summed row pass 1 wrote (same program, same offsets);
@@ -148,28 +188,36 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return y
     block, num_blocks, warps = _norm_launch(n)
     pdl = pdl_enabled()
-    _rms_norm_kernel[(t,)](x, x, weight, y, n, x.stride(0), 0, y.stride(0), eps,
-                           HAS_RESIDUAL=False, BLOCK=block, NUM_BLOCKS=num_blocks, PDL=pdl,
-                           num_warps=warps, **pdl_launch(pdl))
+    _rms_norm_kernel[(t,)](x, x, weight, y, n, x.stride(0), 0, y.stride(0), 0, eps,
+                           HAS_RESIDUAL=False, BLOCK=block, NUM_BLOCKS=num_blocks, SLOTS=0,
+                           PDL=pdl, num_warps=warps, **pdl_launch(pdl))
     return y
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
+def add_rms_norm(x: Tensor | SplitSums, residual: Tensor, weight: Tensor,
                  eps: float) -> tuple[Tensor, Tensor]:
-    """r = x + residual (rounded to the dtype), y = rms_norm(r). Returns (y, r).
+    """r = x + residual (rounded to the dtype), y = rms_norm(r). Returns (y, r). x may be a
+    linear layer's `SplitSums` (summed here, and left zero).
 
     NOTE: r is written into `residual` in place, and `residual` itself is returned as r."""
-    _check_norm(x, weight)
-    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    t, n = x.shape
+    _check_norm(residual, weight)
+    sums = x if isinstance(x, SplitSums) else None
+    xs = x.slots if isinstance(x, SplitSums) else x
+    assert (sums.dtype if sums is not None else xs.dtype) == residual.dtype
+    assert residual.shape == xs.shape[-2:] and xs.stride(-1) == 1
+    y = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    t, n = residual.shape
     if t == 0:
         return y, residual
     block, num_blocks, warps = _norm_launch(n)
     pdl = pdl_enabled()
-    _rms_norm_kernel[(t,)](x, residual, weight, y, n, x.stride(0), residual.stride(0),
-                           y.stride(0), eps, HAS_RESIDUAL=True, BLOCK=block, NUM_BLOCKS=num_blocks,
+    _rms_norm_kernel[(t,)](xs, residual, weight, y, n, xs.stride(-2), residual.stride(0),
+                           y.stride(0), xs.stride(0) if sums is not None else 0, eps,
+                           HAS_RESIDUAL=True, BLOCK=block, NUM_BLOCKS=num_blocks,
+                           SLOTS=xs.shape[0] if sums is not None else 0,
                            PDL=pdl, num_warps=warps, **pdl_launch(pdl))
+    if sums is not None:
+        consumed(sums)
     return y, residual
 
 
@@ -178,11 +226,11 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype) * weight
 
 
-def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor,
+def add_rms_norm_ref(x: Tensor | SplitSums, residual: Tensor, weight: Tensor,
                      eps: float) -> tuple[Tensor, Tensor]:
     """(rms_norm(x + residual), x + residual). NOTE: updates `residual` in place, as the kernel
     does, and returns it."""
-    residual.add_(x)  # x + residual in the dtype, rounded once (as `h = h + f(h)`)
+    residual.add_(take(x))  # x + residual in the dtype, rounded once (as `h = h + f(h)`)
     return rms_norm_ref(residual, weight, eps), residual
 
 
@@ -241,19 +289,35 @@ def silu_and_mul_ref(gate_up: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _norm_rope_heads(row_ptr, w_ptr, eps, cos, sin, N_HEADS: tl.constexpr,
-                     BLOCK_HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """N_HEADS consecutive heads of one token (at row_ptr): optional per-head RMSNorm, then
-    neox rotary. Returns the rotated halves [BLOCK_HEADS, BLOCK_HALF] in the input dtype, and
-    their offsets / mask in the [heads, D] layout (second half at + HALF)."""
+def _head_block(N_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, D: tl.constexpr,
+                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Offsets and mask of the first halves of N_HEADS consecutive heads, [BLOCK_HEADS,
+    BLOCK_HALF] in the [heads, D] layout (the second halves are at + HALF)."""
     heads = tl.arange(0, BLOCK_HEADS)
     cols = tl.arange(0, BLOCK_HALF)
     offs = heads[:, None] * D + cols[None, :]
     mask = (heads < N_HEADS)[:, None] & (cols < HALF)[None, :]
-    x1 = tl.load(row_ptr + offs, mask=mask, other=0.0)
-    x2 = tl.load(row_ptr + offs + HALF, mask=mask, other=0.0)
+    return offs, mask
+
+
+@triton.jit
+def _load_block(ptrs, mask, stride_s, SLOTS: tl.constexpr, dtype: tl.constexpr):
+    """A block of a qkv row in `dtype`: loaded, or (SLOTS > 0) summed from its `SplitSums`
+    (whose slots the caller then zeroes: `_zero_slots`)."""
+    if SLOTS > 0:
+        x = _sum_slots(ptrs, mask, stride_s, SLOTS).to(dtype)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(dtype)
+    return x
+
+
+@triton.jit
+def _norm_rope(x1, x2, w_ptr, eps, cos, sin, D: tl.constexpr, HALF: tl.constexpr,
+               BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads given as halves x1 / x2 [heads, BLOCK_HALF]: optional per-head RMSNorm, then neox
+    rotary; the rotated halves in x1's dtype."""
     dtype = x1.dtype
+    cols = tl.arange(0, BLOCK_HALF)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     if HAS_NORM:
@@ -265,7 +329,7 @@ def _norm_rope_heads(row_ptr, w_ptr, eps, cos, sin, N_HEADS: tl.constexpr,
         x2 = _scale_row(x2, inv_rms[:, None], w2[None, :], dtype).to(tl.float32)
     o1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype)
     o2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
-    return o1, o2, offs, mask
+    return o1, o2
 
 
 @triton.jit
@@ -294,14 +358,16 @@ def _qk_norm_rope_store_kv_kernel(
     qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, slot_ptr, q_ptr,
     kc_ptr, vc_ptr, ks_ptr, vs_ptr,
     eps, page_size, stride_qkv, stride_cs,
-    stride_cp, stride_co, stride_ch, stride_sp, stride_so, stride_sh,
+    stride_cp, stride_co, stride_ch, stride_sp, stride_so, stride_sh, stride_s,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, FP8: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Two programs per token (t, part): part 0 its q heads (norm + rope -> q out), part 1,
     unless its slot is < 0, its k heads (norm + rope) and v heads into the cache at the slot.
     Every element of the token's qkv row is read once and q / k / v written once.
+    SLOTS > 0: qkv is a `SplitSums` with that many slots (stride_s apart); part 1 takes (and
+    zeroes) its k / v columns even where it writes nothing (slot < 0).
     NOTE: two parts, so q's and k/v's chains of loads and stores run side by side (at batch 1
     the kernel is one token: its latency is the cost)."""
     if PDL:
@@ -318,33 +384,51 @@ def _qk_norm_rope_store_kv_kernel(
     if PDL:
         gdc_wait()
     row = qkv_ptr + t * stride_qkv
+    dtype = q_ptr.dtype.element_ty
 
     if part == 0:
-        q1, q2, offs, mask = _norm_rope_heads(row, qw_ptr, eps, cos, sin, H, BLOCK_H, D, HALF,
-                                              BLOCK_HALF, HAS_NORM)
+        offs, mask = _head_block(H, BLOCK_H, D, HALF, BLOCK_HALF)
+        q1 = _load_block(row + offs, mask, stride_s, SLOTS, dtype)
+        q2 = _load_block(row + offs + HALF, mask, stride_s, SLOTS, dtype)
+        if SLOTS > 0:
+            tl.debug_barrier()  # see _zero_slots
+            _zero_slots(row + offs, mask, stride_s, SLOTS)
+            _zero_slots(row + offs + HALF, mask, stride_s, SLOTS)
+        q1, q2 = _norm_rope(q1, q2, qw_ptr, eps, cos, sin, D, HALF, BLOCK_HALF, HAS_NORM)
         q_row = q_ptr + t * (H * D)
         tl.store(q_row + offs, q1, mask=mask)
         tl.store(q_row + offs + HALF, q2, mask=mask)
-    elif slot >= 0:  # NOTE: slot -1 marks a padding row (CUDA graph): no K/V read or write
-        k1, k2, kv_offs, kv_mask = _norm_rope_heads(row + H * D, kw_ptr, eps, cos, sin, KVH,
-                                                    BLOCK_KVH, D, HALF, BLOCK_HALF, HAS_NORM)
-        v_row = row + (H + KVH) * D
-        v1 = tl.load(v_row + kv_offs, mask=kv_mask, other=0.0)
-        v2 = tl.load(v_row + kv_offs + HALF, mask=kv_mask, other=0.0)
-        heads = tl.arange(0, BLOCK_KVH)
-        page = slot // page_size
-        in_page = slot % page_size
-        c_offs = page * stride_cp + in_page * stride_co + heads[:, None] * stride_ch + cols[None, :]
-        s_offs = page * stride_sp + in_page * stride_so + heads * stride_sh
-        head_mask = heads < KVH
-        _store_kv(kc_ptr, ks_ptr, k1, k2, c_offs, kv_mask, s_offs, head_mask, HALF, FP8)
-        _store_kv(vc_ptr, vs_ptr, v1, v2, c_offs, kv_mask, s_offs, head_mask, HALF, FP8)
+    elif (slot >= 0) | (SLOTS > 0):  # NOTE: slot -1 marks a padding row (CUDA graph)
+        offs, mask = _head_block(KVH, BLOCK_KVH, D, HALF, BLOCK_HALF)
+        k_row = row + H * D
+        v_row = k_row + KVH * D
+        k1 = _load_block(k_row + offs, mask, stride_s, SLOTS, dtype)
+        k2 = _load_block(k_row + offs + HALF, mask, stride_s, SLOTS, dtype)
+        v1 = _load_block(v_row + offs, mask, stride_s, SLOTS, dtype)
+        v2 = _load_block(v_row + offs + HALF, mask, stride_s, SLOTS, dtype)
+        if SLOTS > 0:  # taken even for a padding row: the slots must be left zero
+            tl.debug_barrier()  # see _zero_slots
+            _zero_slots(k_row + offs, mask, stride_s, SLOTS)
+            _zero_slots(k_row + offs + HALF, mask, stride_s, SLOTS)
+            _zero_slots(v_row + offs, mask, stride_s, SLOTS)
+            _zero_slots(v_row + offs + HALF, mask, stride_s, SLOTS)
+        if slot >= 0:
+            k1, k2 = _norm_rope(k1, k2, kw_ptr, eps, cos, sin, D, HALF, BLOCK_HALF, HAS_NORM)
+            heads = tl.arange(0, BLOCK_KVH)
+            page = slot // page_size
+            in_page = slot % page_size
+            c_offs = (page * stride_cp + in_page * stride_co + heads[:, None] * stride_ch
+                      + cols[None, :])
+            s_offs = page * stride_sp + in_page * stride_so + heads * stride_sh
+            head_mask = heads < KVH
+            _store_kv(kc_ptr, ks_ptr, k1, k2, c_offs, mask, s_offs, head_mask, HALF, FP8)
+            _store_kv(vc_ptr, vs_ptr, v1, v2, c_offs, mask, s_offs, head_mask, HALF, FP8)
 
 
 def _check_qk(qkv: Tensor, positions: Tensor, cos_sin: Tensor, q_norm: Tensor | None,
               k_norm: Tensor | None, num_heads: int, num_kv_heads: int, k_cache: Tensor,
               v_cache: Tensor, kv_slots: Tensor, k_scale: Tensor | None,
-              v_scale: Tensor | None) -> None:
+              v_scale: Tensor | None, dtype: torch.dtype) -> None:
     t, d = qkv.shape[0], k_cache.shape[-1]
     assert qkv.dim() == 2 and qkv.stride(1) == 1, "qkv: [T, (H + 2 KVH) * D], rows contiguous"
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d, f"qkv width {qkv.shape[1]}"
@@ -355,14 +439,14 @@ def _check_qk(qkv: Tensor, positions: Tensor, cos_sin: Tensor, q_norm: Tensor | 
     assert cos_sin.stride(1) == 1
     assert (q_norm is None) == (k_norm is None), "q and k norms come together"
     for w in (q_norm, k_norm):
-        assert w is None or (w.shape == (d,) and w.dtype == qkv.dtype and w.stride(0) == 1)
+        assert w is None or (w.shape == (d,) and w.dtype == dtype and w.stride(0) == 1)
     assert k_cache.dim() == 4 and k_cache.shape[2] == num_kv_heads
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
     assert v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
 
 
-def qk_norm_rope_store_kv(qkv: Tensor, positions: Tensor, cos_sin: Tensor,
+def qk_norm_rope_store_kv(qkv: Tensor | SplitSums, positions: Tensor, cos_sin: Tensor,
                           q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
                           num_heads: int, num_kv_heads: int,
                           k_cache: Tensor, v_cache: Tensor, kv_slots: Tensor,
@@ -374,11 +458,15 @@ def qk_norm_rope_store_kv(qkv: Tensor, positions: Tensor, cos_sin: Tensor,
     qkv [T, (H + 2 KVH) * D]: q heads, k heads, v heads. positions [T] (int, < len(cos_sin)).
     cos_sin [max_pos, D] float32: cos | sin of the D/2 rotary pairs per position.
     k_cache / v_cache [num_pages, page_size, KVH, D]; kv_slots [T] page * page_size + offset,
-    < 0: do not write. Returns q [T, H, D] in qkv's dtype."""
-    _check_qk(qkv, positions, cos_sin, q_norm, k_norm, num_heads, num_kv_heads, k_cache,
-              v_cache, kv_slots, k_scale, v_scale)
-    t, d = qkv.shape[0], k_cache.shape[-1]
-    q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+    < 0: do not write. Returns q [T, H, D] in qkv's dtype. qkv may be the qkv projection's
+    `SplitSums` (summed here, and left zero)."""
+    sums = qkv if isinstance(qkv, SplitSums) else None
+    rows = qkv.slots[0] if isinstance(qkv, SplitSums) else qkv  # a [T, W] view for the checks
+    dtype = sums.dtype if sums is not None else rows.dtype
+    _check_qk(rows, positions, cos_sin, q_norm, k_norm, num_heads, num_kv_heads, k_cache,
+              v_cache, kv_slots, k_scale, v_scale, dtype)
+    t, d = rows.shape[0], k_cache.shape[-1]
+    q = torch.empty(t, num_heads, d, dtype=dtype, device=rows.device)
     if t == 0:
         return q
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -386,19 +474,23 @@ def qk_norm_rope_store_kv(qkv: Tensor, positions: Tensor, cos_sin: Tensor,
     ks = k_scale if k_scale is not None else k_cache
     vs = v_scale if v_scale is not None else v_cache
     s_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
-    qw = q_norm if q_norm is not None else qkv
-    kw = k_norm if k_norm is not None else qkv
+    qw = q_norm if q_norm is not None else q
+    kw = k_norm if k_norm is not None else q
     half = d // 2
     block_h = triton.next_power_of_2(num_heads)
     pdl = pdl_enabled()
+    src = sums.slots if sums is not None else rows
     _qk_norm_rope_store_kv_kernel[(t, 2)](
-        qkv, positions, cos_sin, qw, kw, kv_slots, q, k_cache, v_cache, ks, vs,
-        eps, k_cache.shape[1], qkv.stride(0), cos_sin.stride(0),
+        src, positions, cos_sin, qw, kw, kv_slots, q, k_cache, v_cache, ks, vs,
+        eps, k_cache.shape[1], rows.stride(0), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *s_strides,
+        src.stride(0) if sums is not None else 0,
         H=num_heads, KVH=num_kv_heads, D=d, HALF=half, BLOCK_H=block_h,
         BLOCK_KVH=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
-        HAS_NORM=q_norm is not None, FP8=fp8, PDL=pdl, num_warps=4 if block_h * d <= 4096 else 8,
-        **pdl_launch(pdl))
+        HAS_NORM=q_norm is not None, FP8=fp8, SLOTS=src.shape[0] if sums is not None else 0,
+        PDL=pdl, num_warps=4 if block_h * d <= 4096 else 8, **pdl_launch(pdl))
+    if sums is not None:
+        consumed(sums)
     return q
 
 
@@ -431,7 +523,7 @@ def rotary_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def qk_norm_rope_store_kv_ref(qkv: Tensor, positions: Tensor, cos_sin: Tensor,
+def qk_norm_rope_store_kv_ref(qkv: Tensor | SplitSums, positions: Tensor, cos_sin: Tensor,
                               q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
                               num_heads: int, num_kv_heads: int,
                               k_cache: Tensor, v_cache: Tensor, kv_slots: Tensor,
@@ -439,6 +531,7 @@ def qk_norm_rope_store_kv_ref(qkv: Tensor, positions: Tensor, cos_sin: Tensor,
                               v_scale: Tensor | None = None) -> Tensor:
     """The plain-torch `qk_norm_rope_store_kv` (same contract). Reads kv_slots on the host
     (drops the < 0 ones): not for CUDA graphs."""
+    qkv = take(qkv)
     t, d = qkv.shape[0], k_cache.shape[-1]
     h, kvh = num_heads, num_kv_heads
     qk = qkv[:, :(h + kvh) * d].view(t, h + kvh, d)

@@ -53,9 +53,11 @@ from arle_kernels.jit import (
     pdl_enabled,
     pdl_launch,
 )
+from arle_kernels.split_sums import MAX_ROWS, SplitSums, slot_buffer
 
 #: rows up to this many run through the kernel (beyond it cuBLAS's GEMM is the right tool)
 MAX_M = 16
+assert MAX_M == MAX_ROWS
 #: use_gemv's bound on M (from bench_gemv on the H200: see use_gemv)
 USE_GEMV_MAX_M = 2
 _NUM_SMS = 132  # H200; only shapes the choice of split (a guess elsewhere is still correct)
@@ -169,11 +171,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
 @triton.jit
 def _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
                       stride_ys, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                      GLU: tl.constexpr):
+                      GLU: tl.constexpr, PAIRED: tl.constexpr):
     """The tensor-core kernels' epilogue: y^T tile acc [BLOCK_N, M_PAD] to y [M, N] (PARTIAL:
-    fp32 into split pid_k's slice) with the bias, or silu(acc) * acc_up (GLU), in y's dtype."""
+    fp32 into split pid_k's slice; PAIRED: added into slot pid_k // 2, see `SplitSums`) with
+    the bias, or silu(acc) * acc_up (GLU), in y's dtype."""
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    if PARTIAL:
+    if PAIRED:
+        # NOTE: exactly two splits land in a slot that holds zeros: 0 + a + b == 0 + b + a in
+        # fp32, so the slot is the same whichever program arrives first (deterministic)
+        y_ptrs = y_ptr + (pid_k // 2) * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.atomic_add(y_ptrs, acc, mask=out_mask, sem="relaxed")
+    elif PARTIAL:
         y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
         tl.store(y_ptrs, acc, mask=out_mask)
     else:
@@ -195,7 +203,8 @@ def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
                      stride_xm, stride_wn, stride_ym, stride_ys,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
                      M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GLU: tl.constexpr, PDL: tl.constexpr, PRECISION: tl.constexpr):
+                     GLU: tl.constexpr, PDL: tl.constexpr, PRECISION: tl.constexpr,
+                     PAIRED: tl.constexpr = False):
     """`_gemv_kernel`'s contract (same arguments, same outputs) for 3..16 rows, on tensor cores:
     y^T [BLOCK_N, M_PAD] += W tile [BLOCK_N, BLOCK_K] @ x^T tile [BLOCK_K, M_PAD] ("swap AB":
     the weight's rows fill the MMA's 16+ rows, the few rows of x its narrow side, padded to 16).
@@ -234,7 +243,7 @@ def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
             w_up = _load_chunk(up_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
             acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
     _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
-                      stride_ys, HAS_BIAS, PARTIAL, GLU)
+                      stride_ys, HAS_BIAS, PARTIAL, GLU, PAIRED)
 
 
 # NOTE: M changes with the batch and is not specialised (one variant for 3..16 rows)
@@ -242,7 +251,7 @@ def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
 def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_ym, stride_ys,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, M_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr,
-                     PDL: tl.constexpr, PRECISION: tl.constexpr):
+                     PDL: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr = False):
     """`_gemv_mma_kernel`'s contract with the tiles brought in by the copy engine (TMA):
     y^T [BLOCK_N, M_PAD] += W tile [BLOCK_N, BLOCK_K] @ x^T tile [BLOCK_K, M_PAD], W and x read
     through tensor descriptors (x's rows past M and K's tail arrive as zeros: no masks, no
@@ -270,7 +279,7 @@ def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_
             w_up = w_desc.load([off_n + N, k0])
             acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PRECISION)
     _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
-                      stride_ys, HAS_BIAS, PARTIAL, GLU)
+                      stride_ys, HAS_BIAS, PARTIAL, GLU, PAIRED)
 
 
 @triton.jit
@@ -396,9 +405,11 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None) -
 
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
-            cfg: GemvConfig, glu: bool = False) -> Tensor:
+            cfg: GemvConfig, glu: bool = False, sums: bool = False) -> Tensor | SplitSums:
     """Run `cfg` (gemv picks it; tests and tuning pass their own). glu: weight is [gate; up]
-    and the result silu(x gate^T) * (x up^T), [M, N / 2] (no bias, no split K)."""
+    and the result silu(x gate^T) * (x up^T), [M, N / 2] (no bias, no split K). sums: where
+    the tensor-core kernel splits K in an even number of parts (and there is no bias), the
+    result is left as `SplitSums` (no reduce kernel); otherwise y."""
     _check(x, weight, bias, None)
     m, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
@@ -420,16 +431,23 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
     has_bias = bias is not None
     b = bias if bias is not None else y  # a dummy pointer when there is no bias
     pdl = pdl_enabled()
+    paired = sums and cfg.mma and splits > 1 and splits % 2 == 0 and not has_bias
     meta = {"HAS_BIAS": has_bias, "PARTIAL": splits > 1,
             "M_PAD": triton.next_power_of_2(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "GLU": glu, "PDL": pdl, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             **pdl_launch(pdl)}
     grid = (triton.cdiv(n, cfg.block_n), splits)
-    # split K: the programs write fp32 partials [splits, M, N], summed by _split_reduce_kernel
-    dst = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    # split K: the programs write fp32 partials [splits, M, N], summed by _split_reduce_kernel,
+    # or (paired) add pairs of them into the zeroed slots [splits / 2, M, N] of a SplitSums
+    if paired:
+        dst = slot_buffer(x.device, splits // 2, m, n)
+    elif splits > 1:
+        dst = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    else:
+        dst = y
     dst_strides = (y.stride(0), 0) if splits == 1 else (dst.stride(1), dst.stride(0))
     if cfg.mma:  # tl.dot needs 16 rows; fp32 inputs (tests) must not drop to tf32
-        meta.update(M_PAD=max(16, meta["M_PAD"]),
+        meta.update(M_PAD=max(16, meta["M_PAD"]), PAIRED=paired,
                     PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if cfg.mma and cfg.tma and _tma_ok(x, weight):
         _launch_tma(x, weight, b, dst, dst_strides, cfg, meta, grid, k_per_split)
@@ -437,6 +455,8 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
         kernel = _gemv_mma_kernel if cfg.mma else _gemv_kernel
         kernel[grid](x, weight, b, dst, m, n, k, k_per_split, x.stride(0), weight.stride(0),
                      *dst_strides, EVEN_K=k % k_per_split == 0, **meta)
+    if paired:
+        return SplitSums(dst, x.dtype)
     if splits > 1:
         _split_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
             dst, b, y, n, splits, dst.stride(0), dst.stride(1), y.stride(0), HAS_BIAS=has_bias,
@@ -479,7 +499,18 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     one dtype (last dims contiguous); fp32 accumulation; y [M, N] in x's dtype, written into
     `out` when given (a view with a row stride is fine) and returned."""
     cfg = _pick_config(x.shape[0], weight.shape[0], x.shape[1])
-    return _launch(x, weight, bias, out, cfg)
+    y = _launch(x, weight, bias, out, cfg)
+    assert isinstance(y, Tensor)
+    return y
+
+
+def gemv_split_sums(x: Tensor, weight: Tensor) -> Tensor | SplitSums:
+    """gemv's y = x @ weight^T (no bias), left as `SplitSums` where the config splits K in an
+    even number of parts (3..16 rows on tensor cores: one launch fewer, no reduce kernel);
+    y otherwise. The caller hands it to a consumer that takes SplitSums (add_rms_norm,
+    qk_norm_rope_store_kv), which sums the slots and leaves them zero."""
+    cfg = _pick_config(x.shape[0], weight.shape[0], x.shape[1])
+    return _launch(x, weight, None, None, cfg, sums=True)
 
 
 def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
@@ -495,7 +526,9 @@ def gemv_silu_mul(x: Tensor, gate_up: Tensor, *, out: Tensor | None = None) -> T
     gate_up projection and activation in one kernel, [M, N]. Gate and up are each rounded to
     x's dtype before the activation, as `silu_and_mul(gemv(x, gate_up))` rounds them."""
     cfg = replace(_pick_config(x.shape[0], gate_up.shape[0], x.shape[1], glu=True), split_k=1)
-    return _launch(x, gate_up, None, out, cfg, glu=True)
+    y = _launch(x, gate_up, None, out, cfg, glu=True)
+    assert isinstance(y, Tensor)
+    return y
 
 
 def gemv_silu_mul_ref(x: Tensor, gate_up: Tensor, *, out: Tensor | None = None) -> Tensor:
@@ -648,7 +681,7 @@ TMA_TILES: tuple[tuple[int, int, int, int], ...] = (
     (16, 128, 1, 6), (16, 256, 1, 3))
 
 
-def _with_config(cfg: GemvConfig, glu: bool = False) -> Callable[[Tensor, Tensor], Tensor]:
+def _with_config(cfg: GemvConfig, glu: bool = False) -> Callable[[Tensor, Tensor], object]:
     return lambda x, w: _launch(x, w, None, None, cfg, glu)
 
 

@@ -14,13 +14,15 @@ import torch
 from torch import Tensor
 
 from arle_kernels import decode_attention, extend_attention, fused
+from arle_kernels.split_sums import SplitSums
 
 
 @dataclass(frozen=True)
 class Ops:
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
-    #: (x, residual, weight, eps) -> (normed, x + residual); may update `residual` in place
-    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    #: (x, residual, weight, eps) -> (normed, x + residual); may update `residual` in place;
+    #: x may be a linear layer's SplitSums (as qk_norm_rope_store_kv's qkv)
+    add_rms_norm: Callable[[Tensor | SplitSums, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]
     qk_norm_rope_store_kv: Callable[..., Tensor]
     #: paged attention of the decode rows (one query token each) and of the extend rows

@@ -421,13 +421,28 @@ class CUDAExecutor:
                 seq_lens = torch.ones(b, dtype=torch.int32, device=self.device)
                 self.model.ops.decode_attention(q, k, v, table, seq_lens, 1.0, n, k_scale=ks,
                                                 v_scale=vs)
+            ops, norm = self.model.ops, layer.post_attention_layernorm
             for rows in (1, 2, 3):
                 x = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=self.device)
-                layer.self_attn.qkv_proj(x)
-                layer.self_attn.o_proj(torch.zeros(rows, attn, dtype=dtype, device=self.device))
-                layer.mlp(x, self.model.ops)
+                # the linear layers as the decoder runs them, each result taken by its consumer
+                # (split sums included); no K/V is written (slots -1)
+                no_slots = torch.full((rows,), -1, dtype=torch.int32, device=self.device)
+                ops.qk_norm_rope_store_kv(
+                    layer.self_attn.qkv_proj.forward_unreduced(x), no_slots + 1, self.rotary,
+                    *self._qk_norms(layer), cfg.rms_norm_eps, layer.self_attn.num_heads,
+                    layer.self_attn.num_kv_heads, k, v, no_slots, ks, vs)
+                attn_out = torch.zeros(rows, attn, dtype=dtype, device=self.device)
+                for y in (layer.self_attn.o_proj.forward_unreduced(attn_out),
+                          layer.mlp(x, ops)):
+                    ops.add_rms_norm(y, x.clone(), norm.weight, norm.eps)
                 self.model.logits(x)
         self.stream.synchronize()
+
+    @staticmethod
+    def _qk_norms(layer: DecoderLayer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        attn = layer.self_attn
+        return (attn.q_norm.weight if attn.q_norm is not None else None,
+                attn.k_norm.weight if attn.k_norm is not None else None)
 
     def _forward_decode(self, step: DeviceStep) -> torch.Tensor:
         backend = PagedAttention(self.kv, step, self.rotary, self.model)

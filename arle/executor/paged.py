@@ -16,6 +16,7 @@ from arle.executor.sampler import SamplingBatch
 from arle.model.decoder import DecoderLM
 from arle_kernels.decode_attention import pick_num_splits
 from arle_kernels.extend_attention import plan_blocks
+from arle_kernels.split_sums import SplitSums
 
 FP8_KV = torch.float8_e4m3fn
 
@@ -87,7 +88,7 @@ class PagedAttention:
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
 
-    def attend(self, layer: int, qkv: torch.Tensor, q_norm: torch.Tensor | None,
+    def attend(self, layer: int, qkv: torch.Tensor | SplitSums, q_norm: torch.Tensor | None,
                k_norm: torch.Tensor | None) -> torch.Tensor:
         s, ops = self.step, self.ops
         k, v, ks, vs = self.kv.layer(layer)

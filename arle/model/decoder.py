@@ -24,15 +24,16 @@ from arle.model.parallel import (
 )
 from arle.model.rope import RotaryEmbedding
 from arle_kernels.ops import REFERENCE, Ops
+from arle_kernels.split_sums import SplitSums
 
 
 class AttentionBackend(Protocol):
     """One step's attention, set up by the executor: q/k norms and rotary at the step's
     positions, this step's K/V into the paged cache, then attention over each row's pages."""
 
-    def attend(self, layer: int, qkv: torch.Tensor, q_norm: torch.Tensor | None,
+    def attend(self, layer: int, qkv: torch.Tensor | SplitSums, q_norm: torch.Tensor | None,
                k_norm: torch.Tensor | None) -> torch.Tensor:
-        """qkv [T, (H + 2 KVH) * D] -> attention output [T, H * D]."""
+        """qkv [T, (H + 2 KVH) * D] (or its SplitSums) -> attention output [T, H * D]."""
         ...
 
 
@@ -64,10 +65,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor | SplitSums:
         q_norm = self.q_norm.weight if self.q_norm is not None else None
         k_norm = self.k_norm.weight if self.k_norm is not None else None
-        return self.o_proj(backend.attend(self.layer, self.qkv_proj(x), q_norm, k_norm))
+        # NOTE: qkv and the output may stay split sums: their consumers (the backend's q/k
+        # norm + rope, the next add_rms_norm) add them up (arle_kernels.split_sums)
+        qkv = self.qkv_proj.forward_unreduced(x)
+        return self.o_proj.forward_unreduced(backend.attend(self.layer, qkv, q_norm, k_norm))
 
 
 class MLP(nn.Module):
@@ -77,9 +81,9 @@ class MLP(nn.Module):
             cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size}, tp=tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
 
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(linear_silu_and_mul(x, self.gate_up_proj.weight,
-                                                  ops.silu_and_mul))
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor | SplitSums:
+        return self.down_proj.forward_unreduced(linear_silu_and_mul(x, self.gate_up_proj.weight,
+                                                                    ops.silu_and_mul))
 
 
 class DecoderLayer(nn.Module):
@@ -90,14 +94,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, backend: AttentionBackend,
-                ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor | SplitSums, residual: torch.Tensor | None,
+                backend: AttentionBackend, ops: Ops) -> tuple[torch.Tensor | SplitSums, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it).
 
         NOTE: the residual add is fused into the next norm (`ops.add_rms_norm`): the stream is
         x + residual, rounded to the model dtype, exactly as `h = h + f(h)` in HF's code."""
         norm = self.input_layernorm
         if residual is None:
+            assert isinstance(x, torch.Tensor), "the first layer takes the embeddings"
             residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
         else:
             h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
@@ -125,7 +130,7 @@ class DecoderLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]. Positions live in the backend."""
-        x = self.embed_tokens(input_ids)
+        x: torch.Tensor | SplitSums = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, backend, self.ops)

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arle_kernels.gemv import gemv, gemv_silu_mul, use_gemv
+from arle_kernels.gemv import gemv, gemv_silu_mul, gemv_split_sums, use_gemv
+from arle_kernels.split_sums import SplitSums
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     if x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_unreduced(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | SplitSums:
+    """`linear` (no bias) for a consumer that takes `SplitSums` (`ops.add_rms_norm`,
+    `ops.qk_norm_rope_store_kv`): where the GEMV splits K, its partial sums are left for that
+    consumer to add (no reduce kernel); otherwise y."""
+    if x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
+        return gemv_split_sums(x, weight)
+    return F.linear(x, weight)
 
 
 def linear_silu_and_mul(x: torch.Tensor, gate_up: torch.Tensor,
@@ -90,6 +100,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    def forward_unreduced(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
+        """forward, possibly as `SplitSums` for a consumer that takes them (no bias only)."""
+        return linear_unreduced(x, self.weight) if self.bias is None else self(x)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections in one GEMM (gate+up, or q+k+v)."""
@@ -138,6 +152,13 @@ class RowParallelLinear(nn.Module):
         y = self.tp.all_reduce(y)
         # NOTE: the bias is added once, after the reduction, not on every rank.
         return y + self.bias if self.bias is not None else y
+
+    def forward_unreduced(self, x: torch.Tensor) -> torch.Tensor | SplitSums:
+        """forward, possibly as `SplitSums` for a consumer that takes them (one rank, no
+        bias only: an all-reduce or a bias needs y itself)."""
+        if self.bias is None and self.tp.size == 1:
+            return linear_unreduced(x, self.weight)
+        return self(x)
 
 
 class VocabParallelEmbedding(nn.Module):
