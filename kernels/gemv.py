@@ -422,34 +422,33 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
         assert weight.shape[0] % 2 == 0 and bias is None and cfg.split_k == 1, "glu: [gate; up]"
     if out is not None:
         assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "out: [M, N]"
-    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y
-    if k == 0:
-        if glu:
-            return y.zero_()  # silu(0) * 0
-        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    if m == 0 or n == 0 or k == 0:
+        y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if glu or bias is None:
+            return y.zero_()  # (glu: silu(0) * 0)
+        return y.copy_(bias.expand(m, n))
     # NOTE: every split's K range is a whole number of BLOCK_K chunks (the kernel relies on it)
     chunks = triton.cdiv(k, cfg.block_k)
     k_per_split = triton.cdiv(chunks, max(1, min(cfg.split_k, chunks))) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)  # no empty splits
     has_bias = bias is not None
+    paired = sums and cfg.mma and splits > 1 and splits % 2 == 0 and not has_bias
+    # split K: the programs write fp32 partials [splits, M, N], summed by _split_reduce_kernel,
+    # or (paired) add pairs of them into the zeroed slots [splits / 2, M, N] of a SplitSums,
+    # and then no y is made at all
+    if paired:
+        dst = y = slot_buffer(x.device, splits // 2, m, n)
+    else:
+        y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+        dst = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32,
+                                                device=x.device)
     b = bias if bias is not None else y  # a dummy pointer when there is no bias
     pdl = pdl_enabled()
-    paired = sums and cfg.mma and splits > 1 and splits % 2 == 0 and not has_bias
     meta = {"HAS_BIAS": has_bias, "PARTIAL": splits > 1,
             "M_PAD": triton.next_power_of_2(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "GLU": glu, "PDL": pdl, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             **pdl_launch(pdl)}
     grid = (triton.cdiv(n, cfg.block_n), splits)
-    # split K: the programs write fp32 partials [splits, M, N], summed by _split_reduce_kernel,
-    # or (paired) add pairs of them into the zeroed slots [splits / 2, M, N] of a SplitSums
-    if paired:
-        dst = slot_buffer(x.device, splits // 2, m, n)
-    elif splits > 1:
-        dst = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    else:
-        dst = y
     dst_strides = (y.stride(0), 0) if splits == 1 else (dst.stride(1), dst.stride(0))
     if cfg.mma:  # tl.dot needs 16 rows; fp32 inputs (tests) must not drop to tf32
         meta.update(M_PAD=max(16, meta["M_PAD"]), PAIRED=paired,

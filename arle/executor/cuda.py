@@ -428,21 +428,16 @@ class CUDAExecutor:
                 # (split sums included); no K/V is written (slots -1)
                 no_slots = torch.full((rows,), -1, dtype=torch.int32, device=self.device)
                 ops.qk_norm_rope_store_kv(
-                    layer.self_attn.qkv_proj.forward_unreduced(x), no_slots + 1, self.rotary,
-                    *self._qk_norms(layer), cfg.rms_norm_eps, layer.self_attn.num_heads,
-                    layer.self_attn.num_kv_heads, k, v, no_slots, ks, vs)
+                    layer.self_attn.qkv_proj.forward_unreduced(x), torch.zeros_like(no_slots),
+                    self.rotary, *layer.self_attn.qk_norm_weights(), cfg.rms_norm_eps,
+                    layer.self_attn.num_heads, layer.self_attn.num_kv_heads, k, v, no_slots,
+                    ks, vs)
                 attn_out = torch.zeros(rows, attn, dtype=dtype, device=self.device)
                 for y in (layer.self_attn.o_proj.forward_unreduced(attn_out),
                           layer.mlp(x, ops)):
                     ops.add_rms_norm(y, x.clone(), norm.weight, norm.eps)
                 self.model.logits(x)
         self.stream.synchronize()
-
-    @staticmethod
-    def _qk_norms(layer: DecoderLayer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        attn = layer.self_attn
-        return (attn.q_norm.weight if attn.q_norm is not None else None,
-                attn.k_norm.weight if attn.k_norm is not None else None)
 
     def _forward_decode(self, step: DeviceStep) -> torch.Tensor:
         backend = PagedAttention(self.kv, step, self.rotary, self.model)

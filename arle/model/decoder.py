@@ -65,13 +65,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
+    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The per-head q / k RMSNorm weights (Qwen3), or None, None."""
+        return (self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None)
+
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor | SplitSums:
-        q_norm = self.q_norm.weight if self.q_norm is not None else None
-        k_norm = self.k_norm.weight if self.k_norm is not None else None
         # NOTE: qkv and the output may stay split sums: their consumers (the backend's q/k
         # norm + rope, the next add_rms_norm) add them up (arle_kernels.split_sums)
         qkv = self.qkv_proj.forward_unreduced(x)
-        return self.o_proj.forward_unreduced(backend.attend(self.layer, qkv, q_norm, k_norm))
+        attn = backend.attend(self.layer, qkv, *self.qk_norm_weights())
+        return self.o_proj.forward_unreduced(attn)
 
 
 class MLP(nn.Module):

@@ -31,22 +31,23 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
+def _on_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """On CUDA with few rows (decode), our Triton GEMV where it streams the weights faster
+    than cuBLAS (`use_gemv`: docs/benchmarks)."""
+    return x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias). On CUDA with few rows (decode) our Triton GEMV where it streams
-    the weights faster than cuBLAS (`use_gemv`: docs/benchmarks); else cuBLAS."""
-    if x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+    """x @ weight^T (+ bias): the GEMV where `_on_gemv`, else cuBLAS."""
+    return gemv(x, weight, bias) if _on_gemv(x, weight) else F.linear(x, weight, bias)
 
 
 def linear_unreduced(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | SplitSums:
     """`linear` (no bias) for a consumer that takes `SplitSums` (`ops.add_rms_norm`,
     `ops.qk_norm_rope_store_kv`): where the GEMV splits K, its partial sums are left for that
     consumer to add (no reduce kernel); otherwise y."""
-    if x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
-        return gemv_split_sums(x, weight)
-    return F.linear(x, weight)
+    return gemv_split_sums(x, weight) if _on_gemv(x, weight) else F.linear(x, weight)
 
 
 def linear_silu_and_mul(x: torch.Tensor, gate_up: torch.Tensor,
