@@ -6,7 +6,9 @@ Layout of the work:
   (GQA) as the rows of one tile, padded to G_PAD >= 16 rows so `tl.dot` applies; the K/V of the
   split are read once for the whole group. It walks its split in blocks of BLOCK_N tokens,
   gathering each token's page from the page table (token i sits in page page_table[i // page_size]
-  at offset i % page_size), with an online softmax in fp32 (exp2, scores pre-scaled by
+  at offset i % page_size; the cache's strides are constexprs and, where a block holds whole
+  pages, a block starts on a page boundary: a thread's slots are then constants, and a token's
+  address is its page times a constant plus a constant), with an online softmax in fp32 (exp2, scores pre-scaled by
   scale * log2(e)). It writes the split's normalised output [B, H, S, D] and its log-sum-exp
   [B, H, S] (natural log of sum_j exp(scale * q.k_j)), both fp32. A split with no tokens writes
   lse = -inf and zeros. Under PDL with few rows (PRELOAD) a program loads its first block's
@@ -55,27 +57,35 @@ PRELOAD_MAX_BATCH = 16
 
 
 @triton.jit
-def _block(n0, end, pt_row, k_ptr, v_ptr, kvh, offs_d, stride_kp, stride_ks, stride_kh,
-           stride_vp, stride_vs, stride_vh, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _block(n0, end, pt_row, kvh, STRIDE_P: tl.constexpr, STRIDE_S: tl.constexpr,
+           STRIDE_H: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+           BLOCK_N: tl.constexpr):
     """The block of tokens [n0, n0 + BLOCK_N): which are the split's (< end), their pages (from
-    the page table) and slots, and pointers to K^T [D, BLOCK_N] and V [BLOCK_N, D]."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    the page table) and slots, and their K/V offsets [BLOCK_N, D] (K and V share a layout)."""
+    offs_b = tl.arange(0, BLOCK_N)
+    offs_n = n0 + offs_b
     mask_n = offs_n < end
-    page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-    in_page = offs_n % PAGE_SIZE
-    k_ptrs = k_ptr + (page * stride_kp + in_page * stride_ks + kvh * stride_kh)[None, :] \
-        + offs_d[:, None]
-    v_ptrs = v_ptr + (page * stride_vp + in_page * stride_vs + kvh * stride_vh)[:, None] \
-        + offs_d[None, :]
-    return offs_n, mask_n, page, in_page, k_ptrs, v_ptrs
+    if BLOCK_N % PAGE_SIZE == 0:
+        # NOTE: n0 is a multiple of BLOCK_N (split starts are), so a token's slot in its page
+        # is a constant of the thread and its page index the block's first plus a constant
+        page_idx = n0 // PAGE_SIZE + offs_b // PAGE_SIZE
+        in_page = offs_b % PAGE_SIZE
+    else:
+        page_idx = offs_n // PAGE_SIZE
+        in_page = offs_n % PAGE_SIZE
+    page = tl.load(pt_row + page_idx, mask=mask_n, other=0)
+    offs = (page.to(tl.int64) * STRIDE_P + (in_page * STRIDE_S + kvh * STRIDE_H))[:, None] \
+        + tl.arange(0, D)[None, :]
+    return offs_n, mask_n, page, in_page, offs
 
 
 @triton.jit
 def _attend(q, k, v, mask_n, page, in_page, kvh, ks_ptr, vs_ptr, stride_sp, stride_ss,
             stride_sh, qk_scale, m_i, l_i, acc, IS_FP8: tl.constexpr, PRECISION: tl.constexpr):
-    """One block of BLOCK_N tokens (K^T [D, BLOCK_N], V [BLOCK_N, D]; mask_n: which are the
-    split's) into the online softmax: the new running max, sum and unnormalised output."""
-    s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION)  # [G_PAD, BLOCK_N] fp32
+    """One block of BLOCK_N tokens (K and V [BLOCK_N, D]: one layout, so one set of addresses;
+    mask_n: which are the split's) into the online softmax: the new running max, sum and
+    unnormalised output."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [G_PAD, BLOCK_N] fp32
     if IS_FP8:
         s_off = page * stride_sp + in_page * stride_ss + kvh * stride_sh
         k_sc = tl.load(ks_ptr + s_off, mask=mask_n, other=0.0)
@@ -101,12 +111,11 @@ def _decode_split_kernel(
     o_ptr, lse_ptr,
     qk_scale, num_splits, group,
     stride_qb, stride_qh,
-    stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
     stride_sp, stride_ss, stride_sh,
     stride_pt,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    STRIDE_P: tl.constexpr, STRIDE_S: tl.constexpr, STRIDE_H: tl.constexpr,
     D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_PAD: tl.constexpr,
     IS_FP8: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
@@ -139,16 +148,15 @@ def _decode_split_kernel(
         # NOTE: before the wait, the first block's history: every token but the newest (which
         # the kernel before writes this step) is as earlier steps left it; the newest is
         # added after the wait (the masked-out entries are zeros)
-        offs_n, mask_n, page, in_page, k_ptrs, v_ptrs = _block(
-            start, end, pt_row, k_ptr, v_ptr, kvh, offs_d, stride_kp, stride_ks, stride_kh,
-            stride_vp, stride_vs, stride_vh, PAGE_SIZE, BLOCK_N)
+        offs_n, mask_n, page, in_page, offs = _block(
+            start, end, pt_row, kvh, STRIDE_P, STRIDE_S, STRIDE_H, D, PAGE_SIZE, BLOCK_N)
         old = mask_n & (offs_n < seq_len - 1)
-        k = tl.load(k_ptrs, mask=old[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=old[:, None], other=0.0)
+        k = tl.load(k_ptr + offs, mask=old[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=old[:, None], other=0.0)
         gdc_wait()
         new = mask_n & (offs_n == seq_len - 1)
-        k += tl.load(k_ptrs, mask=new[None, :], other=0.0)
-        v += tl.load(v_ptrs, mask=new[:, None], other=0.0)
+        k += tl.load(k_ptr + offs, mask=new[:, None], other=0.0)
+        v += tl.load(v_ptr + offs, mask=new[:, None], other=0.0)
     elif PDL:
         # NOTE: seq_lens and the page table are the step's metadata; q and this step's K/V
         # (just stored by the previous kernel) are read only after the wait
@@ -162,13 +170,12 @@ def _decode_split_kernel(
                                     IS_FP8, PRECISION)
         first = start + BLOCK_N
     for n0 in range(first, end, BLOCK_N):
-        offs_n, mask_n, page, in_page, k_ptrs, v_ptrs = _block(
-            n0, end, pt_row, k_ptr, v_ptr, kvh, offs_d, stride_kp, stride_ks, stride_kh,
-            stride_vp, stride_vs, stride_vh, PAGE_SIZE, BLOCK_N)
+        offs_n, mask_n, page, in_page, offs = _block(
+            n0, end, pt_row, kvh, STRIDE_P, STRIDE_S, STRIDE_H, D, PAGE_SIZE, BLOCK_N)
         # masked lanes read nothing (fp8 needs other=0.0); V is loaded with K, before it is
         # needed, so the two loads are in flight together
-        k = tl.load(k_ptrs, mask=mask_n[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+        k = tl.load(k_ptr + offs, mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask_n[:, None], other=0.0)
         m_i, l_i, acc = _attend(q, k, v, mask_n, page, in_page, kvh, ks_ptr, vs_ptr,
                                 stride_sp, stride_ss, stride_sh, qk_scale, m_i, l_i, acc,
                                 IS_FP8, PRECISION)
@@ -225,6 +232,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _pages, _page_size, kvh, dk = k_cache.shape
     assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q dtype {q.dtype}"
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+    assert v_cache.stride() == k_cache.stride(), "K and V caches share one layout"
     assert dk == d and d >= 16 and d & (d - 1) == 0, f"head dim {d}: a power of two >= 16"
     assert h % kvh == 0, f"{h} query heads over {kvh} KV heads"
     assert page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] >= b
@@ -255,11 +263,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     group = h // kvh
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    # NOTE: one config per shape family (compile time is a published figure): 64-token blocks
-    # (4 pages of 16), halved at D 256 to keep K+V tiles x 2 stages in shared memory; 8 warps
-    # (bench_decode on the H200, Qwen3-4B at batch 1 / 8 / 32 and 640 / 4096 tokens: best or
-    # within 3% of the best of 8 configs in 5 of 6 cases; 4 warps took 3-10% longer at 640).
-    block_n, warps, stages = config if config is not None else (64 if d <= 128 else 32, 8, 2)
+    # NOTE: few configs (compile time is a published figure): 4 warps, 2 stages; 64-token blocks
+    # (4 pages of 16), halved at D 256 to keep K+V tiles x 2 stages in shared memory and at
+    # batch 1, where the splits are short and the step is latency. Decode steps of Qwen3-4B on
+    # the H200 in the engine's graphs (docs/benchmarks/gpu-2026-11-30e.md), each against the
+    # others in one call: 8 warps cost 30 us at batch 8 and 120-170 at 64; 32-token blocks
+    # saved 44 us at batch 1 and cost 50 at batch 8; 3 stages cost 15-30 everywhere.
+    block_n, warps, stages = config if config is not None else (
+        32 if d > 128 or b == 1 else 64, 4, 2)
     g_pad = max(16, triton.next_power_of_2(group))
     # fp32 inputs (tests, parity runs) must not silently drop to tf32 on the GPU
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -283,9 +294,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, ks, vs, page_table, seq_lens, o_part, lse,
         scale * _LOG2E, num_splits, group,
         q.stride(0), q.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], *s_strides,
+        *s_strides,
         page_table.stride(0),
         *o_strides, *l_strides,
+        STRIDE_P=k_cache.stride(0), STRIDE_S=k_cache.stride(1), STRIDE_H=k_cache.stride(2),
         D=d, PAGE_SIZE=page_size, BLOCK_N=block_n, G_PAD=g_pad,
         IS_FP8=is_fp8, SINGLE=single, PRECISION=precision, PDL=pdl,
         PRELOAD=pdl and not is_fp8 and b <= PRELOAD_MAX_BATCH,

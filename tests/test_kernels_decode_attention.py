@@ -61,11 +61,11 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def make_case(seed: int, seq_lens: list[int], heads: int, kv_heads: int, d: int,
               dtype: torch.dtype, fp8: bool, device: str, poison: bool = True,
               num_pages: int | None = None, max_pages: int | None = None,
-              q_std: float = 1.5) -> Case:
-    """Rows' pages drawn from a random permutation of the pool (never the identity); tables padded
-    with an unused page. `dtype` is q's and the unquantised cache's."""
+              q_std: float = 1.5, page: int = PAGE) -> Case:
+    """Rows' pages (of `page` tokens) drawn from a random permutation of the pool (never the
+    identity); tables padded with an unused page. `dtype` is q's and the unquantised cache's."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    need = [-(-n // PAGE) for n in seq_lens]
+    need = [-(-n // page) for n in seq_lens]
     total = num_pages if num_pages is not None else sum(need) + 3
     width = max_pages if max_pages is not None else max([*need, 1]) + 2
     assert sum(need) < total and max(need, default=0) <= width
@@ -74,15 +74,15 @@ def make_case(seed: int, seq_lens: list[int], heads: int, kv_heads: int, d: int,
         perm = perm.roll(1)
     pad_page = int(perm[-1])  # owned by no row
     table = torch.full((len(seq_lens), width), pad_page, dtype=torch.int32, device=device)
-    used = torch.zeros(total * PAGE, dtype=torch.bool, device=device)
+    used = torch.zeros(total * page, dtype=torch.bool, device=device)
     start = 0
     for row, (length, n) in enumerate(zip(seq_lens, need, strict=True)):
         table[row, :n] = perm[start:start + n]
         start += n
         pos = torch.arange(length, device=device)
-        used[table[row, pos // PAGE].long() * PAGE + pos % PAGE] = True
-    k = torch.randn(total, PAGE, kv_heads, d, generator=gen, device=device).to(dtype)
-    v = torch.randn(total, PAGE, kv_heads, d, generator=gen, device=device).to(dtype)
+        used[table[row, pos // page].long() * page + pos % page] = True
+    k = torch.randn(total, page, kv_heads, d, generator=gen, device=device).to(dtype)
+    v = torch.randn(total, page, kv_heads, d, generator=gen, device=device).to(dtype)
     if poison:
         k.view(-1, kv_heads, d)[~used] = float("nan")
         v.view(-1, kv_heads, d)[~used] = float("nan")
@@ -187,6 +187,11 @@ def interp_check_decode_attention() -> None:
     # other block sizes, as bench_decode's sweep tries them (16 = one page per step)
     for config in ((16, 2, 1), (128, 4, 2)):
         check_kernel(case, 2, 1e-3, config=config)
+    # pages longer than a block: a block's tokens share one page, at offsets that depend on
+    # where the block starts (the kernel's other branch for page numbers and slots)
+    case = make_case(3, [1, 17, 40, 0, 200], 4, 2, 16, torch.float16, False, "cpu", page=64)
+    for splits in (1, 3):
+        check_kernel(case, splits, 1e-3, config=(32, 2, 1))
     # fp32, GQA group 3 (padded to 16 rows), a non-power-of-two split count
     case = make_case(2, [130, 1, 33], 6, 2, 32, torch.float32, False, "cpu")
     check_kernel(case, 3, 1e-4)
