@@ -267,8 +267,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # (4 pages of 16), halved at D 256 to keep K+V tiles x 2 stages in shared memory and at
     # batch 1, where the splits are short and the step is latency. Decode steps of Qwen3-4B on
     # the H200 in the engine's graphs (docs/benchmarks/gpu-2026-11-30e.md), each against the
-    # others in one call: 8 warps cost 30 us at batch 8 and 120-170 at 64; 32-token blocks
-    # saved 44 us at batch 1 and cost 50 at batch 8; 3 stages cost 15-30 everywhere.
+    # others in one call: 8 warps cost 30 us at batch 8 and 75-115 at 64; 32-token blocks
+    # saved 44 us at batch 1 and cost 50 at batch 8; 3 stages cost 15-60.
     block_n, warps, stages = config if config is not None else (
         32 if d > 128 or b == 1 else 64, 4, 2)
     g_pad = max(16, triton.next_power_of_2(group))
