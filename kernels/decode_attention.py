@@ -8,8 +8,8 @@ Layout of the work:
   gathering each token's page from the page table (token i sits in page page_table[i // page_size]
   at offset i % page_size; the cache's strides are constexprs and, where a block holds whole
   pages, a block starts on a page boundary: a thread's slots are then constants, and a token's
-  address is its page times a constant plus a constant), with an online softmax in fp32 (exp2, scores pre-scaled by
-  scale * log2(e)). It writes the split's normalised output [B, H, S, D] and its log-sum-exp
+  address is its page times a constant plus a constant), with an online softmax in fp32
+  (exp2, scores pre-scaled by scale * log2(e)). It writes the split's normalised output [B, H, S, D] and its log-sum-exp
   [B, H, S] (natural log of sum_j exp(scale * q.k_j)), both fp32. A split with no tokens writes
   lse = -inf and zeros. Under PDL with few rows (PRELOAD) a program loads its first block's
   page numbers and K/V before `gdc_wait`, while the kernel before it still runs: all but the
@@ -245,6 +245,18 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
 
 
+def default_config(batch: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel.
+
+    NOTE: few configs (compile time is a published figure): 4 warps, 2 stages; 64-token blocks
+    (4 pages of 16), halved at D 256 to keep K+V tiles x 2 stages in shared memory and at
+    batch 1, where the splits are short and the step is latency. Decode steps of Qwen3-4B on
+    the H200 in the engine's graphs (docs/benchmarks/gpu-2026-11-30e.md), each against the
+    others in one call: 8 warps cost 30 us at batch 8 and 75-115 at 64; 32-token blocks
+    saved 44 us at batch 1 and cost 50 at batch 8; 3 stages cost 15-60."""
+    return (32 if head_dim > 128 or batch == 1 else 64, 4, 2)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_splits: int, *, k_scale: torch.Tensor | None = None,
@@ -263,14 +275,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     group = h // kvh
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    # NOTE: few configs (compile time is a published figure): 4 warps, 2 stages; 64-token blocks
-    # (4 pages of 16), halved at D 256 to keep K+V tiles x 2 stages in shared memory and at
-    # batch 1, where the splits are short and the step is latency. Decode steps of Qwen3-4B on
-    # the H200 in the engine's graphs (docs/benchmarks/gpu-2026-11-30e.md), each against the
-    # others in one call: 8 warps cost 30 us at batch 8 and 75-115 at 64; 32-token blocks
-    # saved 44 us at batch 1 and cost 50 at batch 8; 3 stages cost 15-60.
-    block_n, warps, stages = config if config is not None else (
-        32 if d > 128 or b == 1 else 64, 4, 2)
+    block_n, warps, stages = config if config is not None else default_config(b, d)
     g_pad = max(16, triton.next_power_of_2(group))
     # fp32 inputs (tests, parity runs) must not silently drop to tf32 on the GPU
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -382,4 +387,5 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: in
     return splits
 
 
-__all__ = ["PRELOAD_MAX_BATCH", "decode_attention", "decode_attention_ref", "pick_num_splits"]
+__all__ = ["PRELOAD_MAX_BATCH", "decode_attention", "decode_attention_ref", "default_config",
+           "pick_num_splits"]

@@ -304,7 +304,7 @@ def test_gpu_cuda_graph_replay(fp8: bool) -> None:
 
 # ---- benchmark (GPU): the split kernel's configs, not a test ----------------------------------
 
-#: (BLOCK_N, num_warps, num_stages) tried by bench_decode; the first is the default
+#: (BLOCK_N, num_warps, num_stages) tried by bench_decode, besides the default (default_config)
 DECODE_CONFIGS = [(64, 8, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3),
                   (128, 4, 2), (16, 2, 4)]
 
@@ -320,11 +320,11 @@ def bench_decode(batches: tuple[int, ...] = (1, 8, 32), contexts: tuple[int, ...
                  heads: int = 32, kv_heads: int = 8, d: int = 128) -> list[dict[str, object]]:
     """Qwen3-4B's decode attention (one layer) as a decode step runs it: back to back in a CUDA
     graph, each call on another layer's cache (together > 400 MB, so L2 holds none of them).
-    µs per call and KV read GB/s for each config (DECODE_CONFIGS) at split counts around the
-    one the engine's graphs use (pick_num_splits); prints each case's best. Run on the GPU:
+    µs per call and KV read GB/s for the default config and DECODE_CONFIGS at split counts
+    around the one the engine's graphs use (pick_num_splits); prints each case's best. On the GPU:
     `python -c "import sys; sys.path.insert(0, 'tests'); import test_kernels_decode_attention
     as t; t.bench_decode()"`."""
-    from arle_kernels.decode_attention import pick_num_splits
+    from arle_kernels.decode_attention import default_config, pick_num_splits
     from arle_kernels.gemv import _time_us
 
     rows: list[dict[str, object]] = []
@@ -336,12 +336,14 @@ def bench_decode(batches: tuple[int, ...] = (1, 8, 32), contexts: tuple[int, ...
             layers = [(case.k_cache.clone(), case.v_cache.clone())
                       for _ in range(max(2, -(-400_000_000 // kv_bytes)))]
             default = pick_num_splits(batch, kv_heads, 40960)
+            default_cfg = default_config(batch, d)
+            configs = [default_cfg, *(c for c in DECODE_CONFIGS if c != default_cfg)]
             out = torch.empty_like(case.q)
             times = {}
             for splits in sorted({max(1, default // 2), default, 2 * default, 4 * default}):
                 if splits > 64:
                     continue
-                for cfg in DECODE_CONFIGS:
+                for cfg in configs:
                     call = partial(_decode_on, case=case, out=out, splits=splits, config=cfg)
                     try:
                         us = _time_us(call, case.q, layers)
@@ -353,11 +355,11 @@ def bench_decode(batches: tuple[int, ...] = (1, 8, 32), contexts: tuple[int, ...
                     rows.append({"ctx": ctx, "batch": batch, "splits": splits,
                                  "block_n": cfg[0], "warps": cfg[1], "stages": cfg[2],
                                  "us": us, "gbs": kv_bytes / us / 1e3,
-                                 "default": splits == default and cfg == DECODE_CONFIGS[0]})
+                                 "default": splits == default and cfg == default_cfg})
             best = min(times, key=lambda key: times[key])
-            base = times.get((default, DECODE_CONFIGS[0]), float("nan"))
+            base = times.get((default, default_cfg), float("nan"))
             print(f"ctx {ctx:5} batch {batch:3}: default (splits {default}, "
-                  f"{DECODE_CONFIGS[0]}) {base:6.1f} us | best splits {best[0]} {best[1]} "
+                  f"{default_cfg}) {base:6.1f} us | best splits {best[0]} {best[1]} "
                   f"{times[best]:6.1f} us {kv_bytes / times[best] / 1e3:5.0f} GB/s", flush=True)
             del layers
             torch.cuda.empty_cache()
