@@ -9,8 +9,9 @@ Layout of the work:
   at offset i % page_size; the cache's strides are constexprs and, where a block holds whole
   pages, a block starts on a page boundary: a thread's slots are then constants, and a token's
   address is its page times a constant plus a constant), with an online softmax in fp32
-  (exp2, scores pre-scaled by scale * log2(e)). It writes the split's normalised output [B, H, S, D] and its log-sum-exp
-  [B, H, S] (natural log of sum_j exp(scale * q.k_j)), both fp32. A split with no tokens writes
+  (exp2, scores pre-scaled by scale * log2(e)). It writes the split's normalised output
+  [B, H, S, D] and its log-sum-exp [B, H, S] (natural log of sum_j exp(scale * q.k_j)), both
+  fp32. A split with no tokens writes
   lse = -inf and zeros. Under PDL with few rows (PRELOAD) a program loads its first block's
   page numbers and K/V before `gdc_wait`, while the kernel before it still runs: all but the
   row's newest token, which that kernel writes this step and which is added after the wait.
