@@ -11,10 +11,10 @@ Layout of the work:
   address is its page times a constant plus a constant), with an online softmax in fp32
   (exp2, scores pre-scaled by scale * log2(e)). It writes the split's normalised output
   [B, H, S, D] and its log-sum-exp [B, H, S] (natural log of sum_j exp(scale * q.k_j)), both
-  fp32. A split with no tokens writes
-  lse = -inf and zeros. Under PDL with few rows (PRELOAD) a program loads its first block's
-  page numbers and K/V before `gdc_wait`, while the kernel before it still runs: all but the
-  row's newest token, which that kernel writes this step and which is added after the wait.
+  fp32. A split with no tokens writes lse = -inf and zeros. Under PDL with few rows (PRELOAD)
+  a program loads its first block's page numbers and K/V before `gdc_wait`, while the kernel
+  before it still runs: all but the row's newest token, which that kernel writes this step and
+  which is added after the wait.
 - Pass 2, `_merge_kernel`, grid (B, H): weights each split by exp(lse - max lse) and writes the
   row's [D] output in q's dtype. With num_splits == 1 pass 1 writes the output directly and
   pass 2 is skipped (one launch).
