@@ -60,9 +60,9 @@ from arle_kernels.jit import (
 )
 from arle_kernels.split_sums import MAX_ROWS, SplitSums, slot_buffer
 
-#: rows up to this many run through the kernel (beyond it cuBLAS's GEMM is the right tool)
-MAX_M = 16
-assert MAX_M == MAX_ROWS
+#: rows up to this many run through the kernel (beyond it cuBLAS's GEMM is the right tool);
+#: split sums' slot buffers hold as many
+MAX_M = MAX_ROWS
 #: use_gemv's bound on M (from bench_gemv on the H200: see use_gemv)
 USE_GEMV_MAX_M = 2
 _NUM_SMS = 132  # H200; only shapes the choice of split (a guess elsewhere is still correct)

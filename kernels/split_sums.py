@@ -10,7 +10,7 @@ sum to the model dtype as the reduce would, and writes the zeros back.
 
 - Deterministic: a slot takes exactly two adds onto zero, and 0 + a + b == 0 + b + a in fp32,
   whichever program arrives first. Slots are summed in a fixed order.
-- One buffer per (device, slots, N), MAX_M rows, allocated zeroed on first use (an eager
+- One buffer per (device, slots, N), MAX_ROWS rows, allocated zeroed on first use (an eager
   warm-up run, before any CUDA-graph capture) and kept: graphs replay into the same memory.
 - NOTE: the invariant: between uses a buffer holds zeros. One result per (slots, N) is
   pending at a time (its consumer runs before the next producer of that shape: true of a
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-#: rows a slot buffer holds (the GEMV's MAX_M)
+#: rows a slot buffer holds: the most the GEMV takes (kernels/gemv.py's MAX_M is this)
 MAX_ROWS = 16
 
 _BUFFERS: dict[tuple[torch.device, int, int], Tensor] = {}
