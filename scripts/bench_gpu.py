@@ -5,6 +5,7 @@
     python scripts/bench_gpu.py prefill MODEL_DIR --out p.json    # TTFT of a 4096-token prompt
     python scripts/bench_gpu.py offline MODEL_DIR --out o.json    # nano-vllm's 256-request run
     python scripts/bench_gpu.py serve MODEL_DIR --out s.json --serve-args="[arle serve flags]"
+    python scripts/bench_gpu.py timeline MODEL_DIR --out t.json --num-requests 64  # c = 8, steps
 
 Floors come from ceilings measured in the same run (`ceilings`), never from datasheets: decode
 floor = weight bytes / read bandwidth; prefill floor = FLOPs / bf16 GEMM rate.
@@ -328,6 +329,87 @@ async def _host(args: argparse.Namespace) -> dict[str, Any]:
             "profile_top": text.getvalue()[:12000]}
 
 
+async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
+    """Where a closed loop of `--concurrency` clients spends its time, step by step, in the
+    engine `arle serve` builds (its serving defaults), without HTTP: `--num-requests` prompts of
+    `--input-len` new random tokens, `--output-len` tokens each (ignore EOS), a new request as
+    soon as one ends (as `arle bench` sends them). Every step's kind, token and decode-row
+    count and device time (the executor's events), and the wall clock: the device's idle time
+    is the wall time less the steps' device time. Then the kernels of the largest extend graph
+    (a prefill step) by time: what a prefill step's GPU time is made of."""
+    engine = await AsyncEngine.create(_engine_config(args, serving=True))
+    ex = engine.executor
+    vocab = engine.tokenizer.vocab_size
+    await _generate(engine, _prompts(1, 64, vocab, 9)[0], 16)  # warm-up
+    steps: list[dict[str, Any]] = []
+    enqueue, wait = ex._enqueue, ex._wait  # type: ignore[attr-defined]
+    t_start = time.perf_counter()
+
+    def timed_enqueue(h: Any) -> Any:
+        steps.append({"t_ms": (time.perf_counter() - t_start) * 1e3, "graph_bs": h.graph_bs,
+                      "extend_graph": h.extend_tokens, "tokens": h.layout.num_tokens,
+                      "decode_rows": h.layout.num_decode})
+        return enqueue(h)
+
+    exec_ms: list[float] = []
+
+    def timed_wait(event: Any, pending: Any) -> Any:
+        out = wait(event, pending)
+        exec_ms.append(out.exec_s * 1e3)
+        return out
+
+    ex._enqueue, ex._wait = timed_enqueue, timed_wait  # type: ignore[attr-defined]
+    prompts = _prompts(args.num_requests, args.input_len, vocab, 77)
+    queue = list(reversed(prompts))
+    results: list[tuple[float, list[float]]] = []
+
+    async def client() -> None:
+        while queue:
+            results.append(await _generate(engine, queue.pop(), args.output_len))
+
+    t_start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    wall = time.perf_counter() - t_start
+    ex._enqueue, ex._wait = enqueue, wait  # type: ignore[attr-defined]
+    for st, ms in zip(steps, exec_ms, strict=False):  # one waiter, in launch order
+        st["device_ms"] = ms
+    kinds: dict[str, dict[str, float]] = {}
+    for st in steps:
+        kind = "decode" if st["tokens"] == st["decode_rows"] else "prefill"
+        k = kinds.setdefault(kind, {"steps": 0, "device_ms": 0.0, "tokens": 0})
+        k["steps"] += 1
+        k["device_ms"] += st.get("device_ms", 0.0)
+        k["tokens"] += st["tokens"]
+    device = sum(k["device_ms"] for k in kinds.values())
+    ttft = [t[0] - t0 for t0, t in results]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for _, t in results]
+    out: dict[str, Any] = {
+        "phase": "timeline", "model": args.model, "concurrency": args.concurrency,
+        "requests": len(results), "wall_s": wall,
+        "output_tok_s": len(results) * args.output_len / wall,
+        "mean_ttft_ms": statistics.mean(ttft) * 1e3, "mean_tpot_ms": statistics.mean(tpot) * 1e3,
+        "device_ms": device, "idle_ms": wall * 1e3 - device, "kinds": kinds,
+        "decode_step_ms_median": statistics.median(
+            [st["device_ms"] for st in steps if st["tokens"] == st["decode_rows"]
+             and "device_ms" in st] or [0.0]),
+        "steps": steps}
+    graphs = getattr(ex, "extend_graphs", None)
+    if graphs is not None and graphs.graphs:
+        t = max(graphs.graphs)
+        with torch.cuda.stream(ex.stream):  # type: ignore[attr-defined]
+            out[f"extend_graph_{t}_ms"] = _median_ms(graphs.graphs[t].replay)
+            try:
+                out[f"kernels_extend_{t}"] = _kernel_breakdown(graphs.graphs[t].replay, 5)
+            except Exception as e:  # a bonus: never lose the figures for it
+                out[f"kernels_extend_{t}"] = {"error": repr(e)}
+    await engine.close()
+    return out
+
+
+def timeline(args: argparse.Namespace) -> None:
+    _write(args.out, asyncio.run(_timeline(args)))
+
+
 def host(args: argparse.Namespace) -> None:
     _write(args.out, asyncio.run(_host(args)))
 
@@ -439,7 +521,7 @@ def main() -> None:
     c.add_argument("--out", required=True)
     c.set_defaults(fn=launch)
     for name, fn in (("decode", decode), ("prefill", prefill), ("offline", offline),
-                     ("host", host)):
+                     ("host", host), ("timeline", timeline)):
         s = sub.add_parser(name)
         s.add_argument("model")
         s.add_argument("--out", required=True)
@@ -448,6 +530,7 @@ def main() -> None:
         s.add_argument("--prompt-len", type=int, default=4096)
         s.add_argument("--repeats", type=int, default=5)
         s.add_argument("--num-requests", type=int, default=256)
+        s.add_argument("--concurrency", type=int, default=8, help="timeline's clients")
         s.add_argument("--offline-runs", type=int, default=3)
         s.add_argument("--disable-overlap", action="store_true")
         s.add_argument("--disable-cuda-graph", action="store_true")

@@ -2,7 +2,7 @@
 # One device call: the GPU tests and benchmarks of issue 5, phase by phase, each under a timeout.
 #   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench tmasweep fmasweep parity
 #     ceilings decode decode_nopdl host launch prefill serve serve_warm serve_pdl serve_ttft
-#     serve_long budget1024 serve_ablation hf hf_eager offline decode8b)
+#     serve_long budget1024 serve_ablation timeline hf hf_eager offline decode8b)
 # Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/log.txt, $OUT/pytest.txt and
 # $OUT/results.tar (every phase's JSON; at most 8 files come back from $OUT, so one archive,
 # rewritten after each phase: a call cut short still returns what finished).
@@ -36,7 +36,7 @@ for p in "$@"; do
     tests) say tests; timeout 280 python3 -m pytest -q -p no:cacheprovider -k "not interpreter" -rfE \
              tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
-             tests/test_kernels_gemv.py tests/test_split_sums.py \
+             tests/test_kernels_gemv.py tests/test_split_sums.py tests/test_kernels_greedy.py \
              >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"; tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;
     kbench) phase kbench 200 python3 -c "
 from arle_kernels.gemv import bench_gemv; bench_gemv()
@@ -63,7 +63,9 @@ json.dump(sweep_mma(tma=True, splits=(1, 2, 4, 8, 16)), open('$RES/sweep_tma.jso
     prefill) d=$(model qwen3-4b); phase prefill 60 python3 scripts/bench_gpu.py prefill "$d" \
               --out $RES/prefill_4b.json ;;
     serve) d=$(model qwen3-4b); rm -rf ~/.triton/cache  # time to ready: cold Triton cache
-           phase serve 200 python3 scripts/bench_gpu.py serve "$d" --out $RES/serve_4b.json ;;
+           # SERVE_ARGS: flags for arle serve (e.g. "--max-batched-tokens 256")
+           phase serve 200 python3 scripts/bench_gpu.py serve "$d" --out $RES/serve_4b.json \
+              --serve-args="${SERVE_ARGS:-}" ;;
     serve_warm) d=$(model qwen3-4b)  # time to ready with the Triton cache warm
            phase serve_warm 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 8 \
               --num-prompts 16 --out $RES/serve_warm.json ;;
@@ -95,16 +97,27 @@ json.dump(rows, open('$RES/sweep_fma.json', 'w'), indent=0)" ;;
              phase offline_b$b 200 python3 scripts/bench_gpu.py offline "$d" \
                --max-batched-tokens $b --out $RES/offline_0.6b_b$b.json
            done ;;
-    serve_ttft) d=$(model qwen3-4b)  # the per-step token budget against TTFT at concurrency 8
-           for b in 1024 2048 4096; do
-             phase serve_budget$b 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 8 \
-               --num-prompts 64 --out $RES/serve_budget$b.json --serve-args="--max-batched-tokens $b"
+    serve_ttft) d=$(model qwen3-4b)  # the per-step token budget at concurrency 8 (BUDGETS:
+           # a list, repeats allowed: each run is numbered)
+           i=0
+           for b in ${BUDGETS:-1024 2048 4096}; do
+             i=$((i + 1))
+             phase serve_budget${b}_$i 90 python3 scripts/bench_gpu.py serve "$d" \
+               --concurrency 8 --num-prompts 64 --out $RES/serve_budget${b}_$i.json \
+               --serve-args="--max-batched-tokens $b"
            done ;;
     serve_long) d=$(model qwen3-4b)  # one 4096-token prompt at a time, against the step budget
-           for b in 1024 2048 8192 16384; do
+           for b in ${LONG_BUDGETS:-1024 2048 8192 16384}; do
              phase serve_long$b 90 python3 scripts/bench_gpu.py serve "$d" --concurrency 1 \
                --num-prompts 8 --input-len 4096 --output-len 16 --out $RES/serve_long$b.json \
                --serve-args="--max-batched-tokens $b"
+           done ;;
+    timeline) d=$(model qwen3-4b)  # concurrency 8 in the serving engine, step by step, at
+           # the serving budget and at each of TL_BUDGETS
+           for b in default ${TL_BUDGETS:-}; do
+             flag=(); [ "$b" = default ] || flag=(--max-batched-tokens "$b")
+             phase timeline_$b 150 python3 scripts/bench_gpu.py timeline "$d" --concurrency 8 \
+                --num-requests 64 --out $RES/timeline_4b_$b.json "${flag[@]}"
            done ;;
     hf) d=$(model qwen3-4b); phase hf 400 python3 scripts/bench_hf.py "$d" --batch 1 8 \
               --modes eager static --repeats 1 --out $RES/hf_4b.json ;;
