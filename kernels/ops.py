@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from arle_kernels import decode_attention, extend_attention, fused
+from arle_kernels import decode_attention, extend_attention, fused, greedy
 from arle_kernels.split_sums import SplitSums
 
 
@@ -28,17 +28,19 @@ class Ops:
     #: paged attention of the decode rows (one query token each) and of the extend rows
     decode_attention: Callable[..., Tensor]
     extend_attention: Callable[..., Tensor]
+    #: (logits, slots, token_buffer) -> each row's argmax, also written at token_buffer[slots]
+    greedy_pick: Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 REFERENCE = Ops(fused.rms_norm_ref, fused.add_rms_norm_ref, fused.silu_and_mul_ref,
                 fused.qk_norm_rope_store_kv_ref, decode_attention.decode_attention_ref,
-                extend_attention.extend_attention_ref)
+                extend_attention.extend_attention_ref, greedy.greedy_pick_ref)
 
 
 def triton_ops() -> Ops:
     return Ops(fused.rms_norm, fused.add_rms_norm, fused.silu_and_mul,
                fused.qk_norm_rope_store_kv, decode_attention.decode_attention,
-               extend_attention.extend_attention)
+               extend_attention.extend_attention, greedy.greedy_pick)
 
 
 def ops_for(device: torch.device) -> Ops:

@@ -13,6 +13,7 @@ from arle.executor.sampler import (
     SamplingBatch,
     apply_penalties,
     sample,
+    sample_into,
 )
 
 P = SamplingParams
@@ -332,6 +333,34 @@ def test_penalty_state_drives_sampling_like_a_reference_loop() -> None:
         assert best == tokens[-1]
         ref_counts[best] += 1
     assert len(set(tokens)) >= 3  # the penalty really moves the choice around
+
+
+@pytest.mark.parametrize("extra", [{}, {"frequency_penalty": 0.5}, {"logprobs": 0},
+                                   {"temperature": 0.7}], ids=["greedy", "penalty", "logprobs",
+                                                              "sampled"])
+def test_sample_into_takes_the_greedy_pick_only_when_it_suffices(extra: dict) -> None:
+    """A batch of plain greedy rows goes to `greedy` (the executor's kernel), anything else
+    through `sample`; either way the tokens land at the rows' slots in the token buffer."""
+    logits = torch.randn(3, 40, generator=gen(4))
+    slots = torch.tensor([5, 1, 3], dtype=torch.int32)
+    calls = []
+
+    def greedy(lg: torch.Tensor, sl: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        calls.append(lg.shape)
+        ids = lg.float().argmax(-1)
+        buf[sl] = ids.int()
+        return ids
+
+    state = PenaltyState(max_slots=8, vocab_size=40)
+    for slot in (5, 1, 3):
+        state.init_slot(slot, [0])
+    params = [P(**({"temperature": 0.0} | extra)), P(temperature=0.0), P(temperature=0.0)]
+    buf = torch.full((8,), -1, dtype=torch.int32)
+    out = sample_into(logits, batch_of(params), slots, state, buf, gen(0), greedy)
+    assert calls == ([logits.shape] if not extra else [])
+    assert buf[slots.long()].tolist() == out.token_ids.tolist()
+    if "temperature" not in extra and "frequency_penalty" not in extra:
+        assert out.token_ids.tolist() == logits.argmax(-1).tolist()
 
 
 # ---------------------------------------------------------------- logprobs

@@ -274,6 +274,7 @@ class CUDAExecutor:
                 self._capture_extend(self.extend_graphs, pool)
         else:
             self._build_eager_variants()
+        self._build_sampler_variants()
         #: What start-up measured, for `arle warmup` and the model info.
         self.startup_info = {
             "memory_plan": {"total_bytes": total, "weights_bytes": weights,
@@ -439,9 +440,22 @@ class CUDAExecutor:
                 self.model.logits(x)
         self.stream.synchronize()
 
+    def _build_sampler_variants(self) -> None:
+        """The greedy pick's kernels (kernels/greedy.py), built now for the logits steps give
+        it: the decode graphs' (the model's dtype) and the other steps' (fp32). Into the token
+        buffer's spare entry."""
+        vocab = self.model.config.vocab_size
+        slots = torch.full((1,), self.pad_slot, dtype=torch.int32, device=self.device)
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            for dtype in {self.model.embed_tokens.weight.dtype, torch.float32}:
+                logits = torch.zeros(1, vocab, dtype=dtype, device=self.device)
+                self.model.ops.greedy_pick(logits, slots, self.token_buffer)
+        self.stream.synchronize()
+
     def _forward_decode(self, step: DeviceStep) -> torch.Tensor:
         backend = PagedAttention(self.kv, step, self.rotary, self.model)
-        return self.model.logits(self.model(step.input_ids, backend))
+        # NOTE: in the model's dtype: the greedy pick reads it as is, `sample` upcasts
+        return self.model.logits(self.model(step.input_ids, backend), upcast=False)
 
     # ---- the event loop's thread ----------------------------------------------------------
     def launch(self, plan: StepPlan) -> Awaitable[StepOutput]:
@@ -528,7 +542,7 @@ class CUDAExecutor:
         if not (batch.all_greedy and not batch.any_penalty):
             batch = _to_device(batch, self.device)  # NOTE: greedy rows read no parameter tensor
         out = sample_into(logits, batch, slots, self.penalties, self.token_buffer,
-                          self.generator)
+                          self.generator, self.model.ops.greedy_pick)
         return _Copied.of(out)
 
     # ---- the waiter thread -----------------------------------------------------------------

@@ -15,7 +15,7 @@ The race is what makes seeded requests reproducible: a seeded row's noise depend
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,10 @@ from torch import Tensor
 
 from arle.engine.request import SamplingParams, TokenLogprob
 from arle_kernels.fused import exponential_noise
+from arle_kernels.greedy import greedy_pick_ref
+
+#: (logits, slots, token_buffer) -> each row's argmax, written at token_buffer[slots] too
+GreedyPick = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -154,15 +158,21 @@ def sample(
 
 
 def sample_into(logits: Tensor, batch: SamplingBatch, slots: Tensor, penalties: PenaltyState,
-                token_buffer: Tensor, generator: torch.Generator | None) -> SampleOutput:
+                token_buffer: Tensor, generator: torch.Generator | None,
+                greedy: GreedyPick = greedy_pick_ref) -> SampleOutput:
     """Sample one token per row (row i belongs to request slot `slots[i]`) and record it where
     the next step needs it: `token_buffer[slot]` (the decode rows' input) and the slot's
-    penalty counts. All on the logits' device, no host sync."""
-    counts = mask = None
-    if batch.any_penalty:
-        counts, mask = penalties.gather(slots)
-    out = sample(logits, batch, token_counts=counts, prompt_mask=mask, generator=generator)
-    token_buffer[slots] = out.token_ids.to(token_buffer.dtype)
+    penalty counts. All on the logits' device, no host sync. A batch of greedy rows with no
+    penalty and no logprobs takes `greedy` (the executor's kernel: the argmax and the write in
+    one pass, on the logits in their own dtype)."""
+    if batch.all_greedy and not batch.any_penalty and batch.num_logprobs < 0:
+        out = SampleOutput(token_ids=greedy(logits, slots, token_buffer))
+    else:
+        counts = mask = None
+        if batch.any_penalty:
+            counts, mask = penalties.gather(slots)
+        out = sample(logits, batch, token_counts=counts, prompt_mask=mask, generator=generator)
+        token_buffer[slots] = out.token_ids.to(token_buffer.dtype)
     if len(penalties):  # NOTE: slots without penalties map to the sentinel row: a no-op
         penalties.update(slots, out.token_ids)
     return out

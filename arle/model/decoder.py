@@ -149,8 +149,11 @@ class DecoderLM(nn.Module):
         return torch.cat([cos, sin], dim=-1).contiguous()
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight).float()
+    def logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
+        """lm_head(hidden): fp32, or (upcast=False) in the model's dtype, for a consumer that
+        upcasts only what it needs (the CUDA decode graphs: the greedy pick reads bf16)."""
+        y = linear(hidden, self.lm_head.weight)
+        return y.float() if upcast else y
 
     def weight_targets(self) -> dict[str, tuple[nn.Parameter, str | int | None]]:
         """Checkpoint (HF) tensor name -> (parameter, shard id) it loads into."""
