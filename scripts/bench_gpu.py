@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,47 @@ def offline(args: argparse.Namespace) -> None:
     _write(args.out, asyncio.run(_offline(args)))
 
 
+def _record_steps(ex: Any, profile: Any = None) -> Callable[[], list[dict[str, Any]]]:
+    """Wrap the CUDA executor's enqueue and wait: each step's start (ms since now), graph,
+    tokens, decode rows and host time to queue it, in launch order; with `profile` (a cProfile
+    Profile) the eager steps' queueing runs under it. Returns `finish`: it unwraps and gives the
+    steps, each with its device time from the step's events."""
+    steps: list[dict[str, Any]] = []
+    exec_ms: list[float] = []
+    enqueue, wait = ex._enqueue, ex._wait
+    t_start = time.perf_counter()
+
+    def timed_enqueue(h: Any) -> Any:
+        eager = profile is not None and not h.graph_bs and not h.extend_tokens
+        t0 = time.perf_counter()
+        if eager:
+            profile.enable()
+        try:
+            return enqueue(h)
+        finally:
+            if eager:
+                profile.disable()
+            steps.append({"t_ms": (t0 - t_start) * 1e3, "graph_bs": h.graph_bs,
+                          "extend_graph": h.extend_tokens, "tokens": h.layout.num_tokens,
+                          "decode_rows": h.layout.num_decode,
+                          "host_ms": (time.perf_counter() - t0) * 1e3})
+
+    def timed_wait(event: Any, pending: Any) -> Any:
+        out = wait(event, pending)
+        exec_ms.append(out.exec_s * 1e3)
+        return out
+
+    def finish() -> list[dict[str, Any]]:
+        ex._enqueue, ex._wait = enqueue, wait
+        # NOTE: steps are launched and waited in order, one waiter: the i-th wait is the i-th step
+        for st, ms in zip(steps, exec_ms, strict=False):
+            st["device_ms"] = ms
+        return steps
+
+    ex._enqueue, ex._wait = timed_enqueue, timed_wait
+    return finish
+
+
 async def _host(args: argparse.Namespace) -> dict[str, Any]:
     """Where an eager step's time goes on the host: the launcher thread's `_enqueue` (queueing
     every kernel of a step) timed per step and profiled (cProfile) for the eager ones; the
@@ -280,32 +322,7 @@ async def _host(args: argparse.Namespace) -> dict[str, Any]:
     vocab = engine.tokenizer.vocab_size
     await _generate(engine, _prompts(1, 64, vocab, 9)[0], 16)  # warm-up
     prof = cProfile.Profile()
-    steps: list[dict[str, Any]] = []
-    enqueue, wait = ex._enqueue, ex._wait  # type: ignore[attr-defined]
-
-    def timed_enqueue(h: Any) -> Any:
-        eager = not h.graph_bs and not h.extend_tokens
-        t0 = time.perf_counter()
-        if eager:
-            prof.enable()
-        try:
-            return enqueue(h)
-        finally:
-            if eager:
-                prof.disable()
-            steps.append({"graph_bs": h.graph_bs, "extend_graph": h.extend_tokens,
-                          "tokens": h.layout.num_tokens,
-                          "decode_rows": h.layout.num_decode,
-                          "host_ms": (time.perf_counter() - t0) * 1e3})
-
-    exec_ms: list[float] = []
-
-    def timed_wait(event: Any, pending: Any) -> Any:
-        out = wait(event, pending)
-        exec_ms.append(out.exec_s * 1e3)
-        return out
-
-    ex._enqueue, ex._wait = timed_enqueue, timed_wait  # type: ignore[attr-defined]
+    finish = _record_steps(ex, prof)
     await _generate(engine, _prompts(1, args.input_len, vocab, 1)[0], 32)
 
     async def late(i: int, prompt: list[int]) -> None:
@@ -315,9 +332,7 @@ async def _host(args: argparse.Namespace) -> dict[str, Any]:
     await asyncio.gather(*(late(i, p) for i, p in
                            enumerate(_prompts(8, args.input_len, vocab, 2))))
     await engine.close()
-    # NOTE: steps are launched and waited in order, one waiter: the i-th wait is the i-th step
-    for st, ms in zip(steps, exec_ms, strict=False):
-        st["device_ms"] = ms
+    steps = finish()
     eager = [st for st in steps if not st["graph_bs"] and not st["extend_graph"]]
     text = io.StringIO()
     if eager:  # (a profile that never ran has no statistics)
@@ -341,24 +356,6 @@ async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
     ex = engine.executor
     vocab = engine.tokenizer.vocab_size
     await _generate(engine, _prompts(1, 64, vocab, 9)[0], 16)  # warm-up
-    steps: list[dict[str, Any]] = []
-    enqueue, wait = ex._enqueue, ex._wait  # type: ignore[attr-defined]
-    t_start = time.perf_counter()
-
-    def timed_enqueue(h: Any) -> Any:
-        steps.append({"t_ms": (time.perf_counter() - t_start) * 1e3, "graph_bs": h.graph_bs,
-                      "extend_graph": h.extend_tokens, "tokens": h.layout.num_tokens,
-                      "decode_rows": h.layout.num_decode})
-        return enqueue(h)
-
-    exec_ms: list[float] = []
-
-    def timed_wait(event: Any, pending: Any) -> Any:
-        out = wait(event, pending)
-        exec_ms.append(out.exec_s * 1e3)
-        return out
-
-    ex._enqueue, ex._wait = timed_enqueue, timed_wait  # type: ignore[attr-defined]
     prompts = _prompts(args.num_requests, args.input_len, vocab, 77)
     queue = list(reversed(prompts))
     results: list[tuple[float, list[float]]] = []
@@ -367,12 +364,11 @@ async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
         while queue:
             results.append(await _generate(engine, queue.pop(), args.output_len))
 
+    finish = _record_steps(ex)
     t_start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
     wall = time.perf_counter() - t_start
-    ex._enqueue, ex._wait = enqueue, wait  # type: ignore[attr-defined]
-    for st, ms in zip(steps, exec_ms, strict=False):  # one waiter, in launch order
-        st["device_ms"] = ms
+    steps = finish()
     kinds: dict[str, dict[str, float]] = {}
     for st in steps:
         kind = "decode" if st["tokens"] == st["decode_rows"] else "prefill"

@@ -175,3 +175,35 @@ def test_kernel_regs_reports_a_decode_step(tmp_path: Path) -> None:
         assert 0 < r["registers"] <= 255 and 1 <= r["programs_per_sm"] <= 32, r
         assert "'PDL': True" in r["config"], r  # compiled as the H200 runs them
 
+
+
+def test_bench_gpu_records_steps_in_launch_order() -> None:
+    """bench_gpu.py's step recorder (the `timeline` and `host` phases) on a stand-in executor:
+    each step's shape in launch order, its device time from the i-th wait, and the executor's
+    own methods back afterwards."""
+    from types import SimpleNamespace
+
+    bench = _script("bench_gpu")
+
+    class Executor:
+        def _enqueue(self, h: Any) -> tuple[str, Any]:
+            return "event", h
+
+        @staticmethod
+        def _wait(event: str, pending: Any) -> Any:
+            return SimpleNamespace(exec_s=pending.layout.num_tokens / 1000)
+
+    ex = Executor()
+    originals = (ex._enqueue, ex._wait)
+    finish = bench._record_steps(ex)
+    for tokens, decode in ((1024, 2), (8, 8)):
+        h = SimpleNamespace(graph_bs=8 if tokens == decode else 0,
+                            extend_tokens=0 if tokens == decode else tokens,
+                            layout=SimpleNamespace(num_tokens=tokens, num_decode=decode))
+        ex._wait(*ex._enqueue(h))
+    steps = finish()
+    assert [(s["tokens"], s["decode_rows"], s["graph_bs"], s["extend_graph"]) for s in steps] == [
+        (1024, 2, 0, 1024), (8, 8, 8, 0)]
+    assert [s["device_ms"] for s in steps] == [1024.0, 8.0]
+    assert steps[0]["t_ms"] <= steps[1]["t_ms"] and all(s["host_ms"] >= 0 for s in steps)
+    assert (ex._enqueue, ex._wait) == originals
