@@ -28,7 +28,8 @@ from torch import Tensor
 
 from arle_kernels.jit import jit_varying
 
-_BIG = 2**31 - 1
+#: "no index" in the partials (larger than any index: a vocabulary is smaller)
+_NONE = tl.constexpr(2**31 - 1)
 #: logits a program reads per loop step (4 warps x 32 lanes x 8)
 _BLOCK = 1024
 #: programs the first pass aims for (~2 per SM of an H200; any count is correct); also the
@@ -42,28 +43,28 @@ _TARGET_PROGRAMS = 256
 def _argmax_chunks_kernel(logits_ptr, stride_row, V, val_ptr, idx_ptr, nan_ptr, S, chunk,
                           BLOCK: tl.constexpr):
     """Chunk s of row r: its largest value, that value's first index, and its first NaN index
-    (2**31 - 1 when none) into the partials [B, S]."""
+    (_NONE when none) into the partials [B, S]."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     row = logits_ptr + r.to(tl.int64) * stride_row
     best_v = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.full([BLOCK], 2**31 - 1, tl.int32)
-    nan_i = tl.full([BLOCK], 2**31 - 1, tl.int32)
+    best_i = tl.full([BLOCK], _NONE, tl.int32)
+    nan_i = tl.full([BLOCK], _NONE, tl.int32)
     lo = s * chunk
     for k in range(0, chunk, BLOCK):
         idx = lo + k + offs
         valid = idx < V
         v = tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32)
         is_nan = v != v
-        nan_i = tl.minimum(nan_i, tl.where(valid & is_nan, idx, 2**31 - 1))
+        nan_i = tl.minimum(nan_i, tl.where(valid & is_nan, idx, _NONE))
         # NOTE: a lane sees increasing indices: strictly greater keeps its first maximum, and its
         # first valid element is taken whatever it is (a row of -inf has argmax 0)
-        take = valid & ~is_nan & ((v > best_v) | (best_i == 2**31 - 1))
+        take = valid & ~is_nan & ((v > best_v) | (best_i == _NONE))
         best_v = tl.where(take, v, best_v)
         best_i = tl.where(take, idx, best_i)
     m = tl.max(best_v, 0)
-    first = tl.min(tl.where((best_v == m) & (best_i < 2**31 - 1), best_i, 2**31 - 1), 0)
+    first = tl.min(tl.where((best_v == m) & (best_i < _NONE), best_i, _NONE), 0)
     tl.store(val_ptr + r * S + s, m)
     tl.store(idx_ptr + r * S + s, first)
     tl.store(nan_ptr + r * S + s, tl.min(nan_i, 0))
@@ -78,12 +79,12 @@ def _argmax_finish_kernel(val_ptr, idx_ptr, nan_ptr, S, slots_ptr, token_buffer_
     offs = tl.arange(0, S_PAD)
     live = offs < S
     v = tl.load(val_ptr + r * S + offs, mask=live, other=float("-inf"))
-    i = tl.load(idx_ptr + r * S + offs, mask=live, other=2**31 - 1)
-    n = tl.load(nan_ptr + r * S + offs, mask=live, other=2**31 - 1)
+    i = tl.load(idx_ptr + r * S + offs, mask=live, other=_NONE)
+    n = tl.load(nan_ptr + r * S + offs, mask=live, other=_NONE)
     first_nan = tl.min(n, 0)
     m = tl.max(v, 0)
-    pick = tl.min(tl.where((v == m) & (i < 2**31 - 1), i, 2**31 - 1), 0)
-    pick = tl.where(first_nan < 2**31 - 1, first_nan, pick)
+    pick = tl.min(tl.where((v == m) & (i < _NONE), i, _NONE), 0)
+    pick = tl.where(first_nan < _NONE, first_nan, pick)
     tl.store(out_ptr + r, pick.to(tl.int64))
     slot = tl.load(slots_ptr + r)
     tl.store(token_buffer_ptr + slot, pick.to(token_buffer_ptr.dtype.element_ty))
@@ -104,7 +105,7 @@ def greedy_pick(logits: Tensor, slots: Tensor, token_buffer: Tensor, *,
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and slots.shape == (rows,) and slots.dtype == torch.int32
     assert slots.is_contiguous()
-    assert token_buffer.dtype == torch.int32 and vocab < _BIG
+    assert token_buffer.dtype == torch.int32 and vocab < _NONE.value
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
