@@ -152,6 +152,12 @@ async def _generate(engine: AsyncEngine, prompt: list[int], max_tokens: int
     return t0, times
 
 
+def _latencies(runs: list[tuple[float, list[float]]]) -> tuple[list[float], list[float]]:
+    """Each `_generate` run's TTFT and TPOT (time per output token after the first), in s."""
+    return ([t[0] - t0 for t0, t in runs],
+            [(t[-1] - t[0]) / (len(t) - 1) for _, t in runs])
+
+
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
@@ -174,8 +180,7 @@ async def _decode(args: argparse.Namespace) -> dict[str, Any]:
     for batch in (1, 8, 32, 64):
         prompts = _prompts(batch, args.input_len, vocab, batch)
         runs = await asyncio.gather(*(_generate(engine, p, args.output_len) for p in prompts))
-        tpot = [(t[-1] - t[0]) / (len(t) - 1) for _, t in runs]
-        ttft = [t[0] - t0 for t0, t in runs]
+        ttft, tpot = _latencies(runs)
         end = max(t[-1] for _, t in runs)
         start = min(t0 for t0, _ in runs)
         out[f"batch{batch}"] = {
@@ -377,8 +382,7 @@ async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
         k["device_ms"] += st.get("device_ms", 0.0)
         k["tokens"] += st["tokens"]
     device = sum(k["device_ms"] for k in kinds.values())
-    ttft = [t[0] - t0 for t0, t in results]
-    tpot = [(t[-1] - t[0]) / (len(t) - 1) for _, t in results]
+    ttft, tpot = _latencies(results)
     out: dict[str, Any] = {
         "phase": "timeline", "model": args.model, "concurrency": args.concurrency,
         "requests": len(results), "wall_s": wall,

@@ -207,3 +207,10 @@ def test_bench_gpu_records_steps_in_launch_order() -> None:
     assert [s["device_ms"] for s in steps] == [1024.0, 8.0]
     assert steps[0]["t_ms"] <= steps[1]["t_ms"] and all(s["host_ms"] >= 0 for s in steps)
     assert (ex._enqueue, ex._wait) == originals
+
+
+def test_bench_gpu_latencies() -> None:
+    """TTFT from the request's start to its first token; TPOT over the tokens after the first."""
+    bench = _script("bench_gpu")
+    ttft, tpot = bench._latencies([(1.0, [1.5, 2.0, 3.0]), (0.0, [0.25, 0.75])])
+    assert ttft == [0.5, 0.25] and tpot == [0.75, 0.5]
