@@ -200,10 +200,13 @@ def _merge_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    D: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
+    D: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr, O_WITH_LSE: tl.constexpr = False,
 ):
     """One (row, query head): out = sum_s w_s * o_s / sum_s w_s, w_s = exp(lse_s - max lse).
-    Splits with lse = -inf weigh 0; a row with no tokens at all gets zeros."""
+    Splits with lse = -inf weigh 0; a row with no tokens at all gets zeros.
+    O_WITH_LSE: every split's o is loaded with lse (one round trip to memory, not two; an
+    empty split's o is zeros): 10 us off a Qwen3-4B batch-1 step (32 splits, 18 live), 2-7 us
+    more at batch 8 (docs/benchmarks/gpu-2026-11-30d, -30g), so batch 1 only."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -211,14 +214,19 @@ def _merge_kernel(
     h = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D)
-    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=offs_s < num_splits,
+    in_range = offs_s < num_splits
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=in_range,
                   other=float("-inf"))
+    if O_WITH_LSE:
+        o = tl.load(o_part_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
+                    + offs_d[None, :], mask=in_range[:, None], other=0.0)
     live = lse > float("-inf")
     m = tl.max(lse, 0)
     m = tl.where(m > float("-inf"), m, 0.0)
     w = tl.where(live, tl.exp(lse - m), 0.0)
-    o = tl.load(o_part_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
-                + offs_d[None, :], mask=live[:, None], other=0.0)  # [S_PAD, D]
+    if not O_WITH_LSE:
+        o = tl.load(o_part_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
+                    + offs_d[None, :], mask=live[:, None], other=0.0)  # [S_PAD, D]
     den = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
@@ -313,7 +321,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _merge_kernel[(b, h)](
             o_part, lse, out, num_splits,
             *o_part.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-            D=d, S_PAD=triton.next_power_of_2(num_splits), PDL=pdl,
+            D=d, S_PAD=triton.next_power_of_2(num_splits), PDL=pdl, O_WITH_LSE=b == 1,
             num_warps=4 if d <= 128 else 8, num_stages=1, **pdl_launch(pdl),
         )
     return out

@@ -316,7 +316,9 @@ def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
     shapes; see use_gemv for the numbers):
 
     - M = 1: one warp per output row, 4 runs of 8 per lane (BLOCK_K 1024): thousands of small
-      programs keep every SM's memory pipe full, and the final sum is a warp shuffle.
+      programs keep every SM's memory pipe full, and the final sum is a warp shuffle; two
+      warps a row and BLOCK_K 2048 below 32768 rows, except the fused gate_up (qkv, o_proj,
+      down: not lm_head).
     - M = 2: two rows per program; for few rows (N < 4096, o_proj / down) 2-4 warps share a row's
       K range, else one warp.
     - M = 3..16: the tensor-core kernel (`_mma_config`); glu: the fused gate_up.
@@ -327,7 +329,10 @@ def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
     if m_pad > 2:
         return _mma_config(n, k, glu)
     if m_pad == 1:
-        cfg = GemvConfig(block_n=1, block_k=1024, num_warps=1)
+        # NOTE: two warps for the layers of fewer rows (qkv, o_proj, down): 23-24 us off a
+        # Qwen3-4B batch-1 step in two calls (docs/benchmarks/gpu-2026-11-30f, -30g)
+        cfg = (GemvConfig(block_n=1, block_k=2048, num_warps=2) if not glu and n < 32768
+               else GemvConfig(block_n=1, block_k=1024, num_warps=1))
     elif n >= 4096:
         cfg = GemvConfig(block_n=2, block_k=512, num_warps=1)
     else:

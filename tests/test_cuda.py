@@ -147,6 +147,38 @@ async def test_engine_prefix_hit_and_sampling_on_gpu(gpu_model: LoadedModel,
     engine.cache.check()
 
 
+async def test_sampled_batches_same_with_and_without_overlap(gpu_model: LoadedModel,
+                                                             make_engine: Any) -> None:
+    """Eight seeded, penalised requests with logprobs, decoding together: with overlap, step
+    N+1's inputs and sampling parameters are copied in (on the copy-in stream) while step N
+    runs, and step N's ids and logprobs are copied out on the copy-out stream. Without
+    overlap each step is launched after the last one's results arrived. The batches are the
+    same (one prefill step, then batches of 8 in the same graph), so every token and logprob
+    must be too: a copy ordered wrong reads another step's inputs or an unwritten output."""
+    prompts = [_prompt(24, 40 + i) for i in range(8)]
+    params = {"max_tokens": 24, "ignore_eos": True, "temperature": 0.9, "top_p": 0.95,
+              "top_k": 40, "repetition_penalty": 1.2, "presence_penalty": 0.3, "logprobs": 3}
+    got = []
+    for overlap in (True, False):
+        engine = make_engine(gpu_model, max_running_requests=8, overlap=overlap)
+        # NOTE: the engine's loop starts once all eight wait (tokenizing in threads, they
+        # would otherwise arrive in a different order of steps in each run)
+        start_loop, engine._ensure_loop = engine._ensure_loop, lambda: None
+        tasks = [asyncio.create_task(run(engine, p, seed=100 + i, **params))
+                 for i, p in enumerate(prompts)]
+        while len(engine.scheduler.waiting) < len(prompts):
+            await asyncio.sleep(0.001)
+        engine._ensure_loop = start_loop
+        start_loop()
+        outs = await asyncio.gather(*tasks)
+        got.append([[(lp.token_id, lp.logprob, lp.top) for d in out for lp in d.logprobs or []]
+                    for out in outs])
+        engine.cache.check()
+    assert all(len(r) == 24 for r in got[0])
+    assert len({tuple(t for t, _, _ in r) for r in got[0]}) == 8  # eight different streams
+    assert got[0] == got[1]
+
+
 async def test_extend_graphs_match_eager(gpu_model: LoadedModel, make_engine: Any) -> None:
     """Prefills and mixed steps replayed from the extend graphs (padded to a token count of
     the ladder, every row an extend row) give what eager steps give: the same first tokens (up

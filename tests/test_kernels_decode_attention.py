@@ -184,6 +184,10 @@ def interp_check_decode_attention() -> None:
     for splits in (1, 2, 4):
         out = check_kernel(case, splits, 1e-3)
         assert torch.equal(out[3], torch.zeros_like(out[3]))
+    # one row (the merge loads every split's o with its lse): all splits live, and one live
+    # split beside empty ones (their o is zeros, their weight 0)
+    for row_lens, splits in (([200], 4), ([40], 4), ([0], 2)):
+        check_kernel(make_case(5, row_lens, 4, 2, 16, torch.float16, False, "cpu"), splits, 1e-3)
     # other block sizes, as bench_decode's sweep tries them (16 = one page per step)
     for config in ((16, 2, 1), (128, 4, 2)):
         check_kernel(case, 2, 1e-3, config=config)

@@ -3,17 +3,21 @@
 One step, in three threads:
 - the event loop (`launch` -> `prepare`): flattens the plan into one int32 array in pinned
   memory: positions, cache slots, page tables, ... (no device work, no torch kernels);
-- the launcher thread (`_enqueue`): one host-to-device copy of that array, then the whole step
-  on `self.stream` (a CUDA graph replay for decode-only batches, eager kernels otherwise),
-  sampling, and a device-to-host copy of the sampled ids into pinned memory, followed by an
-  event. It returns as soon as the work is queued: it never waits for the GPU;
+- the launcher thread (`_enqueue`): one host-to-device copy of that array (on a copy-in
+  stream, which runs ahead: step N+1's copy overlaps step N), then the whole step on
+  `self.stream` (a CUDA graph replay for decode-only batches, eager kernels otherwise) and
+  sampling, then a device-to-host copy of the sampled ids into pinned memory (on a copy-out
+  stream) followed by an event. No copy sits between two steps' kernels on `self.stream`. It
+  returns as soon as the work is queued: it never waits for the GPU;
 - the waiter thread (`_wait`): blocks on that event (a blocking-sync event: the thread sleeps,
   no spinning) and hands the ids to the loop.
 The sampled ids also go to `token_buffer[slot]` on the device, where the next step's decode rows
 read their input: step N+1 is queued before the host has seen step N's tokens.
 
 NOTE (stream order): every device-side state change (KV writes, token buffer, penalty counts)
-happens in `_enqueue`, in launch order, on one stream. Nothing here synchronises the stream.
+happens in `_enqueue`, in launch order, on one stream; the copy streams only move a step's
+inputs in and its outputs out, ordered against it by events. Nothing here synchronises a
+stream.
 """
 
 from __future__ import annotations
@@ -216,6 +220,10 @@ class CUDAExecutor:
         self.num_slots = config.num_slots
         self.pad_slot = config.num_slots  # token_buffer has one spare entry for graph padding
         self.stream = torch.cuda.Stream(self.device)
+        # NOTE: a step's copies in and out run on streams of their own, so no copy sits between
+        # two steps' kernels on `self.stream` (see `_copy_in`, `_copy_out`)
+        self.copy_in_stream = torch.cuda.Stream(self.device)
+        self.copy_out_stream = torch.cuda.Stream(self.device)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         model.ops = ops_for(self.device)
         self.rotary = model.rotary_table(config.max_model_len + 1)
@@ -401,22 +409,23 @@ class CUDAExecutor:
         """Without graphs, build now (not mid-serving, where a compile stalls every request)
         the kernel variants eager steps pick by their size, which the warm-up passes may not
         all reach: the decode kernel's split counts (1..32 by batch size, a power of two, each
-        its own merge-kernel variant) with and without its first block loaded before the PDL
-        wait (up to PRELOAD_MAX_BATCH rows), and the GEMVs' row classes (1, 2: FMA; 3..16:
+        its own merge-kernel variant, and one more at one row) with and without its first
+        block loaded before the PDL wait (up to PRELOAD_MAX_BATCH rows), and the GEMVs' row classes (1, 2: FMA; 3..16:
         tensor cores, every linear layer with TMA, else gate_up + SiLU·up and lm_head, which
         runs at 3..16 rows only once 3 rows sample in one step). On zeros and page 0; the
         outputs are thrown away."""
         cfg = self.model.config
-        # each (split count, preload) variant, at the fewest rows that pick it
+        # each (split count, preload, one row: the merge's variant) variant, at the fewest
+        # rows that pick it
         rows_for = {(pick_num_splits(b, cfg.num_kv_heads, self.config.max_model_len,
-                                     self.num_sms), b <= PRELOAD_MAX_BATCH): b
+                                     self.num_sms), b <= PRELOAD_MAX_BATCH, b == 1): b
                     for b in range(self.num_slots, 0, -1)}
         k, v, ks, vs = self.kv.layer(0)
         dtype = self.model.embed_tokens.weight.dtype
         layer = cast(DecoderLayer, self.model.layers[0])
         attn = layer.self_attn.num_heads * layer.self_attn.head_dim  # this rank's
         with torch.inference_mode(), torch.cuda.stream(self.stream):
-            for (n, _), b in sorted(rows_for.items()):
+            for (n, _, _), b in sorted(rows_for.items()):
                 q = torch.zeros(b, cfg.num_heads, cfg.head_dim, dtype=dtype, device=self.device)
                 table = torch.zeros(b, 1, dtype=torch.int32, device=self.device)
                 seq_lens = torch.ones(b, dtype=torch.int32, device=self.device)
@@ -485,31 +494,61 @@ class CUDAExecutor:
     # ---- the launcher thread: queue the step, never wait -----------------------------------
     def _enqueue(self, h: HostStep) -> tuple[torch.cuda.Event, _Pending]:
         start = torch.cuda.Event(enable_timing=True)
-        with torch.inference_mode(), torch.cuda.stream(self.stream):
-            start.record(self.stream)
-            meta = h.meta.to(self.device, non_blocking=True)
-            for new_slot in h.inputs.new_slots:
-                self.penalties.start_slot(*new_slot)
-            if h.graph_bs:
-                logits = self._replay(h, meta)
-            elif h.extend_tokens:
-                logits = self._replay_extend(h, meta)
-            else:
-                nd = h.layout.num_decode
-                step, decode_slots = step_views(h.layout, meta, self._num_splits(nd))
-                if nd:
-                    step.input_ids[:nd] = self.token_buffer[decode_slots]
-                backend = PagedAttention(self.kv, step, self.rotary, self.model)
-                hidden = self.model(step.input_ids, backend)
-                index = h.layout.view(meta, "sample_index")
-                logits = self.model.logits(hidden[index]) if index.numel() else hidden[:0]
+        with torch.inference_mode():
+            meta, batch = self._copy_in(h)
+            with torch.cuda.stream(self.stream):
+                start.record(self.stream)
+                for new_slot in h.inputs.new_slots:
+                    self.penalties.start_slot(*new_slot)
+                if h.graph_bs:
+                    logits = self._replay(h, meta)
+                elif h.extend_tokens:
+                    logits = self._replay_extend(h, meta)
+                else:
+                    nd = h.layout.num_decode
+                    step, decode_slots = step_views(h.layout, meta, self._num_splits(nd))
+                    if nd:
+                        step.input_ids[:nd] = self.token_buffer[decode_slots]
+                    backend = PagedAttention(self.kv, step, self.rotary, self.model)
+                    hidden = self.model(step.input_ids, backend)
+                    index = h.layout.view(meta, "sample_index")
+                    logits = self.model.logits(hidden[index]) if index.numel() else hidden[:0]
+                out = None
+                if batch is not None:
+                    slots = h.layout.view(meta, "sample_slots")
+                    out = sample_into(logits, batch, slots, self.penalties, self.token_buffer,
+                                      self.generator, self.model.ops.greedy_pick)
             pending = _Pending(start, h.inputs.want_logprobs)
-            if h.inputs.sampling is not None:
-                slots = h.layout.view(meta, "sample_slots")
-                pending.out = self._sample(logits, h.inputs.sampling, slots)
             event = torch.cuda.Event(enable_timing=True, blocking=True)
-            event.record(self.stream)
+            pending.out = self._copy_out(out, event)
         return event, pending
+
+    def _copy_in(self, h: HostStep) -> tuple[torch.Tensor, SamplingBatch | None]:
+        """The step's packed array (and, unless the batch takes the greedy pick, which reads
+        none, its sampling parameters) onto the device, on the copy-in stream. That stream
+        never waits for the model, so step N+1's copy runs while step N computes; ours waits
+        for it by an event that has long passed when step N+1 starts."""
+        batch = h.inputs.sampling
+        with torch.cuda.stream(self.copy_in_stream):
+            meta = h.meta.to(self.device, non_blocking=True)
+            moved = [meta]
+            if batch is not None and not (batch.all_greedy and not batch.any_penalty):
+                batch = _to_device(batch, self.device)
+                moved += [getattr(batch, name) for name in _SAMPLING_TENSORS]
+        self.stream.wait_stream(self.copy_in_stream)
+        for t in moved:  # NOTE: made on the copy-in stream, read on ours: no reuse before
+            t.record_stream(self.stream)
+        return meta, batch
+
+    def _copy_out(self, out: SampleOutput | None, event: torch.cuda.Event) -> _Copied | None:
+        """The sampled ids (and logprobs) into pinned memory on the copy-out stream, after the
+        step's kernels; `event` marks the step done. NOTE: not on ours, where the copy would
+        wait for the step and step N+1's kernels for the copy."""
+        self.copy_out_stream.wait_stream(self.stream)
+        with torch.cuda.stream(self.copy_out_stream):
+            copied = _Copied.of(out, self.copy_out_stream) if out is not None else None
+            event.record(self.copy_out_stream)
+        return copied
 
     def _replay(self, h: HostStep, meta: torch.Tensor) -> torch.Tensor:
         g = self.graphs
@@ -536,14 +575,6 @@ class CUDAExecutor:
             return g.num_splits[g.size_for(num_decode)]
         return pick_num_splits(num_decode, self.model.config.num_kv_heads,
                                self.config.max_model_len, self.num_sms)
-
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
-                slots: torch.Tensor) -> _Copied:
-        if not (batch.all_greedy and not batch.any_penalty):
-            batch = _to_device(batch, self.device)  # NOTE: greedy rows read no parameter tensor
-        out = sample_into(logits, batch, slots, self.penalties, self.token_buffer,
-                          self.generator, self.model.ops.greedy_pick)
-        return _Copied.of(out)
 
     # ---- the waiter thread -----------------------------------------------------------------
     @staticmethod
@@ -572,10 +603,12 @@ class _Copied:
     top_logprobs: torch.Tensor | None
 
     @classmethod
-    def of(cls, out: SampleOutput) -> _Copied:
+    def of(cls, out: SampleOutput, stream: torch.cuda.Stream) -> _Copied:
+        """Copies queued on `stream` (the current one), which did not make `out`."""
         def copy(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
                 return None
+            t.record_stream(stream)  # NOTE: its memory is not reused before the copy ran
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return host.copy_(t, non_blocking=True)
 
@@ -594,8 +627,12 @@ class _Pending:
     out: _Copied | None = None
 
 
+#: A sampling batch's per-row parameters (what `sample` reads on the device)
+_SAMPLING_TENSORS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty", "seeds", "offsets")
+
+
 def _to_device(batch: SamplingBatch, device: torch.device) -> SamplingBatch:
     moved = {name: getattr(batch, name).pin_memory().to(device, non_blocking=True)
-             for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                          "frequency_penalty", "presence_penalty", "seeds", "offsets")}
+             for name in _SAMPLING_TENSORS}
     return replace(batch, **moved)
