@@ -382,6 +382,8 @@ def test_metrics_and_stats(server: ServerProcess, client: openai.OpenAI) -> None
     assert s["arle_generation_tokens"] >= 4
     assert s["arle_time_to_first_token_seconds"]["count"] >= 1
     assert s["engine"]["kv_pages_total"] > 0
+    # `arle serve` froze what start-up left (the cyclic GC's full passes skip it)
+    assert s["gc"]["frozen_objects"] > 10_000 and isinstance(s["gc"]["full_collections"], int)
 
 
 # ---- fuzz: whatever the schema allows (and more), never a 5xx, never a hang -------------------------

@@ -11,6 +11,7 @@ NOTE: uvicorn, the engine and torch are imported inside the command: `arle --hel
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import os
 import signal
@@ -113,6 +114,12 @@ async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
     try:
         await _warm_up(engine)
         app = create_app(engine, settings)
+        # NOTE: start-up leaves many long-lived objects behind (the compiled kernels and their
+        # caches, the graphs' bookkeeping); frozen, they are no longer walked by the cyclic
+        # GC's full passes while serving. One process serves one engine: nothing frozen
+        # would be freed later anyway.
+        gc.collect()
+        gc.freeze()
         state = app.state.arle
 
         class Server(uvicorn.Server):

@@ -8,6 +8,7 @@ server, never prometheus_client's global one, so two servers in one process (tes
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -117,7 +118,11 @@ class ServerMetrics:
         """/v1/stats: the samples of /metrics as one JSON object (histograms as count, sum,
         mean), plus the engine snapshot as it is."""
         out: dict[str, Any] = {"uptime_s": round(time.time() - self.started, 3),
-                               "engine": self._snapshot()}
+                               "engine": self._snapshot(),
+                               # the cyclic GC: objects `arle serve` froze after start-up,
+                               # and full passes (generation 2) since
+                               "gc": {"frozen_objects": gc.get_freeze_count(),
+                                      "full_collections": gc.get_stats()[2]["collections"]}}
         for family in self.registry.collect():
             if family.type == "histogram":
                 count = total = 0.0
