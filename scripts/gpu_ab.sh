@@ -1,29 +1,35 @@
 #!/usr/bin/env bash
 # Decode A/B on the device: each TREE:TAG runs `bench_gpu.py decode` on a random Qwen3-4B, in
 # turn, within one call (the way docs/benchmarks compares a change against its base).
-#   bash scripts/gpu_ab.sh [--serve C] [--then "PHASE..."] TREE:TAG...
+#   bash scripts/gpu_ab.sh [--serve C | --offline] [--cold] [--then "PHASE..."] TREE:TAG...
 # TREE is a folder with kernels/ scripts/ arle/: "." for the checkout, else e.g.
 #   git archive REV kernels scripts arle | tar -x -C var_x   (then patch it; pass it in `carry`)
 # Give each tree twice, interleaved: machines drift, and two runs of one tree in one call agree
 # to about 1 us. Writes decode_TAG.json and ab_log.txt into $OUT/results.tar (rewritten after
 # each run: a call cut short still returns what finished). --then: gpu_session.sh phases for
 # the checkout afterwards (ARLE_COMMIT names it). --serve C: `bench_gpu.py serve` at concurrency
-# C (64 prompts, 512 in / 128 out) instead of decode, into serve_TAG.json.
+# C (64 prompts, 512 in / 128 out) instead of decode, into serve_TAG.json. --offline:
+# `bench_gpu.py offline` on a random Qwen3-0.6B (256 requests, 3 runs) into offline_TAG.json.
+# --cold: an empty Triton cache before each run (a server's first start, or a container's).
 set -u
 OUT=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p $RES $OUT
-phases="" serve=""
+phases="" serve="" offline="" cold=""
 if [ "${1:-}" = "--serve" ]; then serve=$2; shift 2; fi
+if [ "${1:-}" = "--offline" ]; then offline=1; shift; fi
+if [ "${1:-}" = "--cold" ]; then cold=1; shift; fi
 if [ "${1:-}" = "--then" ]; then phases=$2; shift 2; fi
 T0=$SECONDS
 log() { echo "== $((SECONDS - T0)) s: $*" | tee -a $RES/ab_log.txt; }
 bash scripts/gpu_session.sh >/dev/null 2>&1  # installs the wheels into /tmp/site
-python3 scripts/make_random_model.py qwen3-4b /tmp/models/qwen3-4b >>$RES/ab_log.txt 2>&1
+model=qwen3-4b; [ -n "$offline" ] && model=qwen3-0.6b
+python3 scripts/make_random_model.py $model /tmp/models/$model >>$RES/ab_log.txt 2>&1
 log model
 run() {  # phase tree tag timeout args...: bench_gpu.py PHASE with the tree's arle and kernels
   local phase=$1 tree=$2 tag=$3 t=$4; shift 4
   ln -sfn "$PWD/$tree/kernels" /tmp/site/arle_kernels  # the tree's kernels as arle_kernels
+  [ -n "$cold" ] && rm -rf ~/.triton/cache
   (cd "$tree" && PYTHONPATH=/tmp/site:$PWD ARLE_COMMIT=$tag timeout "$t" python3 \
-     scripts/bench_gpu.py "$phase" /tmp/models/qwen3-4b --out "$RES/${phase}_$tag.json" "$@" \
+     scripts/bench_gpu.py "$phase" /tmp/models/$model --out "$RES/${phase}_$tag.json" "$@" \
      >>"$RES/ab_$phase.log" 2>&1)
   log "$phase $tag rc=$?"
   tar -cf $OUT/results.tar -C $RES .
@@ -31,6 +37,8 @@ run() {  # phase tree tag timeout args...: bench_gpu.py PHASE with the tree's ar
 for spec in "$@"; do
   if [ -n "$serve" ]; then
     run serve "${spec%%:*}" "${spec#*:}" 120 --concurrency "$serve" --num-prompts 64
+  elif [ -n "$offline" ]; then
+    run offline "${spec%%:*}" "${spec#*:}" 150
   else
     run decode "${spec%%:*}" "${spec#*:}" 90
   fi
