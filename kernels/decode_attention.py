@@ -55,6 +55,9 @@ _LOG2E = 1.4426950408889634
 #: 42-65 us off the batch-8 step of Qwen3-4B on the H200 (two calls); at 32 rows it held fewer
 #: programs per SM (76 registers against 64) and lost 110-210 us (docs/benchmarks/gpu-2026-11-29g)
 PRELOAD_MAX_BATCH = 16
+#: up to this many rows the merge loads every split's o with its lse (`_merge_kernel`'s
+#: O_WITH_LSE)
+MERGE_O_WITH_LSE_MAX_BATCH = 1
 
 
 @triton.jit
@@ -321,7 +324,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _merge_kernel[(b, h)](
             o_part, lse, out, num_splits,
             *o_part.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-            D=d, S_PAD=triton.next_power_of_2(num_splits), PDL=pdl, O_WITH_LSE=b == 1,
+            D=d, S_PAD=triton.next_power_of_2(num_splits), PDL=pdl,
+            O_WITH_LSE=b <= MERGE_O_WITH_LSE_MAX_BATCH,
             num_warps=4 if d <= 128 else 8, num_stages=1, **pdl_launch(pdl),
         )
     return out
@@ -396,5 +400,5 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: in
     return splits
 
 
-__all__ = ["PRELOAD_MAX_BATCH", "decode_attention", "decode_attention_ref", "default_config",
+__all__ = ["MERGE_O_WITH_LSE_MAX_BATCH", "PRELOAD_MAX_BATCH", "decode_attention", "decode_attention_ref", "default_config",
            "pick_num_splits"]

@@ -28,8 +28,7 @@ class Ops:
     #: paged attention of the decode rows (one query token each) and of the extend rows
     decode_attention: Callable[..., Tensor]
     extend_attention: Callable[..., Tensor]
-    #: (logits, slots, token_buffer) -> each row's argmax, also written at token_buffer[slots]
-    greedy_pick: Callable[[Tensor, Tensor, Tensor], Tensor]
+    greedy_pick: greedy.GreedyPick
 
 
 REFERENCE = Ops(fused.rms_norm_ref, fused.add_rms_norm_ref, fused.silu_and_mul_ref,

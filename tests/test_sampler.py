@@ -416,6 +416,23 @@ def test_build_flags_and_normalisation() -> None:
         SamplingBatch.build(params, [0], "cpu")
 
 
+def test_batch_rules_and_tensors() -> None:
+    """What the CUDA executor decides from a batch: whether it takes the one-pass greedy pick,
+    whether its per-row tensors must reach the device, and which tensors those are."""
+    plain = batch_of([P(temperature=0.0)] * 2)
+    assert plain.takes_greedy_pick and not plain.reads_tensors
+    with_logprobs = batch_of([P(temperature=0.0, logprobs=1)])
+    assert not with_logprobs.takes_greedy_pick and not with_logprobs.reads_tensors
+    penalised = batch_of([P(temperature=0.0, repetition_penalty=1.2)])
+    assert not penalised.takes_greedy_pick and penalised.reads_tensors
+    sampled = batch_of([P(temperature=0.7)])
+    assert not sampled.takes_greedy_pick and sampled.reads_tensors
+    tensors = sampled.tensors()
+    assert len(tensors) == 9 and all(isinstance(t, torch.Tensor) for t in tensors)
+    assert any(t is sampled.temperature for t in tensors)
+    assert any(t is sampled.offsets for t in tensors)
+
+
 def test_empty_batch() -> None:
     b = batch_of([])
     assert b.all_greedy and b.num_logprobs == -1

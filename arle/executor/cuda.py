@@ -26,7 +26,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -57,7 +57,11 @@ from arle.executor.sampler import (
 )
 from arle.logging import get_logger
 from arle.model.decoder import DecoderLayer, DecoderLM
-from arle_kernels.decode_attention import PRELOAD_MAX_BATCH, pick_num_splits
+from arle_kernels.decode_attention import (
+    MERGE_O_WITH_LSE_MAX_BATCH,
+    PRELOAD_MAX_BATCH,
+    pick_num_splits,
+)
 from arle_kernels.extend_attention import block_tokens
 from arle_kernels.ops import ops_for
 
@@ -410,15 +414,15 @@ class CUDAExecutor:
         the kernel variants eager steps pick by their size, which the warm-up passes may not
         all reach: the decode kernel's split counts (1..32 by batch size, a power of two, each
         its own merge-kernel variant, and one more at one row) with and without its first
-        block loaded before the PDL wait (up to PRELOAD_MAX_BATCH rows), and the GEMVs' row classes (1, 2: FMA; 3..16:
-        tensor cores, every linear layer with TMA, else gate_up + SiLU·up and lm_head, which
-        runs at 3..16 rows only once 3 rows sample in one step). On zeros and page 0; the
-        outputs are thrown away."""
+        block loaded before the PDL wait (up to PRELOAD_MAX_BATCH rows), and the GEMVs' row
+        classes (1, 2: FMA; 3..16: tensor cores, every linear layer with TMA, else gate_up +
+        SiLU·up and lm_head, which runs at 3..16 rows only once 3 rows sample in one step).
+        On zeros and page 0; the outputs are thrown away."""
         cfg = self.model.config
-        # each (split count, preload, one row: the merge's variant) variant, at the fewest
-        # rows that pick it
+        # each (split count, preload, merge variant) variant, at the fewest rows that pick it
         rows_for = {(pick_num_splits(b, cfg.num_kv_heads, self.config.max_model_len,
-                                     self.num_sms), b <= PRELOAD_MAX_BATCH, b == 1): b
+                                     self.num_sms), b <= PRELOAD_MAX_BATCH,
+                     b <= MERGE_O_WITH_LSE_MAX_BATCH): b
                     for b in range(self.num_slots, 0, -1)}
         k, v, ks, vs = self.kv.layer(0)
         dtype = self.model.embed_tokens.weight.dtype
@@ -532,9 +536,9 @@ class CUDAExecutor:
         with torch.cuda.stream(self.copy_in_stream):
             meta = h.meta.to(self.device, non_blocking=True)
             moved = [meta]
-            if batch is not None and not (batch.all_greedy and not batch.any_penalty):
-                batch = _to_device(batch, self.device)
-                moved += [getattr(batch, name) for name in _SAMPLING_TENSORS]
+            if batch is not None and batch.reads_tensors:
+                batch = batch.to(self.device)
+                moved += batch.tensors()
         self.stream.wait_stream(self.copy_in_stream)
         for t in moved:  # NOTE: made on the copy-in stream, read on ours: no reuse before
             t.record_stream(self.stream)
@@ -626,13 +630,3 @@ class _Pending:
     want_logprobs: list[int | None]
     out: _Copied | None = None
 
-
-#: A sampling batch's per-row parameters (what `sample` reads on the device)
-_SAMPLING_TENSORS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty", "seeds", "offsets")
-
-
-def _to_device(batch: SamplingBatch, device: torch.device) -> SamplingBatch:
-    moved = {name: getattr(batch, name).pin_memory().to(device, non_blocking=True)
-             for name in _SAMPLING_TENSORS}
-    return replace(batch, **moved)

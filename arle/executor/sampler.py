@@ -15,18 +15,16 @@ The race is what makes seeded requests reproducible: a seeded row's noise depend
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from arle.engine.request import SamplingParams, TokenLogprob
 from arle_kernels.fused import exponential_noise
-from arle_kernels.greedy import greedy_pick_ref
-
-#: (logits, slots, token_buffer) -> each row's argmax, written at token_buffer[slots] too
-GreedyPick = Callable[[Tensor, Tensor, Tensor], Tensor]
+from arle_kernels.greedy import GreedyPick, greedy_pick_ref
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -61,6 +59,31 @@ class SamplingBatch:
     @property
     def size(self) -> int:
         return self.temperature.shape[0]
+
+    @property
+    def takes_greedy_pick(self) -> bool:
+        """Every row greedy, no penalty, no logprobs: the argmax is all there is to do."""
+        return self.all_greedy and not self.any_penalty and self.num_logprobs < 0
+
+    @property
+    def reads_tensors(self) -> bool:
+        """Whether sampling reads the per-row tensors (greedy rows without penalties read
+        none: they may stay on the host)."""
+        return not (self.all_greedy and not self.any_penalty)
+
+    def _tensor_fields(self) -> dict[str, Tensor]:
+        return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), Tensor)}
+
+    def tensors(self) -> list[Tensor]:
+        """The per-row parameter tensors."""
+        return list(self._tensor_fields().values())
+
+    def to(self, device: torch.device) -> SamplingBatch:
+        """A copy with the per-row tensors on `device` (non-blocking copies from pinned memory,
+        on the current stream)."""
+        moved: dict[str, Any] = {name: t.pin_memory().to(device, non_blocking=True)
+                                 for name, t in self._tensor_fields().items()}
+        return replace(self, **moved)
 
     @classmethod
     def build(
@@ -165,7 +188,7 @@ def sample_into(logits: Tensor, batch: SamplingBatch, slots: Tensor, penalties: 
     penalty counts. All on the logits' device, no host sync. A batch of greedy rows with no
     penalty and no logprobs takes `greedy` (the executor's kernel: the argmax and the write in
     one pass, on the logits in their own dtype)."""
-    if batch.all_greedy and not batch.any_penalty and batch.num_logprobs < 0:
+    if batch.takes_greedy_pick:
         out = SampleOutput(token_ids=greedy(logits, slots, token_buffer))
     else:
         counts = mask = None
