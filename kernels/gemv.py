@@ -2,10 +2,10 @@
 
 At batch 1 a decode step reads every weight once and does ~1 FLOP per byte, so a linear layer
 is bound by how fast W streams from HBM. This kernel is built for that: W [N, K] row-major (as
-nn.Linear stores it), x [M, K] with M small (1..16), fp32 accumulation, output in x's dtype.
-Three kernels share that contract: `_gemv_kernel` (FMAs, 1-2 rows), and for 3..16 rows on
-tensor cores `_gemv_tma_kernel` (Hopper: tiles brought in by the copy engine) or elsewhere
-`_gemv_mma_kernel` (cp.async); their docstrings say why and how.
+nn.Linear stores it), x [M, K] with M small (1..32), fp32 accumulation, output in x's dtype.
+Three kernels share that contract: `_gemv_kernel` (FMAs, 1-2 rows), and on tensor cores
+`_gemv_tma_kernel` (Hopper, 3..32 rows: tiles brought in by the copy engine) or elsewhere
+`_gemv_mma_kernel` (cp.async, 3..16 rows); their docstrings say why and how.
 
 - Each program owns BLOCK_N output columns for *all* M rows, so W is read exactly once per
   step whatever M is; x (a few KB) is re-read by every program, from L1/L2.
@@ -65,6 +65,8 @@ from arle_kernels.split_sums import MAX_ROWS, SplitSums, slot_buffer
 MAX_M = MAX_ROWS
 #: use_gemv's bound on M (from bench_gemv on the H200: see use_gemv)
 USE_GEMV_MAX_M = 2
+#: rows the cp.async tensor-core kernel is taken for (swept at 8 and 16); with TMA, up to MAX_M
+MMA_MAX_M = 16
 _NUM_SMS = 132  # H200; only shapes the choice of split (a guess elsewhere is still correct)
 
 
@@ -81,7 +83,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     split_k: int = 1
-    mma: bool = False  # tensor cores (`_gemv_mma_kernel`, 3..16 rows) rather than FMAs
+    mma: bool = False  # tensor cores (3..32 rows) rather than FMAs
     tma: bool = False  # with mma: tiles brought in by TMA (`_gemv_tma_kernel`, Hopper)
 
 
@@ -251,7 +253,7 @@ def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
                       stride_ys, HAS_BIAS, PARTIAL, GLU, PAIRED)
 
 
-# NOTE: M changes with the batch and is not specialised (one variant for 3..16 rows)
+# NOTE: M changes with the batch and is not specialised (one variant per M_PAD: 16, 32)
 @jit_varying("M", "stride_ys")
 def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_ym, stride_ys,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, M_PAD: tl.constexpr,
@@ -321,7 +323,7 @@ def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
       down: not lm_head).
     - M = 2: two rows per program; for few rows (N < 4096, o_proj / down) 2-4 warps share a row's
       K range, else one warp.
-    - M = 3..16: the tensor-core kernel (`_mma_config`); glu: the fused gate_up.
+    - M = 3..32: the tensor-core kernel (`_mma_config`); glu: the fused gate_up.
     - split K only when N gives fewer than 2 programs per SM (N < 264 at M = 1): each split
       at least 2 BLOCK_K chunks, up to ~4 programs per SM.
     """
@@ -347,7 +349,7 @@ def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
 
 
 def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
-    """The tensor-core kernel's tile for 3..16 rows.
+    """The tensor-core kernel's tile for 3..32 rows (the same at every M).
 
     On Hopper, `_gemv_tma_kernel` (from `sweep_mma(tma=True)` on the H200, M = 8, 11 tiles x
     splits 1-16; the 6 smaller TMA_TILES and the sweep's own picks gained nothing more in the
@@ -515,7 +517,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
 
 def gemv_split_sums(x: Tensor, weight: Tensor) -> Tensor | SplitSums:
     """gemv's y = x @ weight^T (no bias), left as `SplitSums` where the config splits K in an
-    even number of parts (3..16 rows on tensor cores: one launch fewer, no reduce kernel);
+    even number of parts (3..32 rows on tensor cores: one launch fewer, no reduce kernel);
     y otherwise. The caller hands it to a consumer that takes SplitSums (add_rms_norm,
     qk_norm_rope_store_kv), which sums the slots and leaves them zero."""
     cfg = _pick_config(x.shape[0], weight.shape[0], x.shape[1])
@@ -545,6 +547,17 @@ def gemv_silu_mul_ref(x: Tensor, gate_up: Tensor, *, out: Tensor | None = None) 
     return y if out is None else out.copy_(y)
 
 
+def row_classes() -> tuple[int, ...]:
+    """One row count per kernel variant the GEMVs compile by M: the FMA kernel at 1 and 2
+    rows, the tensor-core kernels at 3..16 (M_PAD 16) and, with TMA, each power of two up to
+    MAX_M (17..32: M_PAD 32): what a warm-up runs to build them all."""
+    rows, pad = [1, 2, 3], MMA_MAX_M
+    while tma_available() and pad < MAX_M:
+        rows.append(pad + 1)
+        pad *= 2
+    return tuple(rows)
+
+
 def use_gemv(m: int, n: int, k: int, glu: bool = False) -> bool:
     """Whether a linear layer of m rows and an [n, k] weight (glu: a gate_up with its
     activation) should use gemv over F.linear (cuBLAS).
@@ -561,10 +574,17 @@ def use_gemv(m: int, n: int, k: int, glu: bool = False) -> bool:
     3.39 (docs/benchmarks/gpu-2026-11-29g). Without TMA the cp.async kernel pays only for the
     fused gate_up and wide weights (N >= 32768, lm_head): 3.418 ms a step against cuBLAS's
     3.540; with o_proj and down too (split K) it was 3.693, slower (gpu-2026-11-29d).
+
+    At M = 17..32 on Hopper the TMA kernel again (x padded to 32 rows), with the same tiles:
+    the batch-32 step took 3.35-3.54 ms against cuBLAS's 3.91-4.01, and `arle serve` at
+    concurrency 32 gained 7-11% (docs/benchmarks/gpu-2026-11-30h). At 64 rows (x padded to 64)
+    the step was 0.1 ms slower than with cuBLAS, so MAX_M stays 32.
     """
     if 1 <= m <= USE_GEMV_MAX_M:
         return True
-    return USE_GEMV_MAX_M < m <= MAX_M and (glu or n >= 32768 or tma_available())
+    if MMA_MAX_M < m <= MAX_M:
+        return tma_available()
+    return USE_GEMV_MAX_M < m <= MMA_MAX_M and (glu or n >= 32768 or tma_available())
 
 
 # ---------------------------------------------------------------------------------------------

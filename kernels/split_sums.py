@@ -1,6 +1,6 @@
 """A linear layer's output left unreduced: split-K partial sums that the next kernel adds up.
 
-At 3-16 rows the GEMV splits K over programs to give every SM work (o_proj and down in four,
+At 3-32 rows the GEMV splits K over programs to give every SM work (o_proj and down in four,
 qkv in two), and the partial sums must be added before anyone reads y. A separate reduce kernel
 costs a launch and ~1.5 us of a decode step's critical path per linear layer. Instead, with
 `gemv_split_sums` (kernels/gemv.py) the programs of splits 2s and 2s + 1 add their fp32 tiles
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 #: rows a slot buffer holds: the most the GEMV takes (kernels/gemv.py's MAX_M is this)
-MAX_ROWS = 16
+MAX_ROWS = 32
 
 _BUFFERS: dict[tuple[torch.device, int, int], Tensor] = {}
 _PENDING: set[tuple[torch.device, int, int]] = set()

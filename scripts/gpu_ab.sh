@@ -8,8 +8,9 @@
 # to about 1 us. Writes decode_TAG.json and ab_log.txt into $OUT/results.tar (rewritten after
 # each run: a call cut short still returns what finished). --then: gpu_session.sh phases for
 # the checkout afterwards (ARLE_COMMIT names it). --serve C: `bench_gpu.py serve` at concurrency
-# C (64 prompts, 512 in / 128 out) instead of decode, into serve_TAG.json. --offline:
-# `bench_gpu.py offline` on a random Qwen3-0.6B (256 requests, 3 runs) into offline_TAG.json.
+# C, or at each of "C1 C2" on one server (64 prompts, 512 in / 128 out) instead of decode, into
+# serve_TAG.json. --offline: `bench_gpu.py offline` on a random Qwen3-0.6B (256 requests, 3
+# runs) into offline_TAG.json.
 # --cold: an empty Triton cache before each run (a server's first start, or a container's).
 set -u
 OUT=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p $RES $OUT
@@ -36,7 +37,8 @@ run() {  # phase tree tag timeout args...: bench_gpu.py PHASE with the tree's ar
 }
 for spec in "$@"; do
   if [ -n "$serve" ]; then
-    run serve "${spec%%:*}" "${spec#*:}" 120 --concurrency "$serve" --num-prompts 64
+    # shellcheck disable=SC2086  # --serve "8 32": one server, each concurrency in turn
+    run serve "${spec%%:*}" "${spec#*:}" 150 --concurrency $serve --num-prompts 64
   elif [ -n "$offline" ]; then
     run offline "${spec%%:*}" "${spec#*:}" 150
   else

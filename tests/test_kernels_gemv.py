@@ -92,11 +92,19 @@ def test_use_gemv_rule(tma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """M = 1 and 2 on every Qwen3-4B shape (where the FMA kernel beat cuBLAS on the H200);
     M = 3..16 with TMA (Hopper) every shape; without it where the cp.async kernel made the
     engine's batch-8 step faster (the fused gate_up, lm_head), not where it lost (qkv) or only
-    won alone (o_proj, down); never M = 0 or M > 16."""
+    won alone (o_proj, down); M = 17..MAX_M with TMA only; never M = 0 or M > MAX_M. And the
+    row counts a warm-up runs: one per kernel variant (FMA at 1, 2; each M_PAD of the MMA)."""
     monkeypatch.setattr(gemv_module, "tma_available", lambda: tma)
+    top = gemv_module.MAX_M
     for n, k in BENCH_SHAPES.values():
         assert use_gemv(1, n, k) and use_gemv(2, n, k)
-        assert not any(use_gemv(m, n, k) for m in (0, 17, 64))
+        assert not any(use_gemv(m, n, k) for m in (0, top + 1, 2 * top))
+        assert [use_gemv(m, n, k, glu) for m in (17, top) for glu in (False, True)] == [tma] * 4
+    classes = gemv_module.row_classes()
+    assert classes[:2] == (1, 2)
+    pads = [max(16, 1 << (m - 1).bit_length()) for m in classes[2:]]
+    assert pads == [16 << i for i in range(len(pads))]
+    assert pads[-1] == (top if tma else 16)
     for m in (3, 8, 16):
         assert use_gemv(m, *BENCH_SHAPES["lm_head"])
         assert use_gemv(m, *BENCH_SHAPES["gate_up"], glu=True)
@@ -229,7 +237,7 @@ def test_interpreter() -> None:
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 24, 32])
 @pytest.mark.parametrize("shape", list(BENCH_SHAPES))
 def test_gpu_matches_reference(shape: str, m: int, bias: bool) -> None:
     n, k = BENCH_SHAPES[shape]
@@ -281,7 +289,7 @@ def test_gpu_mma_tiles(tile: tuple[int, int, int, int]) -> None:
     """The tensor-core kernel's tiles in use, on Qwen3-4B's o_proj and down shapes
     (split K 1 and 4) and an odd one, at 3 / 8 / 16 rows, bf16 and fp32 (ieee, not tf32), and
     the fused activation: against fp64 and gemv_ref. A row's bits do not depend on the other
-    rows (the same first 3 rows at M = 3 and 16: batch invariance)."""
+    rows (the same first rows at M = 3, 8, 16, ... up to MAX_M with TMA: batch invariance)."""
     check_mma_tile(tile, tma=False, odd_dtype=torch.float32)
 
 
@@ -309,9 +317,13 @@ def check_mma_tile(tile: tuple[int, int, int, int], tma: bool, odd_dtype: torch.
         tol = 1e-2 if dtype != torch.float32 else 1e-5
         for split in (1, 4):
             cfg = GemvConfig(bn, bk, warps, stages, split, mma=True, tma=tma)
-            x, w, b = make_inputs(16, n, k, dtype, "cuda", bias=split == 1, seed=n)
+            # NOTE: with TMA up to MAX_M rows (M_PAD 32): a row's bits must not depend on it
+            rows = gemv_module.MAX_M if tma else 16
+            x, w, b = make_inputs(rows, n, k, dtype, "cuda", bias=split == 1, seed=n)
             full = check(x, w, b, tol, cfg)
-            for m in (3, 8):
+            for m in (3, 8, 16, 32, 48):
+                if m >= rows:
+                    break
                 part = check(x[:m].contiguous(), w, b, tol, cfg)
                 assert torch.equal(part, full[:m]), f"rows changed with M: {cfg}"
     x, w, _ = make_inputs(8, 2 * 1000, 2560, torch.bfloat16, "cuda", bias=False, seed=5)

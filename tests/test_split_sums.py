@@ -27,7 +27,7 @@ from arle_kernels.fused import (
     qk_norm_rope_store_kv_ref,
 )
 from arle_kernels.gemv import GemvConfig, _launch, gemv_ref, gemv_split_sums
-from arle_kernels.split_sums import SplitSums, slot_buffer, take
+from arle_kernels.split_sums import MAX_ROWS, SplitSums, slot_buffer, take
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -73,8 +73,8 @@ def test_slot_buffer_is_kept_and_a_pending_one_is_cleared() -> None:
     third = slot_buffer(dev, 2, 8, 24)
     assert not third.any(), "a buffer left pending is zeroed before its next producer"
     take(SplitSums(third, torch.float32))
-    with pytest.raises(AssertionError, match="up to 16 rows"):
-        slot_buffer(dev, 2, 17, 24)
+    with pytest.raises(AssertionError, match=f"up to {MAX_ROWS} rows"):
+        slot_buffer(dev, 2, MAX_ROWS + 1, 24)
 
 
 def test_reference_ops_take_split_sums() -> None:

@@ -63,6 +63,7 @@ from arle_kernels.decode_attention import (
     pick_num_splits,
 )
 from arle_kernels.extend_attention import block_tokens
+from arle_kernels.gemv import row_classes
 from arle_kernels.ops import ops_for
 
 log = get_logger("arle.executor.cuda")
@@ -415,8 +416,9 @@ class CUDAExecutor:
         all reach: the decode kernel's split counts (1..32 by batch size, a power of two, each
         its own merge-kernel variant, and one more at one row) with and without its first
         block loaded before the PDL wait (up to PRELOAD_MAX_BATCH rows), and the GEMVs' row
-        classes (1, 2: FMA; 3..16: tensor cores, every linear layer with TMA, else gate_up +
-        SiLU·up and lm_head, which runs at 3..16 rows only once 3 rows sample in one step).
+        classes (`row_classes`: 1, 2: FMA; 3..16 and, with TMA, 17..32: tensor cores, every
+        linear layer with TMA, else gate_up + SiLU·up and lm_head, which runs at 3+ rows only
+        once 3 rows sample in one step).
         On zeros and page 0; the outputs are thrown away."""
         cfg = self.model.config
         # each (split count, preload, merge variant) variant, at the fewest rows that pick it
@@ -436,7 +438,7 @@ class CUDAExecutor:
                 self.model.ops.decode_attention(q, k, v, table, seq_lens, 1.0, n, k_scale=ks,
                                                 v_scale=vs)
             ops, norm = self.model.ops, layer.post_attention_layernorm
-            for rows in (1, 2, 3):
+            for rows in row_classes():
                 x = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=self.device)
                 # the linear layers as the decoder runs them, each result taken by its consumer
                 # (split sums included); no K/V is written (slots -1)
