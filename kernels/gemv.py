@@ -576,8 +576,8 @@ def use_gemv(m: int, n: int, k: int, glu: bool = False) -> bool:
     3.540; with o_proj and down too (split K) it was 3.693, slower (gpu-2026-11-29d).
 
     At M = 17..32 on Hopper the TMA kernel again (x padded to 32 rows), with the same tiles:
-    the batch-32 step took 3.35-3.54 ms against cuBLAS's 3.91-4.01, and `arle serve` at
-    concurrency 32 gained 7-11% (docs/benchmarks/gpu-2026-11-30h). At 64 rows (x padded to 64)
+    the batch-32 step took 3.35-3.57 ms against cuBLAS's 3.91-4.03, and `arle serve` at
+    concurrency 32 gained 3-12% (three calls, docs/benchmarks/gpu-2026-11-30h). At 64 rows (x padded to 64)
     the step was 0.1 ms slower than with cuBLAS, so MAX_M stays 32.
     """
     if 1 <= m <= USE_GEMV_MAX_M:
