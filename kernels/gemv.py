@@ -552,9 +552,10 @@ def row_classes() -> tuple[int, ...]:
     rows, the tensor-core kernels at 3..16 (M_PAD 16) and, with TMA, each power of two up to
     MAX_M (17..32: M_PAD 32): what a warm-up runs to build them all."""
     rows, pad = [1, 2, 3], MMA_MAX_M
-    while tma_available() and pad < MAX_M:
-        rows.append(pad + 1)
-        pad *= 2
+    if tma_available():
+        while pad < MAX_M:
+            rows.append(pad + 1)
+            pad *= 2
     return tuple(rows)
 
 
