@@ -400,5 +400,5 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: in
     return splits
 
 
-__all__ = ["MERGE_O_WITH_LSE_MAX_BATCH", "PRELOAD_MAX_BATCH", "decode_attention", "decode_attention_ref", "default_config",
-           "pick_num_splits"]
+__all__ = ["MERGE_O_WITH_LSE_MAX_BATCH", "PRELOAD_MAX_BATCH", "decode_attention",
+           "decode_attention_ref", "default_config", "pick_num_splits"]

@@ -549,14 +549,9 @@ def gemv_silu_mul_ref(x: Tensor, gate_up: Tensor, *, out: Tensor | None = None) 
 
 def row_classes() -> tuple[int, ...]:
     """One row count per kernel variant the GEMVs compile by M: the FMA kernel at 1 and 2
-    rows, the tensor-core kernels at 3..16 (M_PAD 16) and, with TMA, each power of two up to
-    MAX_M (17..32: M_PAD 32): what a warm-up runs to build them all."""
-    rows, pad = [1, 2, 3], MMA_MAX_M
-    if tma_available():
-        while pad < MAX_M:
-            rows.append(pad + 1)
-            pad *= 2
-    return tuple(rows)
+    rows, the tensor-core kernels at 3..16 (M_PAD 16) and, with TMA, 17..MAX_M (M_PAD 32):
+    what a warm-up runs to build them all."""
+    return (1, 2, 3, MMA_MAX_M + 1) if tma_available() else (1, 2, 3)
 
 
 def use_gemv(m: int, n: int, k: int, glu: bool = False) -> bool:
@@ -578,8 +573,8 @@ def use_gemv(m: int, n: int, k: int, glu: bool = False) -> bool:
 
     At M = 17..32 on Hopper the TMA kernel again (x padded to 32 rows), with the same tiles:
     the batch-32 step took 3.35-3.57 ms against cuBLAS's 3.91-4.03, and `arle serve` at
-    concurrency 32 gained 3-12% (three calls, docs/benchmarks/gpu-2026-11-30h). At 64 rows (x padded to 64)
-    the step was 0.1 ms slower than with cuBLAS, so MAX_M stays 32.
+    concurrency 32 gained 3-12% (three calls, docs/benchmarks/gpu-2026-11-30h). At 64 rows
+    (x padded to 64) the step was 0.1 ms slower than with cuBLAS, so MAX_M stays 32.
     """
     if 1 <= m <= USE_GEMV_MAX_M:
         return True

@@ -63,7 +63,7 @@ class SamplingBatch:
     @property
     def takes_greedy_pick(self) -> bool:
         """Every row greedy, no penalty, no logprobs: the argmax is all there is to do."""
-        return self.all_greedy and not self.any_penalty and self.num_logprobs < 0
+        return not self.reads_tensors and self.num_logprobs < 0
 
     @property
     def reads_tensors(self) -> bool:
