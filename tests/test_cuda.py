@@ -247,24 +247,33 @@ async def test_idle_engine_sleeps(gpu_model: LoadedModel, make_engine: Any) -> N
     assert time.process_time() - t0 < 0.1
 
 
-# NOTE: without graphs first: then no test before it in this process built its variants
-@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
+# NOTE: the small graphs, then no graphs first: then no test before them in this process built
+# their variants (the small graphs' model has a head dim of its own: its attention variants are
+# its own; the GEMVs' are keyed on their tiles, shared by every model here)
+@pytest.mark.parametrize("graph_bs", [2, 0, None], ids=["small_graphs", "eager", "graphs"])
 async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any,
-                                              cuda_graph: bool) -> None:
+                                              graph_bs: int | None) -> None:
     """After the serve warm-up, staggered arrivals (mixed steps with every count of decode
     rows, page tables of every width, several prefills per step) build no new Triton variant:
-    each would stall every request for up to seconds mid-serving. A model of its own head shape
-    (head dim 64, 8 query heads per KV head), so no earlier test built its variants. (Seen on
-    the H200: eager lm_head at 3..16 rows built its tensor-core variant mid-serving.)"""
+    each would stall every request for up to seconds mid-serving. Without graphs, with graphs
+    for every batch size, and with graphs for 1-2 rows only (`--cuda-graph-max-bs 2`: larger
+    steps run eagerly). A model of its own head shape (head dim 64, 8 query heads per KV
+    head), so no earlier test built its variants. (Seen on the H200: eager lm_head at 3..16
+    rows built its tensor-core variant mid-serving.)"""
     from arle.diagnostics import Phase, warmup_passes
     from arle_kernels.jit import watch_compiles
 
     # NOTE: a vocabulary >= 32768, so lm_head takes the tensor-core GEMV at 3..16 rows
     write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", **{
         **GPU_SHAPE, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 1,
-        "head_dim": 64, "vocab_size": 32768}), seed=4)
-    engine = make_engine(load_model(tmp_path, "bfloat16", "cuda"), max_running_requests=16,
-                         kv_cache_tokens=32768, cuda_graph=cuda_graph)
+        "head_dim": 32 if graph_bs == 2 else 64, "vocab_size": 32768}), seed=4)
+    # the small graphs: 24 requests 0.2 ms apart with room for 32, so most steps run eagerly,
+    # at up to 24 rows
+    small = graph_bs == 2
+    engine = make_engine(load_model(tmp_path, "bfloat16", "cuda"),
+                         max_running_requests=32 if small else 16,
+                         kv_cache_tokens=32768, cuda_graph=graph_bs != 0,
+                         cuda_graph_max_bs=graph_bs or None)
     phases: list[Phase] = []
     assert await warmup_passes(engine, phases), phases
     built: list[str] = []
@@ -273,7 +282,7 @@ async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any,
         pytest.skip("this Triton has no jit_cache_hook to watch builds with")
     try:
         async def late(i: int) -> None:
-            await asyncio.sleep(0.003 * i)
+            await asyncio.sleep((0.0002 if small else 0.003) * i)
             await run(engine, _prompt(7 + 37 * i, 50 + i), max_tokens=12 + i, ignore_eos=True)
         await asyncio.gather(*(late(i) for i in range(24)))
     finally:
