@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import itertools
 import json
 import os
 import random
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import GenerateRequest, SamplingParams
+from arle.gcwatch import GCPauses, freeze_start_up
 from arle_kernels.jit import pdl_enabled
 
 
@@ -141,6 +144,17 @@ def _engine_config(args: argparse.Namespace, **kw: Any) -> EngineConfig:
     return EngineConfig(**base)
 
 
+async def _engine(args: argparse.Namespace, **kw: Any) -> AsyncEngine:
+    """The engine of `_engine_config(args, **kw)`, with what its start-up left frozen for the
+    cyclic GC as `arle serve` does (`--no-gc-freeze`: not). Unfrozen, a full pass over those
+    ~200k objects held the loop ~100 ms in the middle of a run (a Qwen3-4B timeline at
+    concurrency 64: 8% of its throughput; docs/benchmarks/gpu-2026-11-30j.md)."""
+    engine = await AsyncEngine.create(_engine_config(args, **kw))
+    if not args.no_gc_freeze:
+        freeze_start_up()
+    return engine
+
+
 async def _generate(engine: AsyncEngine, prompt: list[int], max_tokens: int
                     ) -> tuple[float, list[float]]:
     """(start time, arrival time of every token)."""
@@ -172,7 +186,7 @@ def _weight_bytes(engine: AsyncEngine) -> int:
 
 
 async def _decode(args: argparse.Namespace) -> dict[str, Any]:
-    engine = await AsyncEngine.create(_engine_config(args, max_running_requests=64))
+    engine = await _engine(args, max_running_requests=64)
     vocab = engine.tokenizer.vocab_size
     out: dict[str, Any] = {"phase": "decode", "model": args.model, "flags": {k: v for k, v in vars(args).items() if k != "fn"},
                            "weight_bytes": _weight_bytes(engine)}
@@ -213,9 +227,8 @@ def decode(args: argparse.Namespace) -> None:
 
 async def _prefill(args: argparse.Namespace) -> dict[str, Any]:
     n = args.prompt_len
-    engine = await AsyncEngine.create(_engine_config(
-        args, max_running_requests=8, chunked_prefill_size=max(n, 8192),
-        max_batched_tokens=max(n, 8192) + 8, enable_prefix_cache=False))
+    engine = await _engine(args, max_running_requests=8, chunked_prefill_size=max(n, 8192),
+                           max_batched_tokens=max(n, 8192) + 8, enable_prefix_cache=False)
     vocab = engine.tokenizer.vocab_size
     ttfts = []
     for i in range(args.repeats + 1):
@@ -244,7 +257,7 @@ async def _offline(args: argparse.Namespace) -> dict[str, Any]:
     `--offline-runs` times in one engine. Run 1 is nano-vllm's exact workload; later runs keep
     its lengths with other random tokens (no prefix-cache hits). On a slow host one run
     scatters by +-10% (docs/benchmarks/gpu-2026-11-29d.md), so the figure is their median."""
-    engine = await AsyncEngine.create(_engine_config(args, max_running_requests=256))
+    engine = await _engine(args, max_running_requests=256)
     vocab = engine.tokenizer.vocab_size
     rng = random.Random(0)
     reqs = [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))],
@@ -252,6 +265,7 @@ async def _offline(args: argparse.Namespace) -> dict[str, Any]:
     await _generate(engine, reqs[0][0][:32], 8)  # warm-up
     out_tokens = sum(n for _, n in reqs)
     runs: list[float] = []
+    pauses = GCPauses().start()
     for run in range(args.offline_runs):
         if run:
             tokens = random.Random(run)
@@ -259,13 +273,15 @@ async def _offline(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         await asyncio.gather(*(_generate(engine, p, n) for p, n in reqs))
         runs.append(time.perf_counter() - t0)
+    pauses.stop()
     stats = engine.snapshot()
     await engine.close()
     dt = statistics.median(runs)
     return {"phase": "offline", "model": args.model, "requests": len(reqs), "seconds": dt,
             "output_tokens": out_tokens, "prompt_tokens": sum(len(p) for p, _ in reqs),
             "output_tok_s": out_tokens / dt, "runs_tok_s": [out_tokens / t for t in runs],
-            "preemptions": stats.get("preemptions")}
+            "preemptions": stats.get("preemptions"), "gc_frozen_objects": gc.get_freeze_count(),
+            "gc_pauses": pauses.summary()}
 
 
 def offline(args: argparse.Namespace) -> None:
@@ -322,7 +338,7 @@ async def _host(args: argparse.Namespace) -> dict[str, Any]:
     import io
     import pstats
 
-    engine = await AsyncEngine.create(_engine_config(args, max_running_requests=64))
+    engine = await _engine(args, max_running_requests=64)
     ex = engine.executor
     vocab = engine.tokenizer.vocab_size
     await _generate(engine, _prompts(1, 64, vocab, 9)[0], 16)  # warm-up
@@ -356,8 +372,9 @@ async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
     soon as one ends (as `arle bench` sends them). Every step's kind, token and decode-row
     count and device time (the executor's events), and the wall clock: the device's idle time
     is the wall time less the steps' device time. Then the kernels of the largest extend graph
-    (a prefill step) by time: what a prefill step's GPU time is made of."""
-    engine = await AsyncEngine.create(_engine_config(args, serving=True))
+    (a prefill step) by time: what a prefill step's GPU time is made of. And every collection
+    of the cyclic GC during the run: when it began, its generation, how long it held the loop."""
+    engine = await _engine(args, serving=True)
     ex = engine.executor
     vocab = engine.tokenizer.vocab_size
     await _generate(engine, _prompts(1, 64, vocab, 9)[0], 16)  # warm-up
@@ -369,11 +386,16 @@ async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
         while queue:
             results.append(await _generate(engine, queue.pop(), args.output_len))
 
+    pauses = GCPauses(keep_events=True).start()
     finish = _record_steps(ex)
     t_start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
     wall = time.perf_counter() - t_start
+    pauses.stop()
     steps = finish()
+    # the loop's longest stalls: gaps between two steps' launches, beside the collections
+    gaps = sorted(((b["t_ms"] - a["t_ms"], a["t_ms"]) for a, b in itertools.pairwise(steps)),
+                  reverse=True)[:5]
     kinds: dict[str, dict[str, float]] = {}
     for st in steps:
         kind = "decode" if st["tokens"] == st["decode_rows"] else "prefill"
@@ -392,6 +414,10 @@ async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
         "decode_step_ms_median": statistics.median(
             [st["device_ms"] for st in steps if st["tokens"] == st["decode_rows"]
              and "device_ms" in st] or [0.0]),
+        "gc": {"frozen_objects": gc.get_freeze_count(), "pauses": pauses.summary(),
+               "events": [{"t_ms": (t - t_start) * 1e3, "generation": g, "ms": sec * 1e3}
+                          for t, g, sec in pauses.events or []]},
+        "longest_launch_gaps": [{"t_ms": t, "gap_ms": gap} for gap, t in gaps],
         "steps": steps}
     graphs = getattr(ex, "extend_graphs", None)
     if graphs is not None and graphs.graphs:
@@ -494,6 +520,8 @@ def serve(args: argparse.Namespace) -> None:
             _write(args.out, out)  # after every run: a cut-short call keeps what it measured
             print(f"concurrency {conc}: {s['output_throughput']:.0f} tok/s, "
                   f"TPOT {s['mean_tpot_ms']:.2f} ms, TTFT {s['mean_ttft_ms']:.1f} ms", flush=True)
+        # the cyclic GC's pauses in the server over all the runs (`/v1/stats`)
+        out["gc"] = httpx.get(f"http://127.0.0.1:{port}/v1/stats", timeout=10).json()["gc"]
     except Exception as e:
         out["error"] = repr(e)
         log.flush()
@@ -531,6 +559,9 @@ def main() -> None:
         s.add_argument("--repeats", type=int, default=5)
         s.add_argument("--num-requests", type=int, default=256)
         s.add_argument("--concurrency", type=int, default=8, help="timeline's clients")
+        s.add_argument("--no-gc-freeze", action="store_true",
+                       help="leave the engine's start-up objects to the cyclic GC (`arle serve` "
+                       "freezes them)")
         s.add_argument("--offline-runs", type=int, default=3)
         s.add_argument("--disable-overlap", action="store_true")
         s.add_argument("--disable-cuda-graph", action="store_true")

@@ -376,7 +376,10 @@ def test_metrics_and_stats(server: ServerProcess, client: openai.OpenAI) -> None
                  "arle_inter_token_latency_seconds_bucket",
                  "arle_e2e_request_latency_seconds_bucket", "arle_requests_running",
                  "arle_requests_waiting", "arle_kv_pages_used", "arle_kv_pages_free",
-                 "arle_prefix_cache_hit_rate", 'arle_step_phase_seconds_total{phase="decode"}'):
+                 "arle_prefix_cache_hit_rate", 'arle_step_phase_seconds_total{phase="decode"}',
+                 'arle_gc_pause_seconds_total{generation="2"}',
+                 'arle_gc_collections_total{generation="0"}',
+                 'arle_gc_pause_max_seconds{generation="1"}'):
         assert name in text, name
     s = stats(server)
     assert s["arle_generation_tokens"] >= 4
@@ -384,6 +387,9 @@ def test_metrics_and_stats(server: ServerProcess, client: openai.OpenAI) -> None
     assert s["engine"]["kv_pages_total"] > 0
     # `arle serve` froze what start-up left (the cyclic GC's full passes skip it)
     assert s["gc"]["frozen_objects"] > 10_000 and isinstance(s["gc"]["full_collections"], int)
+    # and times the collections since: serving a request allocates enough for a few young ones
+    young = s["gc"]["pauses"]["gen0"]
+    assert young["count"] >= 1 and 0.0 < young["max_ms"] <= young["total_ms"]
 
 
 # ---- fuzz: whatever the schema allows (and more), never a 5xx, never a hang -------------------------

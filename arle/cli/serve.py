@@ -11,7 +11,6 @@ NOTE: uvicorn, the engine and torch are imported inside the command: `arle --hel
 from __future__ import annotations
 
 import asyncio
-import gc
 import math
 import os
 import signal
@@ -108,6 +107,7 @@ async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
     import uvicorn
 
     from arle.engine.async_engine import AsyncEngine
+    from arle.gcwatch import PAUSES, freeze_start_up
     from arle.server.app import create_app
 
     engine = await AsyncEngine.create(config)
@@ -117,9 +117,9 @@ async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
         # NOTE: start-up leaves many long-lived objects behind (the compiled kernels and their
         # caches, the graphs' bookkeeping); frozen, they are no longer walked by the cyclic
         # GC's full passes while serving. One process serves one engine: nothing frozen
-        # would be freed later anyway.
-        gc.collect()
-        gc.freeze()
+        # would be freed later anyway. The pauses left are timed from here on.
+        freeze_start_up()
+        PAUSES.start()
         state = app.state.arle
 
         class Server(uvicorn.Server):

@@ -14,8 +14,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from arle.gcwatch import PAUSES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -52,6 +54,25 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=value)
 
 
+class _GCCollector(Collector):
+    """The cyclic GC's pauses (`arle.gcwatch.PAUSES`), read when scraped: each one stopped the
+    event loop, and every request with it."""
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        total = CounterMetricFamily("arle_gc_pause_seconds", "Time the cyclic garbage collector "
+                                    "held the process, by generation, since serving began.",
+                                    labels=["generation"])
+        count = CounterMetricFamily("arle_gc_collections", "Collections by generation since "
+                                    "serving began.", labels=["generation"])
+        longest = GaugeMetricFamily("arle_gc_pause_max_seconds", "The longest collection by "
+                                    "generation since serving began.", labels=["generation"])
+        for g in range(3):
+            total.add_metric([str(g)], PAUSES.total_s[g])
+            count.add_metric([str(g)], PAUSES.count[g])
+            longest.add_metric([str(g)], PAUSES.max_s[g])
+        yield from (total, count, longest)
+
+
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.started = time.time()
@@ -78,6 +99,7 @@ class ServerMetrics:
         self.e2e = Histogram("arle_e2e_request_latency_seconds", "Request latency, end to end.",
                              buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(snapshot, self.prefix_hit_rate))
+        r.register(_GCCollector())
         self._prompt_sum = self._cached_sum = 0
 
     # ---- feeding ----------------------------------------------------------------------------
@@ -120,9 +142,11 @@ class ServerMetrics:
         out: dict[str, Any] = {"uptime_s": round(time.time() - self.started, 3),
                                "engine": self._snapshot(),
                                # the cyclic GC: objects `arle serve` froze after start-up,
-                               # and full passes (generation 2) since
+                               # full passes (generation 2) in the process's life, and the
+                               # pauses of every generation since serving began
                                "gc": {"frozen_objects": gc.get_freeze_count(),
-                                      "full_collections": gc.get_stats()[2]["collections"]}}
+                                      "full_collections": gc.get_stats()[2]["collections"],
+                                      "pauses": PAUSES.summary()}}
         for family in self.registry.collect():
             if family.type == "histogram":
                 count = total = 0.0
