@@ -20,10 +20,13 @@ a down item needs a gate_up tile not yet written, stream closer to 4.4 TB/s?
   its items (`build_chunks`). Calls 2-7; its hangs (calls 2-5) came from a per-thread counter
   load that warps saw differently ahead of CTA barriers.
 - v3 (`_mlp_ws_kernel`, Gluon): v2 with a producer warp (warp specialisation). Calls 8-12.
+- v4 (`_mlp_cross_kernel`, Gluon): v3 over all layers in one launch, with the norm between
+  layers inside (run by the program that completes a layer). Call 13.
 
     python3 docs/benchmarks/gpu-2026-11-30k/exp_persistent_mlp.py --check --bench --call 10
     python3 docs/benchmarks/gpu-2026-11-30k/exp_persistent_mlp.py --bench --v1      # call 1
     python3 docs/benchmarks/gpu-2026-11-30k/exp_persistent_mlp.py --all-layers      # call 12
+    python3 docs/benchmarks/gpu-2026-11-30k/exp_persistent_mlp.py --cross           # call 13
     python3 docs/benchmarks/gpu-2026-11-30k/exp_persistent_mlp.py --compile-stream  # no GPU
 
 (On the device `arle_kernels` must import: `ln -sfn $PWD/kernels /tmp/site/arle_kernels` and
@@ -633,6 +636,304 @@ if gluon is not None:
             gl.store(done_ptr, 0)
 
 
+    # ---- v4: v3 across layers, with the real dependencies --------------------------------------
+    #
+    # Call 12: v3 streaming all 36 layers' MLP weights in one launch drew 4.04 TB/s (37 us a
+    # layer) against 44 us launched per layer. v4 asks whether that survives the dependencies:
+    # layer l + 1's gate_up reads x_{l+1} = rms_norm(residual + y_l), which needs all of layer
+    # l's down items. Each down item adds into y (fp32, [2, M, H] by layer parity: atomics in
+    # any order, so not bit-reproducible) and counts itself; the program whose item completes a
+    # layer runs the residual add + RMSNorm (HF's roundings) and publishes x_{l+1}. Counters are
+    # cumulative (group g of layer l is complete at TPG * (l + 1)). The producer copies W ahead
+    # regardless and holds back only the activation copies, so the ring fills with the next
+    # layer's weights while the norm runs.
+
+    @gluon.jit
+    def _v4_ready(tab, d, gctr_ptr, xready_ptr, known, known_layer, xr, MAXC: gl.constexpr,
+                  ROW_TILES: gl.constexpr, TPG: gl.constexpr, GROUPS: gl.constexpr):
+        """Whether chunk d's activation may be copied, from what is known (polled once more if
+        not): (ok, known, known_layer, xr). A successful poll is followed by the acquire and
+        proxy fences."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        offs_g = gl.arange(0, 32, layout=lay)
+        flags = gl.load(tab + 2 * MAXC + d)
+        layer = flags >> 3
+        ok = flags >= 0
+        if (flags & 1) == 0:
+            if xr < layer:
+                xr = gl.load(xready_ptr, volatile=True)
+                ok = xr >= layer
+                if ok:
+                    _g_fence_acq_rel()
+                    _g_fence_proxy_async()
+        elif (flags & 2) != 0:
+            g = gl.load(tab + 3 * MAXC + d) // ROW_TILES
+            if known_layer != layer:
+                known = known * 0
+                known_layer = layer
+            if ((known >> g) & 1) == 0:
+                cnt = gl.load(gctr_ptr + offs_g, mask=offs_g < GROUPS, other=0, volatile=True)
+                known = gl.sum(gl.where(cnt >= TPG * (layer + 1), 1 << offs_g, 0), 0)
+                ok = ((known >> g) & 1) != 0
+                if ok:
+                    _g_fence_acq_rel()
+                    _g_fence_proxy_async()
+        return ok, known, known_layer, xr
+
+    @gluon.jit
+    def _v4_issue_act(xs_desc, h_desc, tab, d, a_ring, full, MAXC: gl.constexpr,
+                      STAGES: gl.constexpr, M_ROWS: gl.constexpr):
+        s = d % STAGES
+        flags = gl.load(tab + 2 * MAXC + d)
+        col = gl.load(tab + 1 * MAXC + d)
+        if (flags & 1) == 0:
+            tma.async_copy_global_to_shared(xs_desc, [(flags >> 3) * M_ROWS, col], full.index(s),
+                                            a_ring.index(s))
+        else:
+            tma.async_copy_global_to_shared(h_desc, [0, col], full.index(s), a_ring.index(s))
+
+    @gluon.jit
+    def _v4_producer(w_desc, xs_desc, h_desc, tab, n, w_ring, a_ring, full, empty, gctr_ptr,
+                     xready_ptr, MAXC: gl.constexpr, ROW_TILES: gl.constexpr, TPG: gl.constexpr,
+                     GROUPS: gl.constexpr, STAGES: gl.constexpr, M_ROWS: gl.constexpr,
+                     PDL: gl.constexpr):
+        W_BYTES: gl.constexpr = w_desc.block_type.nbytes
+        ACT_BYTES: gl.constexpr = xs_desc.block_type.nbytes
+        for i in gl.static_range(STAGES):
+            if i < n:
+                mbarrier.expect(full.index(i), W_BYTES + ACT_BYTES)
+                tma.async_copy_global_to_shared(w_desc, [gl.load(tab + i) * 64, 0],
+                                                full.index(i), w_ring.index(i))
+        if PDL:
+            _g_grid_wait()
+        pend = n * 0  # the first chunk whose activation copy is not issued
+        known = n * 0
+        known_layer = n * 0 - 1
+        xr = n * 0
+        for c in range(n):
+            s = c % STAGES
+            if c >= STAGES:
+                # the warpgroup frees slot s only once chunk c - STAGES is in: wait for it here
+                while pend <= c - STAGES:
+                    ok, known, known_layer, xr = _v4_ready(
+                        tab, pend, gctr_ptr, xready_ptr, known, known_layer, xr, MAXC,
+                        ROW_TILES, TPG, GROUPS)
+                    if ok:
+                        _v4_issue_act(xs_desc, h_desc, tab, pend, a_ring, full, MAXC, STAGES,
+                                      M_ROWS)
+                        pend += 1
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                mbarrier.expect(full.index(s), W_BYTES + ACT_BYTES)
+                tma.async_copy_global_to_shared(w_desc, [gl.load(tab + c) * 64, 0],
+                                                full.index(s), w_ring.index(s))
+            go = pend >= 0
+            while go & (pend <= c):
+                ok, known, known_layer, xr = _v4_ready(
+                    tab, pend, gctr_ptr, xready_ptr, known, known_layer, xr, MAXC, ROW_TILES,
+                    TPG, GROUPS)
+                if ok:
+                    _v4_issue_act(xs_desc, h_desc, tab, pend, a_ring, full, MAXC, STAGES, M_ROWS)
+                    pend += 1
+                else:
+                    go = pend < 0
+        while pend < n:
+            ok, known, known_layer, xr = _v4_ready(
+                tab, pend, gctr_ptr, xready_ptr, known, known_layer, xr, MAXC, ROW_TILES, TPG,
+                GROUPS)
+            if ok:
+                _v4_issue_act(xs_desc, h_desc, tab, pend, a_ring, full, MAXC, STAGES, M_ROWS)
+                pend += 1
+
+    @gluon.jit
+    def _v4_norm(layer, y_ptr, res_ptr, nw_ptr, xs_ptr, M, eps, H: gl.constexpr,
+                 M_ROWS: gl.constexpr):
+        """Rows 0..M-1: r = residual + y (rounded), residual = r, x_{layer+1} =
+        rms_norm(r) * w (HF's roundings), y zeroed for layer + 2."""
+        dtype: gl.constexpr = res_ptr.dtype.element_ty
+        lay: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        CH: gl.constexpr = 512
+        offs = gl.arange(0, CH, layout=lay)
+        y_row0 = y_ptr + (layer % 2) * M_ROWS * H
+        for m in range(M):
+            sq = gl.zeros([CH], gl.float32, lay)
+            for k0 in gl.static_range(0, H, CH):
+                yv = gl.load(y_row0 + m * H + k0 + offs)
+                rv = gl.load(res_ptr + m * H + k0 + offs)
+                r = (yv.to(dtype).to(gl.float32) + rv.to(gl.float32)).to(dtype)
+                gl.store(res_ptr + m * H + k0 + offs, r)
+                gl.store(y_row0 + m * H + k0 + offs, gl.zeros([CH], gl.float32, lay))
+                rf = r.to(gl.float32)
+                sq += rf * rf
+            zero = gl.zeros([CH], gl.float32, lay)  # (div_rn / sqrt_rn take fp32 tensors)
+            inv = gl.div_rn(zero + 1.0, gl.sqrt_rn(gl.div_rn(zero + gl.sum(sq, 0), zero + H)
+                                                   + eps))
+            for k0 in gl.static_range(0, H, CH):
+                rf = gl.load(res_ptr + m * H + k0 + offs).to(gl.float32)
+                w = gl.load(nw_ptr + layer * H + k0 + offs).to(gl.float32)
+                xn = ((rf * inv).to(dtype).to(gl.float32) * w).to(dtype)
+                gl.store(xs_ptr + ((layer + 1) * M_ROWS + m) * H + k0 + offs, xn)
+
+    @gluon.jit
+    def _v4_consumer(tab, n, w_ring, a_ring, full, empty, epi, h_ptr, y_ptr, res_ptr, nw_ptr,
+                     xs_ptr, gctr_ptr, dctr_ptr, xready_ptr, M, stride_hm, eps,
+                     MAXC: gl.constexpr, M_PAD: gl.constexpr, HALF: gl.constexpr,
+                     ROW_TILES: gl.constexpr, GK: gl.constexpr, H: gl.constexpr,
+                     DOWN_ITEMS: gl.constexpr, M_ROWS: gl.constexpr, STAGES: gl.constexpr,
+                     PDL: gl.constexpr):
+        if PDL:
+            _g_grid_wait()
+        dtype: gl.constexpr = w_ring.dtype
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M_PAD, 16])
+        acc = gl.zeros([64, M_PAD], gl.float32, acc_layout)
+        epi_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        rows_e = gl.arange(0, HALF, layout=gl.SliceLayout(1, epi_layout))
+        cols_e = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, epi_layout))
+        rows_a = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+        cols_a = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, acc_layout))
+        for c in range(n):
+            s = c % STAGES
+            mbarrier.wait(full.index(s), (c // STAGES) & 1)
+            flags = gl.load(tab + 2 * MAXC + c)
+            acc = warpgroup_mma(w_ring.index(s), a_ring.index(s).permute((1, 0)), acc,
+                                use_acc=(flags & 2) == 0)
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(s))
+            if (flags & 4) != 0:
+                unit = gl.load(tab + 3 * MAXC + c)
+                layer = flags >> 3
+                if (flags & 1) == 0:
+                    epi.store(acc)
+                    gl.thread_barrier()
+                    gate = epi.slice(0, HALF).load(epi_layout)
+                    up = epi.slice(HALF, HALF).load(epi_layout)
+                    gl.thread_barrier()
+                    hv = silu_mul(gate.to(dtype), up.to(dtype))
+                    h_ptrs = h_ptr + cols_e[None, :] * stride_hm + (unit * HALF + rows_e)[:, None]
+                    gl.store(h_ptrs, hv, mask=(cols_e < M)[None, :])
+                    _g_fence_proxy_async()
+                    gl.thread_barrier()
+                    gl.atomic_add(gctr_ptr + unit * HALF // GK, 1, sem="release", scope="gpu")
+                else:
+                    rt = unit % ROW_TILES
+                    y_ptrs = (y_ptr + (layer % 2) * M_ROWS * H + cols_a[None, :] * H
+                              + (rt * 64 + rows_a)[:, None])
+                    gl.atomic_add(y_ptrs, acc, mask=(cols_a < M)[None, :], sem="relaxed",
+                                  scope="gpu")
+                    gl.thread_barrier()
+                    prev = gl.atomic_add(dctr_ptr, 1, sem="acq_rel", scope="gpu")
+                    if prev == DOWN_ITEMS * (layer + 1) - 1:
+                        _v4_norm(layer, y_ptr, res_ptr, nw_ptr, xs_ptr, M, eps, H, M_ROWS)
+                        _g_fence_proxy_async()
+                        gl.thread_barrier()
+                        gl.atomic_add(xready_ptr, 1, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _mlp_cross_kernel(w_desc, xs_desc, h_desc, h_ptr, y_ptr, res_ptr, nw_ptr, xs_ptr,
+                          tab_ptr, count_ptr, gctr_ptr, dctr_ptr, xready_ptr, done_ptr, M,
+                          stride_hm, eps, MAXC: gl.constexpr, M_PAD: gl.constexpr,
+                          HALF: gl.constexpr, ROW_TILES: gl.constexpr, TPG: gl.constexpr,
+                          GK: gl.constexpr, H: gl.constexpr, DOWN_ITEMS: gl.constexpr,
+                          M_ROWS: gl.constexpr, NPROG: gl.constexpr, GROUPS: gl.constexpr,
+                          G_PAD: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+        if PDL:
+            _g_launch_dependents()
+        pid = gl.program_id(0)
+        tab = tab_ptr + pid * 4 * MAXC
+        n = gl.load(count_ptr + pid)
+        dtype: gl.constexpr = w_desc.dtype
+        BK: gl.constexpr = w_desc.block_type.shape[1]
+        w_ring = gl.allocate_shared_memory(dtype, [STAGES, 64, BK], w_desc.layout)
+        a_ring = gl.allocate_shared_memory(dtype, [STAGES, M_PAD, BK], xs_desc.layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        epi = gl.allocate_shared_memory(gl.float32, [64, M_PAD],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+        gl.warp_specialize([
+            (_v4_consumer, (tab, n, w_ring, a_ring, full, empty, epi, h_ptr, y_ptr, res_ptr,
+                            nw_ptr, xs_ptr, gctr_ptr, dctr_ptr, xready_ptr, M, stride_hm, eps,
+                            MAXC, M_PAD, HALF, ROW_TILES, GK, H, DOWN_ITEMS, M_ROWS, STAGES,
+                            PDL)),
+            (_v4_producer, (w_desc, xs_desc, h_desc, tab, n, w_ring, a_ring, full, empty,
+                            gctr_ptr, xready_ptr, MAXC, ROW_TILES, TPG, GROUPS, STAGES, M_ROWS,
+                            PDL)),
+        ], [1], [40])
+        gl.thread_barrier()
+        last = gl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+        if last == NPROG - 1:
+            zl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            offs_g = gl.arange(0, G_PAD, layout=zl)
+            gl.store(gctr_ptr + offs_g, gl.zeros([G_PAD], gl.int32, zl), mask=offs_g < GROUPS)
+            gl.store(dctr_ptr, 0)
+            gl.store(xready_ptr, 0)
+            gl.store(done_ptr, 0)
+
+
+class CrossMlp:
+    """v4: `layers` MLPs and their norms in one launch. Call with x0 [M, H]; the residual
+    stream starts at zero (as `bench`'s chain); returns x_L (the last norm's output)."""
+
+    def __init__(self, m: int, cfg: MlpConfig, nws: list[Tensor], wts: list[Tensor],
+                 nprog: int, stages: int = 4) -> None:
+        assert cfg.gbn == 32 and m <= 8
+        dev, dt = wts[0].device, wts[0].dtype
+        self.m, self.cfg, self.nprog, self.stages = m, cfg, nprog, stages
+        self.layers = len(wts)
+        self.groups = INTER // (cfg.gc * cfg.bk)
+        assert self.groups <= 31
+        table, counts = build_chunks(nprog, cfg)
+        tiles = wts[0].shape[0] // TILE_N
+        big = torch.zeros(nprog, 4, triton.next_power_of_2(int(counts.max()) * self.layers),
+                          dtype=torch.int32)
+        for p in range(nprog):
+            k = int(counts[p])
+            parts = []
+            for layer in range(self.layers):
+                t = table[p, :, :k].clone()
+                t[0] += layer * tiles
+                t[2] |= layer << 3
+                parts.append(t)
+            big[p, :, :k * self.layers] = torch.cat(parts, dim=1)
+        self.table, self.counts = big.to(dev), (counts * self.layers).to(dev)
+        self.maxc = big.shape[-1]
+        self.w = torch.cat(wts)
+        self.nw = torch.stack(nws)
+        self.h = torch.zeros(m, INTER, dtype=dt, device=dev)
+        self.y = torch.zeros(2, 8, HIDDEN, dtype=torch.float32, device=dev)
+        self.res = torch.zeros(8, HIDDEN, dtype=dt, device=dev)
+        self.xs = torch.zeros((self.layers + 1) * 8, HIDDEN, dtype=dt, device=dev)
+        self.gctr = torch.zeros(32, dtype=torch.int32, device=dev)
+        self.dctr = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.xready = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.done = torch.zeros(1, dtype=torch.int32, device=dev)
+        bk = cfg.bk
+        lay_w = gl.NVMMASharedLayout.get_default_for([TILE_N, bk], gl.bfloat16)
+        lay_a = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
+        self.w_desc = GluonDescriptor(self.w, list(self.w.shape), [bk, 1], [TILE_N, bk], lay_w)
+        self.xs_desc = GluonDescriptor(self.xs, list(self.xs.shape), [HIDDEN, 1], [16, bk], lay_a)
+        self.h_desc = GluonDescriptor(self.h, [m, INTER], [INTER, 1], [16, bk], lay_a)
+
+    def __call__(self, x0: Tensor) -> Tensor:
+        self.xs[:self.m].copy_(x0)
+        self.res.zero_()
+        cfg = self.cfg
+        pdl = pdl_enabled()
+        _mlp_cross_kernel[(self.nprog,)](
+            self.w_desc, self.xs_desc, self.h_desc, self.h, self.y, self.res, self.nw, self.xs,
+            self.table, self.counts, self.gctr, self.dctr, self.xready, self.done, self.m,
+            self.h.stride(0), 1e-6, MAXC=self.maxc, M_PAD=16, HALF=32,
+            ROW_TILES=HIDDEN // TILE_N, TPG=cfg.gc * cfg.bk // 32, GK=cfg.gc * cfg.bk,
+            H=HIDDEN, DOWN_ITEMS=(HIDDEN // TILE_N) * self.groups, M_ROWS=8, NPROG=self.nprog,
+            GROUPS=self.groups, G_PAD=32, STAGES=self.stages, PDL=pdl, num_warps=4,
+            **pdl_launch(pdl))
+        return self.xs[self.layers * 8:self.layers * 8 + self.m]
+
+
 class StreamMlp:
     """v2's buffers for one (M, config): h, the counters, the chunk table."""
 
@@ -1015,6 +1316,95 @@ def bench_all_layers(layers: int, nprog: int) -> dict[str, object]:
     return out
 
 
+def compile_cross(layers: int = 4, m: int = 8) -> dict[str, object]:
+    """v4 compiled for sm_90a without a GPU (launch caught on meta tensors)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from kernel_regs import TARGET, _ptxas
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    from arle_kernels.jit import set_pdl
+
+    cfg = MlpConfig(bk=256, gc=2)
+    wt = torch.zeros(9120 // 2 * 64, 256, dtype=torch.bfloat16)
+    mlp = CrossMlp(m, cfg, [torch.zeros(HIDDEN, dtype=torch.bfloat16)] * layers,
+                   [wt] * layers, 132)
+    caught: list[tuple[tuple[object, ...], dict[str, object]]] = []
+    kernel = _mlp_cross_kernel
+    original = type(kernel).run
+
+    def record(self: object, *args: object, grid: object, warmup: bool, **kw: object) -> None:
+        caught.append((args, kw))
+
+    type(kernel).run = record
+    try:
+        set_pdl(True)
+        mlp(torch.zeros(m, HIDDEN, dtype=torch.bfloat16))
+    finally:
+        type(kernel).run = original
+    args, kw = caught[0]
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, spec, opts = binder(*args, **kw)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, spec, opts)
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
+                              target=TARGET, options=options.__dict__)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        Path("/tmp/cross.ptx").write_text(compiled.asm["ptx"])
+        out = subprocess.run([_ptxas(), "-v", "-arch=sm_90a", str(ptx), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
+                             check=True).stderr
+    used = re.search(r"Used (\d+) registers", out)
+    return {"shared": compiled.metadata.shared,
+            "registers": int(used.group(1)) if used else None}
+
+
+def cross(layers: int, nprog: int) -> dict[str, object]:
+    """v4 against the engine's chain (MLP + add_rms_norm a layer, from a zero residual): the
+    outputs after 1, 2 and `layers` layers, then both timed as CUDA graphs."""
+    import time
+
+    cfg = MlpConfig(bk=256, gc=2)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    ws = _weights(layers, gen)
+    wts = [tile_weights(wgu, wd, tile_k=cfg.bk) for wgu, wd, _ in ws]
+    x0 = torch.randn(8, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    res = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device="cuda")
+
+    def engine(n: int) -> Tensor:
+        res.zero_()
+        h = x0
+        for wgu, wd, nw in ws[:n]:
+            h, _ = add_rms_norm(gemv_split_sums(gemv_silu_mul(h, wgu), wd), res, nw, 1e-6)
+        return h
+    out: dict[str, object] = {"layers": layers}
+    for n in (1, 2, layers):
+        mlp = CrossMlp(8, cfg, [nw for _, _, nw in ws[:n]], wts[:n], nprog)
+        t = time.perf_counter()
+        got = mlp(x0).clone()
+        torch.cuda.synchronize()
+        ref = engine(n).float()
+        err = ((got.float() - ref).norm() / ref.norm()).item()
+        out[f"rel_err_{n}_layers"] = err
+        print(f"v4 {n} layers: ran in {time.perf_counter() - t:.3f} s, rel err vs engine "
+              f"{err:.2e}, counters {int(mlp.gctr.abs().sum() + mlp.dctr + mlp.xready)}",
+              flush=True)
+    mlp_bytes = 3 * INTER * HIDDEN * 2
+    for rnd in range(2):
+        for name, body in (("engine", lambda: engine(layers)), ("v4_one_launch", lambda: mlp(x0))):
+            us = _graph_us(body) / layers
+            out[f"{name}_r{rnd}"] = {"us_per_layer": us, "tb_s": mlp_bytes / us / 1e6}
+            print(f"{name:16} round {rnd}: {us:7.2f} us a layer, {mlp_bytes / us / 1e6:5.2f} TB/s",
+                  flush=True)
+    return out
+
+
 #: the stream variants of calls 7, 10 and 11: (config, ring stages, skip, ws). skip (v2: see
 #: `_group_ready` and the kernel; v3: 8 only) takes parts out for timing, with wrong results;
 #: ws: v3 (a producer warp) rather than v2
@@ -1040,6 +1430,8 @@ def main() -> None:
     ap.add_argument("--call", type=int, default=10, choices=sorted(CALLS),
                     help="whose stream variants --check / --bench run")
     ap.add_argument("--all-layers", action="store_true", help="call 12: one launch, 36 layers")
+    ap.add_argument("--compile-cross", action="store_true", help="v4 for sm_90a, no GPU")
+    ap.add_argument("--cross", action="store_true", help="v4 against the engine's chain")
     ap.add_argument("--schedule", action="store_true", help="print the schedules' balance")
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--layers", type=int, default=36)
@@ -1054,12 +1446,17 @@ def main() -> None:
                   f"{min(map(len, lists))}..{max(map(len, lists))}")
     if args.compile_only:
         result["compile"] = compile_only(CONFIGS, args.m)
+    if args.compile_cross:
+        result["compile_cross"] = compile_cross()
+        print(result["compile_cross"])
     if args.compile_stream:
         result["compile_stream"] = [compile_stream(cfg, args.m, st, sk, ws)
                                     for cfg, st, sk, ws in CALLS[args.call]]
         print(json.dumps(result["compile_stream"], indent=1))
-    if args.check or args.bench or args.diag or args.all_layers:
+    if args.check or args.bench or args.diag or args.all_layers or args.cross:
         nprog = torch.cuda.get_device_properties(0).multi_processor_count
+        if args.cross:
+            result["cross"] = cross(args.layers, nprog)
         if args.all_layers:
             result["all_layers"] = bench_all_layers(args.layers, nprog)
         if args.diag:
