@@ -22,11 +22,14 @@ a down item needs a gate_up tile not yet written, stream closer to 4.4 TB/s?
 - v3 (`_mlp_ws_kernel`, Gluon): v2 with a producer warp (warp specialisation). Calls 8-12.
 - v4 (`_mlp_cross_kernel`, Gluon): v3 over all layers in one launch, with the norm between
   layers inside (run by the program that completes a layer). Call 13.
+- v5 (`_mlp_cross5_kernel`, Gluon): v4 with that handoff spread over the row tiles, and an
+  optional L2 prefetch of W ahead of the ring. Calls 14-15.
 
     python3 docs/benchmarks/gpu-2026-11-30k/exp_persistent_mlp.py --check --bench --call 10
     python3 docs/benchmarks/gpu-2026-11-30k/exp_persistent_mlp.py --bench --v1      # call 1
     python3 docs/benchmarks/gpu-2026-11-30k/exp_persistent_mlp.py --all-layers      # call 12
     python3 docs/benchmarks/gpu-2026-11-30k/exp_persistent_mlp.py --cross           # call 13
+    python3 docs/benchmarks/gpu-2026-11-30k/exp_persistent_mlp.py --cross5          # calls 14-15
     python3 docs/benchmarks/gpu-2026-11-30k/exp_persistent_mlp.py --compile-stream  # no GPU
 
 (On the device `arle_kernels` must import: `ln -sfn $PWD/kernels /tmp/site/arle_kernels` and
@@ -934,6 +937,335 @@ class CrossMlp:
         return self.xs[self.layers * 8:self.layers * 8 + self.m]
 
 
+if gluon is not None:
+
+    # ---- v5: v4 with the handoff spread over the grid --------------------------------------------
+    #
+    # Call 13: v4's handoff (residual add + norm by the one program that completes a layer)
+    # cost ~33 us a layer. v5 spreads it: the down item that completes a 64-column row tile
+    # adds the residual for those columns (r = residual + y, HF's rounding) and adds its rows'
+    # sums of squares into ssq[layer]; the next layer's gate_up reads r itself (by TMA, once
+    # all 40 row tiles are in) and scales its sums by 1 / rms per row in the epilogue, with the
+    # norm weight folded into its gate and up weights on the host (W' = W diag(w)).
+    # NOTE: so x = rms_norm(r) * w is never rounded to bf16 as HF does: the numbers differ from
+    # the engine's by that rounding (timing experiment; an engine version would build x in
+    # shared memory instead).
+
+    @gluon.jit
+    def _g_prefetch_l2(ptr):
+        """cp.async.bulk.prefetch.L2 of one 32 KB W tile (64 x 256 bf16) at ptr, from one lane."""
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], 32768; mov.u32 $0, 0; }",
+            "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _v5_ready(tab, d, gctr_ptr, rdone_ptr, known, known_layer, rr, MAXC: gl.constexpr,
+                  ROW_TILES: gl.constexpr, TPG: gl.constexpr, GROUPS: gl.constexpr):
+        """v4's `_v4_ready` with the gate_up condition "all row tiles of the layer before are
+        in" (rr: the row tiles known done, cumulative)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        offs_g = gl.arange(0, 32, layout=lay)
+        flags = gl.load(tab + 2 * MAXC + d)
+        layer = flags >> 3
+        ok = flags >= 0
+        if (flags & 1) == 0:
+            if rr < ROW_TILES * layer:
+                rr = gl.load(rdone_ptr, volatile=True)
+                ok = rr >= ROW_TILES * layer
+                if ok:
+                    _g_fence_acq_rel()
+                    _g_fence_proxy_async()
+        elif (flags & 2) != 0:
+            g = gl.load(tab + 3 * MAXC + d) // ROW_TILES
+            if known_layer != layer:
+                known = known * 0
+                known_layer = layer
+            if ((known >> g) & 1) == 0:
+                cnt = gl.load(gctr_ptr + offs_g, mask=offs_g < GROUPS, other=0, volatile=True)
+                known = gl.sum(gl.where(cnt >= TPG * (layer + 1), 1 << offs_g, 0), 0)
+                ok = ((known >> g) & 1) != 0
+                if ok:
+                    _g_fence_acq_rel()
+                    _g_fence_proxy_async()
+        return ok, known, known_layer, rr
+
+    @gluon.jit
+    def _v5_issue_act(x0_desc, res_desc, h_desc, tab, d, a_ring, full, MAXC: gl.constexpr,
+                      STAGES: gl.constexpr):
+        s = d % STAGES
+        flags = gl.load(tab + 2 * MAXC + d)
+        col = gl.load(tab + 1 * MAXC + d)
+        if (flags & 1) == 0:
+            if (flags >> 3) == 0:
+                tma.async_copy_global_to_shared(x0_desc, [0, col], full.index(s), a_ring.index(s))
+            else:
+                tma.async_copy_global_to_shared(res_desc, [0, col], full.index(s),
+                                                a_ring.index(s))
+        else:
+            tma.async_copy_global_to_shared(h_desc, [0, col], full.index(s), a_ring.index(s))
+
+    @gluon.jit
+    def _v5_producer(w_desc, x0_desc, res_desc, h_desc, tab, n, w_ring, a_ring, full, empty,
+                     gctr_ptr, rdone_ptr, w_ptr, MAXC: gl.constexpr, ROW_TILES: gl.constexpr,
+                     TPG: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr,
+                     PDL: gl.constexpr, PREFETCH: gl.constexpr):
+        W_BYTES: gl.constexpr = w_desc.block_type.nbytes
+        ACT_BYTES: gl.constexpr = h_desc.block_type.nbytes
+        for i in gl.static_range(STAGES):
+            if i < n:
+                mbarrier.expect(full.index(i), W_BYTES + ACT_BYTES)
+                tma.async_copy_global_to_shared(w_desc, [gl.load(tab + i) * 64, 0],
+                                                full.index(i), w_ring.index(i))
+        if PDL:
+            _g_grid_wait()
+        pend = n * 0
+        known = n * 0
+        known_layer = n * 0 - 1
+        rr = n * 0
+        for c in range(n):
+            s = c % STAGES
+            if c >= STAGES:
+                while pend <= c - STAGES:
+                    ok, known, known_layer, rr = _v5_ready(
+                        tab, pend, gctr_ptr, rdone_ptr, known, known_layer, rr, MAXC,
+                        ROW_TILES, TPG, GROUPS)
+                    if ok:
+                        _v5_issue_act(x0_desc, res_desc, h_desc, tab, pend, a_ring, full, MAXC,
+                                      STAGES)
+                        pend += 1
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                mbarrier.expect(full.index(s), W_BYTES + ACT_BYTES)
+                tma.async_copy_global_to_shared(w_desc, [gl.load(tab + c) * 64, 0],
+                                                full.index(s), w_ring.index(s))
+            if PREFETCH > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
+                # W of the chunk PREFETCH past this one into L2 (a hint: a contiguous tile)
+                if c + PREFETCH < n:
+                    tile_pf = gl.load(tab + c + PREFETCH)
+                    _g_prefetch_l2(w_ptr + tile_pf.to(gl.int64) * (W_BYTES // 2))
+            go = pend >= 0
+            while go & (pend <= c):
+                ok, known, known_layer, rr = _v5_ready(
+                    tab, pend, gctr_ptr, rdone_ptr, known, known_layer, rr, MAXC, ROW_TILES,
+                    TPG, GROUPS)
+                if ok:
+                    _v5_issue_act(x0_desc, res_desc, h_desc, tab, pend, a_ring, full, MAXC,
+                                  STAGES)
+                    pend += 1
+                else:
+                    go = pend < 0
+        while pend < n:
+            ok, known, known_layer, rr = _v5_ready(
+                tab, pend, gctr_ptr, rdone_ptr, known, known_layer, rr, MAXC, ROW_TILES, TPG,
+                GROUPS)
+            if ok:
+                _v5_issue_act(x0_desc, res_desc, h_desc, tab, pend, a_ring, full, MAXC, STAGES)
+                pend += 1
+
+    @gluon.jit
+    def _v5_consumer(tab, n, w_ring, a_ring, full, empty, epi, h_ptr, y_ptr, res_ptr, ssq_ptr,
+                     gctr_ptr, rtc_ptr, rdone_ptr, M, stride_hm, eps, MAXC: gl.constexpr,
+                     M_PAD: gl.constexpr, HALF: gl.constexpr, ROW_TILES: gl.constexpr,
+                     GK: gl.constexpr, H: gl.constexpr, GROUPS: gl.constexpr,
+                     M_ROWS: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+        if PDL:
+            _g_grid_wait()
+        dtype: gl.constexpr = w_ring.dtype
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M_PAD, 16])
+        acc = gl.zeros([64, M_PAD], gl.float32, acc_layout)
+        epi_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        rows_e = gl.arange(0, HALF, layout=gl.SliceLayout(1, epi_layout))
+        cols_e = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, epi_layout))
+        rows_a = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+        cols_a = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, acc_layout))
+        # a row tile's handoff: [64 columns, M_PAD rows]
+        rt_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        rows_r = gl.arange(0, 64, layout=gl.SliceLayout(1, rt_layout))
+        cols_r = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, rt_layout))
+        mask_r = (cols_r < M)[None, :] & (rows_r >= 0)[:, None]
+        for c in range(n):
+            s = c % STAGES
+            mbarrier.wait(full.index(s), (c // STAGES) & 1)
+            flags = gl.load(tab + 2 * MAXC + c)
+            acc = warpgroup_mma(w_ring.index(s), a_ring.index(s).permute((1, 0)), acc,
+                                use_acc=(flags & 2) == 0)
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(s))
+            if (flags & 4) != 0:
+                unit = gl.load(tab + 3 * MAXC + c)
+                layer = flags >> 3
+                if (flags & 1) == 0:
+                    epi.store(acc)
+                    gl.thread_barrier()
+                    gate = epi.slice(0, HALF).load(epi_layout)
+                    up = epi.slice(HALF, HALF).load(epi_layout)
+                    gl.thread_barrier()
+                    if layer > 0:  # x = r / rms: scale the sums (the weight is in W)
+                        q = gl.atomic_add(ssq_ptr + (layer - 1) * M_ROWS + cols_e,
+                                          gl.zeros([M_PAD], gl.float32,
+                                                   gl.SliceLayout(0, epi_layout)),
+                                          mask=cols_e < M, sem="acquire", scope="gpu")
+                        zero = gl.zeros([M_PAD], gl.float32, gl.SliceLayout(0, epi_layout))
+                        inv = gl.div_rn(zero + 1.0,
+                                        gl.sqrt_rn(gl.div_rn(q, zero + H) + eps))
+                        gate = gate * inv[None, :]
+                        up = up * inv[None, :]
+                    hv = silu_mul(gate.to(dtype), up.to(dtype))
+                    h_ptrs = h_ptr + cols_e[None, :] * stride_hm + (unit * HALF + rows_e)[:, None]
+                    gl.store(h_ptrs, hv, mask=(cols_e < M)[None, :])
+                    _g_fence_proxy_async()
+                    gl.thread_barrier()
+                    gl.atomic_add(gctr_ptr + unit * HALF // GK, 1, sem="release", scope="gpu")
+                else:
+                    rt = unit % ROW_TILES
+                    y_base = y_ptr + (layer % 2) * M_ROWS * H
+                    y_ptrs = y_base + cols_a[None, :] * H + (rt * 64 + rows_a)[:, None]
+                    gl.atomic_add(y_ptrs, acc, mask=(cols_a < M)[None, :], sem="relaxed",
+                                  scope="gpu")
+                    gl.thread_barrier()
+                    prev = gl.atomic_add(rtc_ptr + rt, 1, sem="acq_rel", scope="gpu")
+                    if prev == GROUPS * (layer + 1) - 1:
+                        # this row tile of y is complete: r = residual + y for its columns
+                        offs = cols_r[None, :] * H + (rt * 64 + rows_r)[:, None]
+                        yv = gl.load(y_base + offs, mask=mask_r, other=0.0)
+                        rv = gl.load(res_ptr + offs, mask=mask_r, other=0.0)
+                        r = (yv.to(dtype).to(gl.float32) + rv.to(gl.float32)).to(dtype)
+                        gl.store(res_ptr + offs, r, mask=mask_r)
+                        gl.store(y_base + offs, gl.zeros([64, M_PAD], gl.float32, rt_layout),
+                                 mask=mask_r)
+                        rf = r.to(gl.float32)
+                        gl.atomic_add(ssq_ptr + layer * M_ROWS + cols_r, gl.sum(rf * rf, 0),
+                                      mask=cols_r < M, sem="relaxed", scope="gpu")
+                        _g_fence_proxy_async()
+                        gl.thread_barrier()
+                        gl.atomic_add(rdone_ptr, 1, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _mlp_cross5_kernel(w_desc, x0_desc, res_desc, h_desc, h_ptr, y_ptr, res_ptr, ssq_ptr,
+                           tab_ptr, count_ptr, gctr_ptr, rtc_ptr, rdone_ptr, done_ptr, M,
+                           stride_hm, eps, MAXC: gl.constexpr, M_PAD: gl.constexpr,
+                           HALF: gl.constexpr, ROW_TILES: gl.constexpr, TPG: gl.constexpr,
+                           GK: gl.constexpr, H: gl.constexpr, M_ROWS: gl.constexpr,
+                           NPROG: gl.constexpr, GROUPS: gl.constexpr, SSQ: gl.constexpr,
+                           STAGES: gl.constexpr, PDL: gl.constexpr, PREFETCH: gl.constexpr,
+                           w_ptr=None):
+        if PDL:
+            _g_launch_dependents()
+        pid = gl.program_id(0)
+        tab = tab_ptr + pid * 4 * MAXC
+        n = gl.load(count_ptr + pid)
+        dtype: gl.constexpr = w_desc.dtype
+        BK: gl.constexpr = w_desc.block_type.shape[1]
+        w_ring = gl.allocate_shared_memory(dtype, [STAGES, 64, BK], w_desc.layout)
+        a_ring = gl.allocate_shared_memory(dtype, [STAGES, M_PAD, BK], h_desc.layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        epi = gl.allocate_shared_memory(gl.float32, [64, M_PAD],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+        gl.warp_specialize([
+            (_v5_consumer, (tab, n, w_ring, a_ring, full, empty, epi, h_ptr, y_ptr, res_ptr,
+                            ssq_ptr, gctr_ptr, rtc_ptr, rdone_ptr, M, stride_hm, eps, MAXC,
+                            M_PAD, HALF, ROW_TILES, GK, H, GROUPS, M_ROWS, STAGES, PDL)),
+            (_v5_producer, (w_desc, x0_desc, res_desc, h_desc, tab, n, w_ring, a_ring, full,
+                            empty, gctr_ptr, rdone_ptr, w_ptr, MAXC, ROW_TILES, TPG, GROUPS,
+                            STAGES, PDL, PREFETCH)),
+        ], [1], [40])
+        gl.thread_barrier()
+        last = gl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+        if last == NPROG - 1:
+            zl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            offs_g = gl.arange(0, 64, layout=zl)
+            gl.store(gctr_ptr + offs_g, gl.zeros([64], gl.int32, zl), mask=offs_g < 32)
+            gl.store(rtc_ptr + offs_g, gl.zeros([64], gl.int32, zl), mask=offs_g < ROW_TILES)
+            offs_q = gl.arange(0, SSQ, layout=zl)
+            gl.store(ssq_ptr + offs_q, gl.zeros([SSQ], gl.float32, zl))
+            gl.store(rdone_ptr, 0)
+            gl.store(done_ptr, 0)
+
+
+class CrossMlp5:
+    """v5: `layers` MLPs in one launch, the handoff spread over the row tiles. x0 [M, H] in,
+    the residual stream from zero; returns x_L (rms_norm of the last residual, times the
+    last norm weight, computed here on the host from the kernel's residual and sums)."""
+
+    def __init__(self, m: int, cfg: MlpConfig, ws: list[tuple[Tensor, Tensor, Tensor]],
+                 nprog: int, stages: int = 4, prefetch: int = 0) -> None:
+        assert cfg.gbn == 32 and m <= 8
+        assert not prefetch or cfg.bk == 256, "the L2 prefetch is of 32 KB tiles"
+        self.prefetch = prefetch
+        wgu0 = ws[0][0]
+        dev, dt = wgu0.device, wgu0.dtype
+        self.m, self.cfg, self.nprog, self.stages = m, cfg, nprog, stages
+        self.layers = len(ws)
+        self.groups = INTER // (cfg.gc * cfg.bk)
+        assert self.groups <= 31
+        wts = []
+        for i, (wgu, wd, _) in enumerate(ws):
+            if i:  # the norm before this layer: its weight folded into gate and up's columns
+                wgu = (wgu.float() * ws[i - 1][2].float()[None, :]).to(dt)
+            wts.append(tile_weights(wgu, wd, tile_k=cfg.bk))
+        self.last_nw = ws[-1][2]
+        table, counts = build_chunks(nprog, cfg)
+        tiles = wts[0].shape[0] // TILE_N
+        big = torch.zeros(nprog, 4, triton.next_power_of_2(int(counts.max()) * self.layers),
+                          dtype=torch.int32)
+        for p in range(nprog):
+            k = int(counts[p])
+            parts = []
+            for layer in range(self.layers):
+                t = table[p, :, :k].clone()
+                t[0] += layer * tiles
+                t[2] |= layer << 3
+                parts.append(t)
+            big[p, :, :k * self.layers] = torch.cat(parts, dim=1)
+        self.table, self.counts = big.to(dev), (counts * self.layers).to(dev)
+        self.maxc = big.shape[-1]
+        self.w = torch.cat(wts)
+        self.h = torch.zeros(m, INTER, dtype=dt, device=dev)
+        self.y = torch.zeros(2, 8, HIDDEN, dtype=torch.float32, device=dev)
+        self.res = torch.zeros(m, HIDDEN, dtype=dt, device=dev)
+        self.x0 = torch.zeros(m, HIDDEN, dtype=dt, device=dev)
+        self.ssq_n = triton.next_power_of_2(8 * self.layers)
+        self.ssq = torch.zeros(self.ssq_n, dtype=torch.float32, device=dev)
+        self.gctr = torch.zeros(64, dtype=torch.int32, device=dev)
+        self.rtc = torch.zeros(64, dtype=torch.int32, device=dev)
+        self.rdone = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.done = torch.zeros(1, dtype=torch.int32, device=dev)
+        bk = cfg.bk
+        lay_w = gl.NVMMASharedLayout.get_default_for([TILE_N, bk], gl.bfloat16)
+        lay_a = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
+        self.w_desc = GluonDescriptor(self.w, list(self.w.shape), [bk, 1], [TILE_N, bk], lay_w)
+        self.x0_desc = GluonDescriptor(self.x0, [m, HIDDEN], [HIDDEN, 1], [16, bk], lay_a)
+        self.res_desc = GluonDescriptor(self.res, [m, HIDDEN], [HIDDEN, 1], [16, bk], lay_a)
+        self.h_desc = GluonDescriptor(self.h, [m, INTER], [INTER, 1], [16, bk], lay_a)
+
+    def launch(self, x0: Tensor) -> None:
+        self.x0.copy_(x0)
+        self.res.zero_()
+        cfg = self.cfg
+        pdl = pdl_enabled()
+        _mlp_cross5_kernel[(self.nprog,)](
+            self.w_desc, self.x0_desc, self.res_desc, self.h_desc, self.h, self.y, self.res,
+            self.ssq, self.table, self.counts, self.gctr, self.rtc, self.rdone, self.done,
+            self.m, self.h.stride(0), 1e-6, MAXC=self.maxc, M_PAD=16, HALF=32,
+            ROW_TILES=HIDDEN // TILE_N, TPG=cfg.gc * cfg.bk // 32, GK=cfg.gc * cfg.bk,
+            H=HIDDEN, M_ROWS=8, NPROG=self.nprog, GROUPS=self.groups, SSQ=self.ssq_n,
+            STAGES=self.stages, PDL=pdl, PREFETCH=self.prefetch, w_ptr=self.w, num_warps=4,
+            **pdl_launch(pdl))
+
+    def output(self) -> Tensor:
+        """x_L from the residual (HF's norm on the host: the kernel zeroed its sums)."""
+        r = self.res.float()
+        x = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x.to(self.res.dtype) * self.last_nw
+
+
 class StreamMlp:
     """v2's buffers for one (M, config): h, the counters, the chunk table."""
 
@@ -1316,8 +1648,8 @@ def bench_all_layers(layers: int, nprog: int) -> dict[str, object]:
     return out
 
 
-def compile_cross(layers: int = 4, m: int = 8) -> dict[str, object]:
-    """v4 compiled for sm_90a without a GPU (launch caught on meta tensors)."""
+def compile_cross(layers: int = 2, m: int = 8, v5: bool = False) -> dict[str, object]:
+    """v4 (v5) compiled for sm_90a without a GPU (the launch caught on CPU tensors)."""
     import re
     import subprocess
     import tempfile
@@ -1330,11 +1662,16 @@ def compile_cross(layers: int = 4, m: int = 8) -> dict[str, object]:
     from arle_kernels.jit import set_pdl
 
     cfg = MlpConfig(bk=256, gc=2)
-    wt = torch.zeros(9120 // 2 * 64, 256, dtype=torch.bfloat16)
-    mlp = CrossMlp(m, cfg, [torch.zeros(HIDDEN, dtype=torch.bfloat16)] * layers,
-                   [wt] * layers, 132)
+    bf = torch.bfloat16
+    if v5:
+        w3 = (torch.zeros(2 * INTER, HIDDEN, dtype=bf), torch.zeros(HIDDEN, INTER, dtype=bf),
+              torch.zeros(HIDDEN, dtype=bf))
+        mlp5 = CrossMlp5(m, cfg, [w3] * layers, 132, prefetch=6)
+    else:
+        wt = torch.zeros(9120 // 2 * 64, 256, dtype=bf)
+        mlp = CrossMlp(m, cfg, [torch.zeros(HIDDEN, dtype=bf)] * layers, [wt] * layers, 132)
     caught: list[tuple[tuple[object, ...], dict[str, object]]] = []
-    kernel = _mlp_cross_kernel
+    kernel = _mlp_cross5_kernel if v5 else _mlp_cross_kernel
     original = type(kernel).run
 
     def record(self: object, *args: object, grid: object, warmup: bool, **kw: object) -> None:
@@ -1343,7 +1680,10 @@ def compile_cross(layers: int = 4, m: int = 8) -> dict[str, object]:
     type(kernel).run = record
     try:
         set_pdl(True)
-        mlp(torch.zeros(m, HIDDEN, dtype=torch.bfloat16))
+        if v5:
+            mlp5.launch(torch.zeros(m, HIDDEN, dtype=bf))
+        else:
+            mlp(torch.zeros(m, HIDDEN, dtype=bf))
     finally:
         type(kernel).run = original
     args, kw = caught[0]
@@ -1405,6 +1745,49 @@ def cross(layers: int, nprog: int) -> dict[str, object]:
     return out
 
 
+def cross5(layers: int, nprog: int) -> dict[str, object]:
+    """v5 against the engine's chain, as `cross` for v4."""
+    import time
+
+    cfg = MlpConfig(bk=256, gc=2)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    ws = _weights(layers, gen)
+    x0 = torch.randn(8, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    res = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device="cuda")
+
+    def engine(n: int) -> Tensor:
+        res.zero_()
+        h = x0
+        for wgu, wd, nw in ws[:n]:
+            h, _ = add_rms_norm(gemv_split_sums(gemv_silu_mul(h, wgu), wd), res, nw, 1e-6)
+        return h
+    out: dict[str, object] = {"layers": layers}
+    for n in (1, 2, layers):
+        mlp = CrossMlp5(8, cfg, ws[:n], nprog, prefetch=6)
+        t = time.perf_counter()
+        mlp.launch(x0)
+        torch.cuda.synchronize()
+        got = mlp.output().float()
+        ref = engine(n).float()
+        err = ((got - ref).norm() / ref.norm()).item()
+        out[f"rel_err_{n}_layers"] = err
+        print(f"v5 {n} layers: ran in {time.perf_counter() - t:.3f} s, rel err vs engine "
+              f"{err:.2e}, counters {int(mlp.gctr.abs().sum() + mlp.rtc.sum() + mlp.rdone)}",
+              flush=True)
+    mlp_bytes = 3 * INTER * HIDDEN * 2
+    pf = {k: CrossMlp5(8, cfg, ws, nprog, prefetch=k) for k in (0, 3, 10)}
+    pf[6] = mlp
+    bodies = [("engine", lambda: engine(layers))] + [
+        (f"v5_one_launch_prefetch{k}", lambda k=k: pf[k].launch(x0)) for k in sorted(pf)]
+    for rnd in range(2):
+        for name, body in bodies:
+            us = _graph_us(body) / layers
+            out[f"{name}_r{rnd}"] = {"us_per_layer": us, "tb_s": mlp_bytes / us / 1e6}
+            print(f"{name:16} round {rnd}: {us:7.2f} us a layer, {mlp_bytes / us / 1e6:5.2f} TB/s",
+                  flush=True)
+    return out
+
+
 #: the stream variants of calls 7, 10 and 11: (config, ring stages, skip, ws). skip (v2: see
 #: `_group_ready` and the kernel; v3: 8 only) takes parts out for timing, with wrong results;
 #: ws: v3 (a producer warp) rather than v2
@@ -1432,6 +1815,7 @@ def main() -> None:
     ap.add_argument("--all-layers", action="store_true", help="call 12: one launch, 36 layers")
     ap.add_argument("--compile-cross", action="store_true", help="v4 for sm_90a, no GPU")
     ap.add_argument("--cross", action="store_true", help="v4 against the engine's chain")
+    ap.add_argument("--cross5", action="store_true", help="v5 against the engine's chain")
     ap.add_argument("--schedule", action="store_true", help="print the schedules' balance")
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--layers", type=int, default=36)
@@ -1447,16 +1831,18 @@ def main() -> None:
     if args.compile_only:
         result["compile"] = compile_only(CONFIGS, args.m)
     if args.compile_cross:
-        result["compile_cross"] = compile_cross()
+        result["compile_cross"] = [compile_cross(), compile_cross(v5=True)]
         print(result["compile_cross"])
     if args.compile_stream:
         result["compile_stream"] = [compile_stream(cfg, args.m, st, sk, ws)
                                     for cfg, st, sk, ws in CALLS[args.call]]
         print(json.dumps(result["compile_stream"], indent=1))
-    if args.check or args.bench or args.diag or args.all_layers or args.cross:
+    if args.check or args.bench or args.diag or args.all_layers or args.cross or args.cross5:
         nprog = torch.cuda.get_device_properties(0).multi_processor_count
         if args.cross:
             result["cross"] = cross(args.layers, nprog)
+        if args.cross5:
+            result["cross5"] = cross5(args.layers, nprog)
         if args.all_layers:
             result["all_layers"] = bench_all_layers(args.layers, nprog)
         if args.diag:
