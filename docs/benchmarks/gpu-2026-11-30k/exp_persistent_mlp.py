@@ -42,8 +42,10 @@ import argparse
 import heapq
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -318,8 +320,11 @@ def build_chunks(nprog: int, cfg: MlpConfig, hidden: int = HIDDEN, inter: int = 
 
 if gluon is not None:
 
+    # ---- pieces every Gluon version shares ---------------------------------------------------
+
     @gluon.jit
     def _g_fence_proxy_async():
+        """Generic-proxy writes (h, the residual) ordered with async-proxy reads (TMA)."""
         gl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
 
@@ -339,14 +344,110 @@ if gluon is not None:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _issue_w(w_desc, tab, c, w_ring, bars, STAGES: gl.constexpr, MAXC: gl.constexpr,
-                 ACT_BYTES: gl.constexpr):
-        """Chunk c's W tile into its slot (the slot's barrier expects W and the act tile)."""
+    def _g_prefetch_l2(ptr):
+        """cp.async.bulk.prefetch.L2 of one 32 KB W tile (64 x 256 bf16) at ptr, from one lane."""
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], 32768; mov.u32 $0, 0; }",
+            "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _g_issue_w(w_desc, tab, c, w_ring, bars, STAGES: gl.constexpr, ACT_BYTES: gl.constexpr):
+        """Chunk c's W tile into its slot; the slot's barrier expects W and the act tile."""
         s = c % STAGES
-        bar = bars.index(s)
-        mbarrier.expect(bar, w_desc.block_type.nbytes + ACT_BYTES)
-        tile = gl.load(tab + 0 * MAXC + c)
-        tma.async_copy_global_to_shared(w_desc, [tile * 64, 0], bar, w_ring.index(s))
+        mbarrier.expect(bars.index(s), w_desc.block_type.nbytes + ACT_BYTES)
+        tma.async_copy_global_to_shared(w_desc, [gl.load(tab + c) * 64, 0], bars.index(s),
+                                        w_ring.index(s))
+
+    @gluon.jit
+    def _g_w_prologue(w_desc, tab, n, w_ring, bars, PDL: gl.constexpr, STAGES: gl.constexpr,
+                      ACT_BYTES: gl.constexpr):
+        """The first STAGES W tiles, then the PDL wait.
+        NOTE: W is no kernel's output, so its copies may go out before the wait."""
+        for i in gl.static_range(STAGES):
+            if i < n:
+                _g_issue_w(w_desc, tab, i, w_ring, bars, STAGES, ACT_BYTES)
+        if PDL:
+            _g_grid_wait()
+
+    @gluon.jit
+    def _g_groups_ready(tab, d, gctr_ptr, known, known_layer, MAXC: gl.constexpr,
+                        ROW_TILES: gl.constexpr, TPG: gl.constexpr, GROUPS: gl.constexpr):
+        """For the first chunk of a down item (group g, layer l): whether g's gate_up tiles
+        are all written (its counter at TPG * (l + 1): counters add up across layers), from
+        `known` (a bitmask of layer `known_layer`'s complete groups), else from one poll of
+        every counter, one a lane (so at most 31 groups). Acquire and proxy fences after a
+        poll that finds it. Returns (ok, known, known_layer)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        offs_g = gl.arange(0, 32, layout=lay)
+        flags = gl.load(tab + 2 * MAXC + d)
+        layer = flags >> 3
+        g = gl.load(tab + 3 * MAXC + d) // ROW_TILES
+        if known_layer != layer:
+            known = known * 0
+            known_layer = layer
+        ok = ((known >> g) & 1) != 0
+        if not ok:
+            cnt = gl.load(gctr_ptr + offs_g, mask=offs_g < GROUPS, other=0, volatile=True)
+            known = gl.sum(gl.where(cnt >= TPG * (layer + 1), 1 << offs_g, 0), 0)
+            ok = ((known >> g) & 1) != 0
+            if ok:
+                _g_fence_acq_rel()
+                _g_fence_proxy_async()
+        return ok, known, known_layer
+
+    @gluon.jit
+    def _g_glu_epilogue(acc, epi, h_ptr, gctr_ptr, unit, M, stride_hm, inv, HALF: gl.constexpr,
+                        GK: gl.constexpr, M_PAD: gl.constexpr, SCALE: gl.constexpr,
+                        FENCE: gl.constexpr):
+        """A gate_up unit done: acc's rows 0..HALF-1 are gate, the rest up (split through
+        `epi`, shared memory); SCALE: both times inv (per row of x); h[:, unit * HALF:][:HALF]
+        = silu(gate) * up with HF's roundings; then the unit counts itself in its K group's
+        counter (release; FENCE: after a proxy fence, for h's TMA readers)."""
+        dtype: gl.constexpr = h_ptr.dtype.element_ty
+        epi_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        rows_e = gl.arange(0, HALF, layout=gl.SliceLayout(1, epi_layout))
+        cols_e = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, epi_layout))
+        epi.store(acc)
+        gl.thread_barrier()
+        gate = epi.slice(0, HALF).load(epi_layout)
+        up = epi.slice(HALF, HALF).load(epi_layout)
+        gl.thread_barrier()
+        if SCALE:
+            gate = gate * inv[None, :]
+            up = up * inv[None, :]
+        hv = silu_mul(gate.to(dtype), up.to(dtype))
+        h_ptrs = h_ptr + cols_e[None, :] * stride_hm + (unit * HALF + rows_e)[:, None]
+        gl.store(h_ptrs, hv, mask=(cols_e < M)[None, :])
+        if FENCE:
+            _g_fence_proxy_async()
+        gl.thread_barrier()
+        gl.atomic_add(gctr_ptr + unit * HALF // GK, 1, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _g_acc_ptrs(base, unit, stride_m, ROW_TILES: gl.constexpr, M_PAD: gl.constexpr):
+        """Pointers [64, M_PAD] in the accumulator's layout to base + m * stride_m + the 64
+        columns of a down item's row tile."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M_PAD, 16])
+        rows_a = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+        cols_a = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, acc_layout))
+        return (base + cols_a[None, :] * stride_m + ((unit % ROW_TILES) * 64 + rows_a)[:, None],
+                cols_a)
+
+    @gluon.jit
+    def _g_last_out(done_ptr, NPROG: gl.constexpr):
+        """Whether this program is the last to finish (then it zeroes the counters)."""
+        gl.thread_barrier()
+        return gl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == NPROG - 1
+
+    @gluon.jit
+    def _g_zero(ptr, N: gl.constexpr, N_PAD: gl.constexpr, dtype: gl.constexpr):
+        zl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        offs = gl.arange(0, N_PAD, layout=zl)
+        gl.store(ptr + offs, gl.zeros([N_PAD], dtype, zl), mask=offs < N)
+
+    # ---- v2: one warpgroup, one ring ----------------------------------------------------------
 
     @gluon.jit
     def _issue_act(x_desc, h_desc, tab, c, a_ring, bars, STAGES: gl.constexpr,
@@ -417,24 +518,14 @@ if gluon is not None:
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
-        # NOTE: W is no kernel's output: the first STAGES tiles go out before the PDL wait
-        for i in gl.static_range(STAGES):
-            if i < n:
-                _issue_w(w_desc, tab, i, w_ring, bars, STAGES, MAXC, ACT_BYTES)
-        if PDL:
-            _g_grid_wait()
+        _g_w_prologue(w_desc, tab, n, w_ring, bars, PDL, STAGES, ACT_BYTES)
         pend = _advance(x_desc, h_desc, tab, n * 0, gl.minimum(n, STAGES), a_ring, bars, gctr_ptr,
                         STAGES, MAXC, ROW_TILES, TPG, SKIP)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M_PAD, 16])
         acc = gl.zeros([64, M_PAD], gl.float32, acc_layout)
-        epi_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
         epi = gl.allocate_shared_memory(gl.float32, [64, M_PAD],
                                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        rows_e = gl.arange(0, HALF, layout=gl.SliceLayout(1, epi_layout))
-        cols_e = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, epi_layout))
-        rows_a = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-        cols_a = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, acc_layout))
         for c in range(n):
             s = c % STAGES
             if pend == c:
@@ -457,45 +548,25 @@ if gluon is not None:
                                 use_acc=(flags & 2) == 0)
             nc = c + STAGES
             if nc < n:
-                _issue_w(w_desc, tab, nc, w_ring, bars, STAGES, MAXC, ACT_BYTES)
+                _g_issue_w(w_desc, tab, nc, w_ring, bars, STAGES, ACT_BYTES)
             pend = _advance(x_desc, h_desc, tab, pend, gl.minimum(n, nc + 1), a_ring, bars,
                             gctr_ptr, STAGES, MAXC, ROW_TILES, TPG, SKIP)
             if (flags & 4) != 0:
                 unit = gl.load(tab + 3 * MAXC + c)
                 if (flags & 1) == 0:
-                    # gate_up unit: rows 0..31 gate, 32..63 up -> h[:, unit*32 : +32]
-                    epi.store(acc)
-                    gl.thread_barrier()
-                    gate = epi.slice(0, HALF).load(epi_layout)
-                    up = epi.slice(HALF, HALF).load(epi_layout)
-                    gl.thread_barrier()
-                    hv = silu_mul(gate.to(dtype), up.to(dtype))
-                    h_ptrs = h_ptr + cols_e[None, :] * stride_hm + (unit * HALF + rows_e)[:, None]
-                    gl.store(h_ptrs, hv, mask=(cols_e < M)[None, :])
-                    if (SKIP & 2) == 0:
-                        _g_fence_proxy_async()
-                    gl.thread_barrier()
-                    gl.atomic_add(gctr_ptr + unit * HALF // GK, 1, sem="release", scope="gpu")
+                    _g_glu_epilogue(acc, epi, h_ptr, gctr_ptr, unit, M, stride_hm, 0.0, HALF, GK,
+                                    M_PAD, False, (SKIP & 2) == 0)
                 else:
-                    g = unit // ROW_TILES
-                    rt = unit % ROW_TILES
-                    s_ptrs = (slots_ptr + (g // 2) * stride_ss + cols_a[None, :] * stride_sm
-                              + (rt * 64 + rows_a)[:, None])
+                    s_ptrs, cols_a = _g_acc_ptrs(slots_ptr + (unit // ROW_TILES // 2) * stride_ss,
+                                                 unit, stride_sm, ROW_TILES, M_PAD)
                     if (SKIP & 4) == 0:
                         gl.atomic_add(s_ptrs, acc, mask=(cols_a < M)[None, :], sem="relaxed",
                                       scope="gpu")
                     else:
                         gl.store(s_ptrs, acc, mask=(cols_a < M)[None, :])
-        gl.thread_barrier()
-        last = gl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-        if last == NPROG - 1:
-            zl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-            offs_g = gl.arange(0, G_PAD, layout=zl)
-            gl.store(gctr_ptr + offs_g, gl.zeros([G_PAD], gl.int32, zl), mask=offs_g < GROUPS)
+        if _g_last_out(done_ptr, NPROG):
+            _g_zero(gctr_ptr, GROUPS, G_PAD, gl.int32)
             gl.store(done_ptr, 0)
-
-
-
 
     # ---- v3: v2 with a producer warp (warp specialisation) ------------------------------------
     #
@@ -509,46 +580,70 @@ if gluon is not None:
     # already issued, this program's gate_up tiles among them.
 
     @gluon.jit
+    def _g_ws_rings(w_desc, a_desc, STAGES: gl.constexpr, M_PAD: gl.constexpr):
+        """The shared memory of v3-v5: W and activation rings, `full` and `empty` barriers a
+        slot, and the gate_up epilogue's [64, M_PAD] fp32 tile."""
+        dtype: gl.constexpr = w_desc.dtype
+        BK: gl.constexpr = w_desc.block_type.shape[1]
+        w_ring = gl.allocate_shared_memory(dtype, [STAGES, 64, BK], w_desc.layout)
+        a_ring = gl.allocate_shared_memory(dtype, [STAGES, M_PAD, BK], a_desc.layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        epi = gl.allocate_shared_memory(gl.float32, [64, M_PAD],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+        return w_ring, a_ring, full, empty, epi
+
+    @gluon.jit
+    def _g_refill_w(w_desc, tab, c, w_ring, full, empty, STAGES: gl.constexpr,
+                    ACT_BYTES: gl.constexpr):
+        """Chunk c's W tile into its slot once the warpgroup has freed it."""
+        mbarrier.wait(empty.index(c % STAGES), ((c // STAGES) & 1) ^ 1)
+        _g_issue_w(w_desc, tab, c, w_ring, full, STAGES, ACT_BYTES)
+
+    @gluon.jit
+    def _g_consume(tab, c, acc, w_ring, a_ring, full, empty, MAXC: gl.constexpr,
+                   STAGES: gl.constexpr):
+        """The warpgroup's turn for chunk c: wait for its slot, multiply, free the slot.
+        Returns (acc, the chunk's flags)."""
+        s = c % STAGES
+        mbarrier.wait(full.index(s), (c // STAGES) & 1)
+        flags = gl.load(tab + 2 * MAXC + c)
+        acc = warpgroup_mma(w_ring.index(s), a_ring.index(s).permute((1, 0)), acc,
+                            use_acc=(flags & 2) == 0)
+        gl.thread_barrier()  # every warp's MMA has read the slot
+        mbarrier.arrive(empty.index(s))
+        return acc, flags
+
+    @gluon.jit
     def _ws_producer(w_desc, x_desc, h_desc, tab, n, w_ring, a_ring, full, empty, gctr_ptr,
                      MAXC: gl.constexpr, ROW_TILES: gl.constexpr, TPG: gl.constexpr,
                      GROUPS: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
                      SKIP: gl.constexpr):
         ACT_BYTES: gl.constexpr = x_desc.block_type.nbytes
-        W_BYTES: gl.constexpr = w_desc.block_type.nbytes
-        # NOTE: W is no kernel's output: the first STAGES tiles go out before the PDL wait
-        for i in gl.static_range(STAGES):
-            if i < n:
-                mbarrier.expect(full.index(i), W_BYTES + ACT_BYTES)
-                tma.async_copy_global_to_shared(w_desc, [gl.load(tab + i) * 64, 0],
-                                                full.index(i), w_ring.index(i))
-        if PDL:
-            _g_grid_wait()
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        offs_g = gl.arange(0, 32, layout=lay)
+        _g_w_prologue(w_desc, tab, n, w_ring, full, PDL, STAGES, ACT_BYTES)
         known = n * 0  # bitmask of the groups seen complete
         if (SKIP & 8) != 0:  # timing only: every group taken as complete (races)
             known = known - 1
+        known_layer = n * 0
         for c in range(n):
             s = c % STAGES
             if c >= STAGES:
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                mbarrier.expect(full.index(s), W_BYTES + ACT_BYTES)
-                tma.async_copy_global_to_shared(w_desc, [gl.load(tab + c) * 64, 0],
-                                                full.index(s), w_ring.index(s))
+                _g_refill_w(w_desc, tab, c, w_ring, full, empty, STAGES, ACT_BYTES)
             flags = gl.load(tab + 2 * MAXC + c)
             col = gl.load(tab + 1 * MAXC + c)
             if (flags & 1) == 0:
                 tma.async_copy_global_to_shared(x_desc, [0, col], full.index(s), a_ring.index(s))
             else:
                 if (flags & 2) != 0:
-                    g = gl.load(tab + 3 * MAXC + c) // ROW_TILES
-                    if ((known >> g) & 1) == 0:
-                        while ((known >> g) & 1) == 0:
-                            cnt = gl.load(gctr_ptr + offs_g, mask=offs_g < GROUPS, other=0,
-                                          volatile=True)
-                            known = gl.sum(gl.where(cnt >= TPG, 1 << offs_g, 0), 0)
-                        _g_fence_acq_rel()
-                        _g_fence_proxy_async()
+                    ok = flags < 0
+                    while not ok:
+                        ok, known, known_layer = _g_groups_ready(
+                            tab, c, gctr_ptr, known, known_layer, MAXC, ROW_TILES, TPG, GROUPS)
                 tma.async_copy_global_to_shared(h_desc, [0, col], full.index(s), a_ring.index(s))
 
     @gluon.jit
@@ -558,42 +653,19 @@ if gluon is not None:
                      STAGES: gl.constexpr, PDL: gl.constexpr):
         if PDL:
             _g_grid_wait()  # (the slots it adds into are zeroed by the kernel before)
-        dtype: gl.constexpr = w_ring.dtype
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M_PAD, 16])
         acc = gl.zeros([64, M_PAD], gl.float32, acc_layout)
-        epi_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-        rows_e = gl.arange(0, HALF, layout=gl.SliceLayout(1, epi_layout))
-        cols_e = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, epi_layout))
-        rows_a = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-        cols_a = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, acc_layout))
         for c in range(n):
-            s = c % STAGES
-            mbarrier.wait(full.index(s), (c // STAGES) & 1)
-            flags = gl.load(tab + 2 * MAXC + c)
-            acc = warpgroup_mma(w_ring.index(s), a_ring.index(s).permute((1, 0)), acc,
-                                use_acc=(flags & 2) == 0)
-            gl.thread_barrier()  # every warp's MMA has read the slot
-            mbarrier.arrive(empty.index(s))
+            acc, flags = _g_consume(tab, c, acc, w_ring, a_ring, full, empty, MAXC, STAGES)
             if (flags & 4) != 0:
                 unit = gl.load(tab + 3 * MAXC + c)
                 if (flags & 1) == 0:
-                    epi.store(acc)
-                    gl.thread_barrier()
-                    gate = epi.slice(0, HALF).load(epi_layout)
-                    up = epi.slice(HALF, HALF).load(epi_layout)
-                    gl.thread_barrier()
-                    hv = silu_mul(gate.to(dtype), up.to(dtype))
-                    h_ptrs = h_ptr + cols_e[None, :] * stride_hm + (unit * HALF + rows_e)[:, None]
-                    gl.store(h_ptrs, hv, mask=(cols_e < M)[None, :])
-                    _g_fence_proxy_async()
-                    gl.thread_barrier()
-                    gl.atomic_add(gctr_ptr + unit * HALF // GK, 1, sem="release", scope="gpu")
+                    _g_glu_epilogue(acc, epi, h_ptr, gctr_ptr, unit, M, stride_hm, 0.0, HALF, GK,
+                                    M_PAD, False, True)
                 else:
-                    g = unit // ROW_TILES
-                    rt = unit % ROW_TILES
-                    s_ptrs = (slots_ptr + (g // 2) * stride_ss + cols_a[None, :] * stride_sm
-                              + (rt * 64 + rows_a)[:, None])
+                    s_ptrs, cols_a = _g_acc_ptrs(slots_ptr + (unit // ROW_TILES // 2) * stride_ss,
+                                                 unit, stride_sm, ROW_TILES, M_PAD)
                     gl.atomic_add(s_ptrs, acc, mask=(cols_a < M)[None, :], sem="relaxed",
                                   scope="gpu")
 
@@ -610,19 +682,7 @@ if gluon is not None:
         pid = gl.program_id(0)
         tab = tab_ptr + pid * 4 * MAXC
         n = gl.load(count_ptr + pid)
-        dtype: gl.constexpr = w_desc.dtype
-        BK: gl.constexpr = w_desc.block_type.shape[1]
-        w_ring = gl.allocate_shared_memory(dtype, [STAGES, 64, BK], w_desc.layout)
-        a_ring = gl.allocate_shared_memory(dtype, [STAGES, M_PAD, BK], x_desc.layout)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        epi = gl.allocate_shared_memory(gl.float32, [64, M_PAD],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        for i in gl.static_range(STAGES):
-            mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        fence_async_shared()
-        gl.thread_barrier()
+        w_ring, a_ring, full, empty, epi = _g_ws_rings(w_desc, x_desc, STAGES, M_PAD)
         gl.warp_specialize([
             (_ws_consumer, (tab, n, w_ring, a_ring, full, empty, epi, h_ptr, slots_ptr, gctr_ptr,
                             M, stride_hm, stride_ss, stride_sm, MAXC, M_PAD, HALF, ROW_TILES,
@@ -630,121 +690,123 @@ if gluon is not None:
             (_ws_producer, (w_desc, x_desc, h_desc, tab, n, w_ring, a_ring, full, empty,
                             gctr_ptr, MAXC, ROW_TILES, TPG, GROUPS, STAGES, PDL, SKIP)),
         ], [1], [PRODUCER_REGS])
-        gl.thread_barrier()
-        last = gl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-        if last == NPROG - 1:
-            zl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-            offs_g = gl.arange(0, G_PAD, layout=zl)
-            gl.store(gctr_ptr + offs_g, gl.zeros([G_PAD], gl.int32, zl), mask=offs_g < GROUPS)
+        if _g_last_out(done_ptr, NPROG):
+            _g_zero(gctr_ptr, GROUPS, G_PAD, gl.int32)
             gl.store(done_ptr, 0)
 
-
-    # ---- v4: v3 across layers, with the real dependencies --------------------------------------
+    # ---- v4 and v5: v3 across layers, with the real dependencies ------------------------------
     #
     # Call 12: v3 streaming all 36 layers' MLP weights in one launch drew 4.04 TB/s (37 us a
-    # layer) against 44 us launched per layer. v4 asks whether that survives the dependencies:
-    # layer l + 1's gate_up reads x_{l+1} = rms_norm(residual + y_l), which needs all of layer
-    # l's down items. Each down item adds into y (fp32, [2, M, H] by layer parity: atomics in
-    # any order, so not bit-reproducible) and counts itself; the program whose item completes a
-    # layer runs the residual add + RMSNorm (HF's roundings) and publishes x_{l+1}. Counters are
-    # cumulative (group g of layer l is complete at TPG * (l + 1)). The producer copies W ahead
-    # regardless and holds back only the activation copies, so the ring fills with the next
-    # layer's weights while the norm runs.
+    # layer) against 44 us launched per layer. v4 and v5 ask whether that survives the
+    # dependencies: layer l + 1's gate_up reads x_{l+1} = rms_norm(residual + y_l), which needs
+    # all of layer l's down items. Down items add into y (fp32, [2, M, H] by layer parity:
+    # atomics in any order, so not bit-reproducible). Counters add up across layers (group g
+    # of layer l is complete at TPG * (l + 1)). The producer copies W ahead regardless and
+    # holds back only the activation copies, so the ring fills with the next layer's weights
+    # while the handoff runs.
+    # - v4 (call 13): the program whose down item completes a layer runs the residual add +
+    #   RMSNorm (HF's roundings) alone and publishes x_{l+1}; `ready` counts layers.
+    # - v5 (calls 14-15): the down item that completes a 64-column row tile adds the residual
+    #   for those columns and its rows' sums of squares into ssq[layer]; the next layer's
+    #   gate_up reads the residual itself (by TMA, once all row tiles are in; `ready` counts
+    #   row tiles) and scales its sums by 1 / rms in the epilogue, with the norm weight folded
+    #   into its gate and up weights on the host (W' = W diag(w)).
+    #   NOTE: so v5's normed x is never rounded to bf16 as HF does: its numbers differ from the
+    #   engine's by that rounding (a timing experiment; an engine version would build x in
+    #   shared memory).
 
     @gluon.jit
-    def _v4_ready(tab, d, gctr_ptr, xready_ptr, known, known_layer, xr, MAXC: gl.constexpr,
-                  ROW_TILES: gl.constexpr, TPG: gl.constexpr, GROUPS: gl.constexpr):
-        """Whether chunk d's activation may be copied, from what is known (polled once more if
-        not): (ok, known, known_layer, xr). A successful poll is followed by the acquire and
-        proxy fences."""
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        offs_g = gl.arange(0, 32, layout=lay)
+    def _g_cross_ready(tab, d, gctr_ptr, ready_ptr, known, known_layer, seen,
+                       MAXC: gl.constexpr, ROW_TILES: gl.constexpr, TPG: gl.constexpr,
+                       GROUPS: gl.constexpr, READY_PER_LAYER: gl.constexpr):
+        """Whether chunk d's activation may be copied: a gate_up chunk of layer l once the
+        `ready` counter (`seen` is its last value read) holds READY_PER_LAYER * l; the first
+        chunk of a down item as `_g_groups_ready`. Returns (ok, known, known_layer, seen)."""
         flags = gl.load(tab + 2 * MAXC + d)
         layer = flags >> 3
         ok = flags >= 0
         if (flags & 1) == 0:
-            if xr < layer:
-                xr = gl.load(xready_ptr, volatile=True)
-                ok = xr >= layer
+            if seen < READY_PER_LAYER * layer:
+                seen = gl.load(ready_ptr, volatile=True)
+                ok = seen >= READY_PER_LAYER * layer
                 if ok:
                     _g_fence_acq_rel()
                     _g_fence_proxy_async()
         elif (flags & 2) != 0:
-            g = gl.load(tab + 3 * MAXC + d) // ROW_TILES
-            if known_layer != layer:
-                known = known * 0
-                known_layer = layer
-            if ((known >> g) & 1) == 0:
-                cnt = gl.load(gctr_ptr + offs_g, mask=offs_g < GROUPS, other=0, volatile=True)
-                known = gl.sum(gl.where(cnt >= TPG * (layer + 1), 1 << offs_g, 0), 0)
-                ok = ((known >> g) & 1) != 0
-                if ok:
-                    _g_fence_acq_rel()
-                    _g_fence_proxy_async()
-        return ok, known, known_layer, xr
+            ok, known, known_layer = _g_groups_ready(tab, d, gctr_ptr, known, known_layer, MAXC,
+                                                     ROW_TILES, TPG, GROUPS)
+        return ok, known, known_layer, seen
 
     @gluon.jit
-    def _v4_issue_act(xs_desc, h_desc, tab, d, a_ring, full, MAXC: gl.constexpr,
-                      STAGES: gl.constexpr, M_ROWS: gl.constexpr):
+    def _g_cross_issue_act(x_desc, res_desc, h_desc, tab, d, a_ring, full, MAXC: gl.constexpr,
+                           STAGES: gl.constexpr, M_ROWS: gl.constexpr, V5: gl.constexpr):
+        """Chunk d's activation tile: h (down); for gate_up, v4's x_{layer} (rows of x_desc,
+        one block of M_ROWS a layer), v5's x0 (layer 0) or residual (res_desc)."""
         s = d % STAGES
         flags = gl.load(tab + 2 * MAXC + d)
         col = gl.load(tab + 1 * MAXC + d)
         if (flags & 1) == 0:
-            tma.async_copy_global_to_shared(xs_desc, [(flags >> 3) * M_ROWS, col], full.index(s),
-                                            a_ring.index(s))
+            if not V5:
+                tma.async_copy_global_to_shared(x_desc, [(flags >> 3) * M_ROWS, col],
+                                                full.index(s), a_ring.index(s))
+            elif (flags >> 3) == 0:
+                tma.async_copy_global_to_shared(x_desc, [0, col], full.index(s), a_ring.index(s))
+            else:
+                tma.async_copy_global_to_shared(res_desc, [0, col], full.index(s),
+                                                a_ring.index(s))
         else:
             tma.async_copy_global_to_shared(h_desc, [0, col], full.index(s), a_ring.index(s))
 
     @gluon.jit
-    def _v4_producer(w_desc, xs_desc, h_desc, tab, n, w_ring, a_ring, full, empty, gctr_ptr,
-                     xready_ptr, MAXC: gl.constexpr, ROW_TILES: gl.constexpr, TPG: gl.constexpr,
-                     GROUPS: gl.constexpr, STAGES: gl.constexpr, M_ROWS: gl.constexpr,
-                     PDL: gl.constexpr):
-        W_BYTES: gl.constexpr = w_desc.block_type.nbytes
-        ACT_BYTES: gl.constexpr = xs_desc.block_type.nbytes
-        for i in gl.static_range(STAGES):
-            if i < n:
-                mbarrier.expect(full.index(i), W_BYTES + ACT_BYTES)
-                tma.async_copy_global_to_shared(w_desc, [gl.load(tab + i) * 64, 0],
-                                                full.index(i), w_ring.index(i))
-        if PDL:
-            _g_grid_wait()
+    def _g_cross_producer(w_desc, x_desc, res_desc, h_desc, tab, n, w_ring, a_ring, full, empty,
+                          gctr_ptr, ready_ptr, w_ptr, MAXC: gl.constexpr,
+                          ROW_TILES: gl.constexpr, TPG: gl.constexpr, GROUPS: gl.constexpr,
+                          STAGES: gl.constexpr, M_ROWS: gl.constexpr, PDL: gl.constexpr,
+                          V5: gl.constexpr, READY_PER_LAYER: gl.constexpr,
+                          PREFETCH: gl.constexpr):
+        """W copies run ahead as far as the ring allows; the activation copies follow in order
+        and wait (here only: the warpgroup goes on) for what their chunk reads."""
+        ACT_BYTES: gl.constexpr = h_desc.block_type.nbytes
+        _g_w_prologue(w_desc, tab, n, w_ring, full, PDL, STAGES, ACT_BYTES)
         pend = n * 0  # the first chunk whose activation copy is not issued
         known = n * 0
         known_layer = n * 0 - 1
-        xr = n * 0
+        seen = n * 0
         for c in range(n):
-            s = c % STAGES
             if c >= STAGES:
-                # the warpgroup frees slot s only once chunk c - STAGES is in: wait for it here
+                # the warpgroup frees the slot only once chunk c - STAGES is in: wait for it
                 while pend <= c - STAGES:
-                    ok, known, known_layer, xr = _v4_ready(
-                        tab, pend, gctr_ptr, xready_ptr, known, known_layer, xr, MAXC,
-                        ROW_TILES, TPG, GROUPS)
+                    ok, known, known_layer, seen = _g_cross_ready(
+                        tab, pend, gctr_ptr, ready_ptr, known, known_layer, seen, MAXC,
+                        ROW_TILES, TPG, GROUPS, READY_PER_LAYER)
                     if ok:
-                        _v4_issue_act(xs_desc, h_desc, tab, pend, a_ring, full, MAXC, STAGES,
-                                      M_ROWS)
+                        _g_cross_issue_act(x_desc, res_desc, h_desc, tab, pend, a_ring, full,
+                                           MAXC, STAGES, M_ROWS, V5)
                         pend += 1
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                mbarrier.expect(full.index(s), W_BYTES + ACT_BYTES)
-                tma.async_copy_global_to_shared(w_desc, [gl.load(tab + c) * 64, 0],
-                                                full.index(s), w_ring.index(s))
+                _g_refill_w(w_desc, tab, c, w_ring, full, empty, STAGES, ACT_BYTES)
+            if PREFETCH > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
+                # W of the chunk PREFETCH past this one into L2 (a hint: a contiguous tile)
+                if c + PREFETCH < n:
+                    tile_pf = gl.load(tab + c + PREFETCH)
+                    _g_prefetch_l2(w_ptr + tile_pf.to(gl.int64) * (w_desc.block_type.nbytes // 2))
             go = pend >= 0
             while go & (pend <= c):
-                ok, known, known_layer, xr = _v4_ready(
-                    tab, pend, gctr_ptr, xready_ptr, known, known_layer, xr, MAXC, ROW_TILES,
-                    TPG, GROUPS)
+                ok, known, known_layer, seen = _g_cross_ready(
+                    tab, pend, gctr_ptr, ready_ptr, known, known_layer, seen, MAXC, ROW_TILES,
+                    TPG, GROUPS, READY_PER_LAYER)
                 if ok:
-                    _v4_issue_act(xs_desc, h_desc, tab, pend, a_ring, full, MAXC, STAGES, M_ROWS)
+                    _g_cross_issue_act(x_desc, res_desc, h_desc, tab, pend, a_ring, full, MAXC,
+                                       STAGES, M_ROWS, V5)
                     pend += 1
                 else:
                     go = pend < 0
         while pend < n:
-            ok, known, known_layer, xr = _v4_ready(
-                tab, pend, gctr_ptr, xready_ptr, known, known_layer, xr, MAXC, ROW_TILES, TPG,
-                GROUPS)
+            ok, known, known_layer, seen = _g_cross_ready(
+                tab, pend, gctr_ptr, ready_ptr, known, known_layer, seen, MAXC, ROW_TILES, TPG,
+                GROUPS, READY_PER_LAYER)
             if ok:
-                _v4_issue_act(xs_desc, h_desc, tab, pend, a_ring, full, MAXC, STAGES, M_ROWS)
+                _g_cross_issue_act(x_desc, res_desc, h_desc, tab, pend, a_ring, full, MAXC,
+                                   STAGES, M_ROWS, V5)
                 pend += 1
 
     @gluon.jit
@@ -777,493 +839,210 @@ if gluon is not None:
                 gl.store(xs_ptr + ((layer + 1) * M_ROWS + m) * H + k0 + offs, xn)
 
     @gluon.jit
-    def _v4_consumer(tab, n, w_ring, a_ring, full, empty, epi, h_ptr, y_ptr, res_ptr, nw_ptr,
-                     xs_ptr, gctr_ptr, dctr_ptr, xready_ptr, M, stride_hm, eps,
-                     MAXC: gl.constexpr, M_PAD: gl.constexpr, HALF: gl.constexpr,
-                     ROW_TILES: gl.constexpr, GK: gl.constexpr, H: gl.constexpr,
-                     DOWN_ITEMS: gl.constexpr, M_ROWS: gl.constexpr, STAGES: gl.constexpr,
-                     PDL: gl.constexpr):
-        if PDL:
-            _g_grid_wait()
-        dtype: gl.constexpr = w_ring.dtype
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M_PAD, 16])
-        acc = gl.zeros([64, M_PAD], gl.float32, acc_layout)
-        epi_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-        rows_e = gl.arange(0, HALF, layout=gl.SliceLayout(1, epi_layout))
-        cols_e = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, epi_layout))
-        rows_a = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-        cols_a = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, acc_layout))
-        for c in range(n):
-            s = c % STAGES
-            mbarrier.wait(full.index(s), (c // STAGES) & 1)
-            flags = gl.load(tab + 2 * MAXC + c)
-            acc = warpgroup_mma(w_ring.index(s), a_ring.index(s).permute((1, 0)), acc,
-                                use_acc=(flags & 2) == 0)
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(s))
-            if (flags & 4) != 0:
-                unit = gl.load(tab + 3 * MAXC + c)
-                layer = flags >> 3
-                if (flags & 1) == 0:
-                    epi.store(acc)
-                    gl.thread_barrier()
-                    gate = epi.slice(0, HALF).load(epi_layout)
-                    up = epi.slice(HALF, HALF).load(epi_layout)
-                    gl.thread_barrier()
-                    hv = silu_mul(gate.to(dtype), up.to(dtype))
-                    h_ptrs = h_ptr + cols_e[None, :] * stride_hm + (unit * HALF + rows_e)[:, None]
-                    gl.store(h_ptrs, hv, mask=(cols_e < M)[None, :])
-                    _g_fence_proxy_async()
-                    gl.thread_barrier()
-                    gl.atomic_add(gctr_ptr + unit * HALF // GK, 1, sem="release", scope="gpu")
-                else:
-                    rt = unit % ROW_TILES
-                    y_ptrs = (y_ptr + (layer % 2) * M_ROWS * H + cols_a[None, :] * H
-                              + (rt * 64 + rows_a)[:, None])
-                    gl.atomic_add(y_ptrs, acc, mask=(cols_a < M)[None, :], sem="relaxed",
-                                  scope="gpu")
-                    gl.thread_barrier()
-                    prev = gl.atomic_add(dctr_ptr, 1, sem="acq_rel", scope="gpu")
-                    if prev == DOWN_ITEMS * (layer + 1) - 1:
-                        _v4_norm(layer, y_ptr, res_ptr, nw_ptr, xs_ptr, M, eps, H, M_ROWS)
-                        _g_fence_proxy_async()
-                        gl.thread_barrier()
-                        gl.atomic_add(xready_ptr, 1, sem="release", scope="gpu")
-
-    @gluon.jit
-    def _mlp_cross_kernel(w_desc, xs_desc, h_desc, h_ptr, y_ptr, res_ptr, nw_ptr, xs_ptr,
-                          tab_ptr, count_ptr, gctr_ptr, dctr_ptr, xready_ptr, done_ptr, M,
-                          stride_hm, eps, MAXC: gl.constexpr, M_PAD: gl.constexpr,
-                          HALF: gl.constexpr, ROW_TILES: gl.constexpr, TPG: gl.constexpr,
-                          GK: gl.constexpr, H: gl.constexpr, DOWN_ITEMS: gl.constexpr,
-                          M_ROWS: gl.constexpr, NPROG: gl.constexpr, GROUPS: gl.constexpr,
-                          G_PAD: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
-        if PDL:
-            _g_launch_dependents()
-        pid = gl.program_id(0)
-        tab = tab_ptr + pid * 4 * MAXC
-        n = gl.load(count_ptr + pid)
-        dtype: gl.constexpr = w_desc.dtype
-        BK: gl.constexpr = w_desc.block_type.shape[1]
-        w_ring = gl.allocate_shared_memory(dtype, [STAGES, 64, BK], w_desc.layout)
-        a_ring = gl.allocate_shared_memory(dtype, [STAGES, M_PAD, BK], xs_desc.layout)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        epi = gl.allocate_shared_memory(gl.float32, [64, M_PAD],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        for i in gl.static_range(STAGES):
-            mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        fence_async_shared()
-        gl.thread_barrier()
-        gl.warp_specialize([
-            (_v4_consumer, (tab, n, w_ring, a_ring, full, empty, epi, h_ptr, y_ptr, res_ptr,
-                            nw_ptr, xs_ptr, gctr_ptr, dctr_ptr, xready_ptr, M, stride_hm, eps,
-                            MAXC, M_PAD, HALF, ROW_TILES, GK, H, DOWN_ITEMS, M_ROWS, STAGES,
-                            PDL)),
-            (_v4_producer, (w_desc, xs_desc, h_desc, tab, n, w_ring, a_ring, full, empty,
-                            gctr_ptr, xready_ptr, MAXC, ROW_TILES, TPG, GROUPS, STAGES, M_ROWS,
-                            PDL)),
-        ], [1], [40])
-        gl.thread_barrier()
-        last = gl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-        if last == NPROG - 1:
-            zl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-            offs_g = gl.arange(0, G_PAD, layout=zl)
-            gl.store(gctr_ptr + offs_g, gl.zeros([G_PAD], gl.int32, zl), mask=offs_g < GROUPS)
-            gl.store(dctr_ptr, 0)
-            gl.store(xready_ptr, 0)
-            gl.store(done_ptr, 0)
-
-
-class CrossMlp:
-    """v4: `layers` MLPs and their norms in one launch. Call with x0 [M, H]; the residual
-    stream starts at zero (as `bench`'s chain); returns x_L (the last norm's output)."""
-
-    def __init__(self, m: int, cfg: MlpConfig, nws: list[Tensor], wts: list[Tensor],
-                 nprog: int, stages: int = 4) -> None:
-        assert cfg.gbn == 32 and m <= 8
-        dev, dt = wts[0].device, wts[0].dtype
-        self.m, self.cfg, self.nprog, self.stages = m, cfg, nprog, stages
-        self.layers = len(wts)
-        self.groups = INTER // (cfg.gc * cfg.bk)
-        assert self.groups <= 31
-        table, counts = build_chunks(nprog, cfg)
-        tiles = wts[0].shape[0] // TILE_N
-        big = torch.zeros(nprog, 4, triton.next_power_of_2(int(counts.max()) * self.layers),
-                          dtype=torch.int32)
-        for p in range(nprog):
-            k = int(counts[p])
-            parts = []
-            for layer in range(self.layers):
-                t = table[p, :, :k].clone()
-                t[0] += layer * tiles
-                t[2] |= layer << 3
-                parts.append(t)
-            big[p, :, :k * self.layers] = torch.cat(parts, dim=1)
-        self.table, self.counts = big.to(dev), (counts * self.layers).to(dev)
-        self.maxc = big.shape[-1]
-        self.w = torch.cat(wts)
-        self.nw = torch.stack(nws)
-        self.h = torch.zeros(m, INTER, dtype=dt, device=dev)
-        self.y = torch.zeros(2, 8, HIDDEN, dtype=torch.float32, device=dev)
-        self.res = torch.zeros(8, HIDDEN, dtype=dt, device=dev)
-        self.xs = torch.zeros((self.layers + 1) * 8, HIDDEN, dtype=dt, device=dev)
-        self.gctr = torch.zeros(32, dtype=torch.int32, device=dev)
-        self.dctr = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.xready = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.done = torch.zeros(1, dtype=torch.int32, device=dev)
-        bk = cfg.bk
-        lay_w = gl.NVMMASharedLayout.get_default_for([TILE_N, bk], gl.bfloat16)
-        lay_a = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
-        self.w_desc = GluonDescriptor(self.w, list(self.w.shape), [bk, 1], [TILE_N, bk], lay_w)
-        self.xs_desc = GluonDescriptor(self.xs, list(self.xs.shape), [HIDDEN, 1], [16, bk], lay_a)
-        self.h_desc = GluonDescriptor(self.h, [m, INTER], [INTER, 1], [16, bk], lay_a)
-
-    def __call__(self, x0: Tensor) -> Tensor:
-        self.xs[:self.m].copy_(x0)
-        self.res.zero_()
-        cfg = self.cfg
-        pdl = pdl_enabled()
-        _mlp_cross_kernel[(self.nprog,)](
-            self.w_desc, self.xs_desc, self.h_desc, self.h, self.y, self.res, self.nw, self.xs,
-            self.table, self.counts, self.gctr, self.dctr, self.xready, self.done, self.m,
-            self.h.stride(0), 1e-6, MAXC=self.maxc, M_PAD=16, HALF=32,
-            ROW_TILES=HIDDEN // TILE_N, TPG=cfg.gc * cfg.bk // 32, GK=cfg.gc * cfg.bk,
-            H=HIDDEN, DOWN_ITEMS=(HIDDEN // TILE_N) * self.groups, M_ROWS=8, NPROG=self.nprog,
-            GROUPS=self.groups, G_PAD=32, STAGES=self.stages, PDL=pdl, num_warps=4,
-            **pdl_launch(pdl))
-        return self.xs[self.layers * 8:self.layers * 8 + self.m]
-
-
-if gluon is not None:
-
-    # ---- v5: v4 with the handoff spread over the grid --------------------------------------------
-    #
-    # Call 13: v4's handoff (residual add + norm by the one program that completes a layer)
-    # cost ~33 us a layer. v5 spreads it: the down item that completes a 64-column row tile
-    # adds the residual for those columns (r = residual + y, HF's rounding) and adds its rows'
-    # sums of squares into ssq[layer]; the next layer's gate_up reads r itself (by TMA, once
-    # all 40 row tiles are in) and scales its sums by 1 / rms per row in the epilogue, with the
-    # norm weight folded into its gate and up weights on the host (W' = W diag(w)).
-    # NOTE: so x = rms_norm(r) * w is never rounded to bf16 as HF does: the numbers differ from
-    # the engine's by that rounding (timing experiment; an engine version would build x in
-    # shared memory instead).
-
-    @gluon.jit
-    def _g_prefetch_l2(ptr):
-        """cp.async.bulk.prefetch.L2 of one 32 KB W tile (64 x 256 bf16) at ptr, from one lane."""
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], 32768; mov.u32 $0, 0; }",
-            "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _v5_ready(tab, d, gctr_ptr, rdone_ptr, known, known_layer, rr, MAXC: gl.constexpr,
-                  ROW_TILES: gl.constexpr, TPG: gl.constexpr, GROUPS: gl.constexpr):
-        """v4's `_v4_ready` with the gate_up condition "all row tiles of the layer before are
-        in" (rr: the row tiles known done, cumulative)."""
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        offs_g = gl.arange(0, 32, layout=lay)
-        flags = gl.load(tab + 2 * MAXC + d)
-        layer = flags >> 3
-        ok = flags >= 0
-        if (flags & 1) == 0:
-            if rr < ROW_TILES * layer:
-                rr = gl.load(rdone_ptr, volatile=True)
-                ok = rr >= ROW_TILES * layer
-                if ok:
-                    _g_fence_acq_rel()
-                    _g_fence_proxy_async()
-        elif (flags & 2) != 0:
-            g = gl.load(tab + 3 * MAXC + d) // ROW_TILES
-            if known_layer != layer:
-                known = known * 0
-                known_layer = layer
-            if ((known >> g) & 1) == 0:
-                cnt = gl.load(gctr_ptr + offs_g, mask=offs_g < GROUPS, other=0, volatile=True)
-                known = gl.sum(gl.where(cnt >= TPG * (layer + 1), 1 << offs_g, 0), 0)
-                ok = ((known >> g) & 1) != 0
-                if ok:
-                    _g_fence_acq_rel()
-                    _g_fence_proxy_async()
-        return ok, known, known_layer, rr
-
-    @gluon.jit
-    def _v5_issue_act(x0_desc, res_desc, h_desc, tab, d, a_ring, full, MAXC: gl.constexpr,
-                      STAGES: gl.constexpr):
-        s = d % STAGES
-        flags = gl.load(tab + 2 * MAXC + d)
-        col = gl.load(tab + 1 * MAXC + d)
-        if (flags & 1) == 0:
-            if (flags >> 3) == 0:
-                tma.async_copy_global_to_shared(x0_desc, [0, col], full.index(s), a_ring.index(s))
-            else:
-                tma.async_copy_global_to_shared(res_desc, [0, col], full.index(s),
-                                                a_ring.index(s))
-        else:
-            tma.async_copy_global_to_shared(h_desc, [0, col], full.index(s), a_ring.index(s))
-
-    @gluon.jit
-    def _v5_producer(w_desc, x0_desc, res_desc, h_desc, tab, n, w_ring, a_ring, full, empty,
-                     gctr_ptr, rdone_ptr, w_ptr, MAXC: gl.constexpr, ROW_TILES: gl.constexpr,
-                     TPG: gl.constexpr, GROUPS: gl.constexpr, STAGES: gl.constexpr,
-                     PDL: gl.constexpr, PREFETCH: gl.constexpr):
-        W_BYTES: gl.constexpr = w_desc.block_type.nbytes
-        ACT_BYTES: gl.constexpr = h_desc.block_type.nbytes
-        for i in gl.static_range(STAGES):
-            if i < n:
-                mbarrier.expect(full.index(i), W_BYTES + ACT_BYTES)
-                tma.async_copy_global_to_shared(w_desc, [gl.load(tab + i) * 64, 0],
-                                                full.index(i), w_ring.index(i))
-        if PDL:
-            _g_grid_wait()
-        pend = n * 0
-        known = n * 0
-        known_layer = n * 0 - 1
-        rr = n * 0
-        for c in range(n):
-            s = c % STAGES
-            if c >= STAGES:
-                while pend <= c - STAGES:
-                    ok, known, known_layer, rr = _v5_ready(
-                        tab, pend, gctr_ptr, rdone_ptr, known, known_layer, rr, MAXC,
-                        ROW_TILES, TPG, GROUPS)
-                    if ok:
-                        _v5_issue_act(x0_desc, res_desc, h_desc, tab, pend, a_ring, full, MAXC,
-                                      STAGES)
-                        pend += 1
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                mbarrier.expect(full.index(s), W_BYTES + ACT_BYTES)
-                tma.async_copy_global_to_shared(w_desc, [gl.load(tab + c) * 64, 0],
-                                                full.index(s), w_ring.index(s))
-            if PREFETCH > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                # W of the chunk PREFETCH past this one into L2 (a hint: a contiguous tile)
-                if c + PREFETCH < n:
-                    tile_pf = gl.load(tab + c + PREFETCH)
-                    _g_prefetch_l2(w_ptr + tile_pf.to(gl.int64) * (W_BYTES // 2))
-            go = pend >= 0
-            while go & (pend <= c):
-                ok, known, known_layer, rr = _v5_ready(
-                    tab, pend, gctr_ptr, rdone_ptr, known, known_layer, rr, MAXC, ROW_TILES,
-                    TPG, GROUPS)
-                if ok:
-                    _v5_issue_act(x0_desc, res_desc, h_desc, tab, pend, a_ring, full, MAXC,
-                                  STAGES)
-                    pend += 1
-                else:
-                    go = pend < 0
-        while pend < n:
-            ok, known, known_layer, rr = _v5_ready(
-                tab, pend, gctr_ptr, rdone_ptr, known, known_layer, rr, MAXC, ROW_TILES, TPG,
-                GROUPS)
-            if ok:
-                _v5_issue_act(x0_desc, res_desc, h_desc, tab, pend, a_ring, full, MAXC, STAGES)
-                pend += 1
-
-    @gluon.jit
-    def _v5_consumer(tab, n, w_ring, a_ring, full, empty, epi, h_ptr, y_ptr, res_ptr, ssq_ptr,
-                     gctr_ptr, rtc_ptr, rdone_ptr, M, stride_hm, eps, MAXC: gl.constexpr,
-                     M_PAD: gl.constexpr, HALF: gl.constexpr, ROW_TILES: gl.constexpr,
-                     GK: gl.constexpr, H: gl.constexpr, GROUPS: gl.constexpr,
-                     M_ROWS: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
-        if PDL:
-            _g_grid_wait()
-        dtype: gl.constexpr = w_ring.dtype
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M_PAD, 16])
-        acc = gl.zeros([64, M_PAD], gl.float32, acc_layout)
-        epi_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
-        rows_e = gl.arange(0, HALF, layout=gl.SliceLayout(1, epi_layout))
-        cols_e = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, epi_layout))
-        rows_a = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-        cols_a = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, acc_layout))
-        # a row tile's handoff: [64 columns, M_PAD rows]
+    def _v5_row_tile(unit, layer, y_base, res_ptr, ssq_ptr, M, H: gl.constexpr,
+                     ROW_TILES: gl.constexpr, M_PAD: gl.constexpr, M_ROWS: gl.constexpr):
+        """A row tile of y complete: r = residual + y (rounded) for its 64 columns, y zeroed
+        there, and its rows' sums of squares of r added into ssq[layer]."""
+        dtype: gl.constexpr = res_ptr.dtype.element_ty
         rt_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
         rows_r = gl.arange(0, 64, layout=gl.SliceLayout(1, rt_layout))
         cols_r = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, rt_layout))
         mask_r = (cols_r < M)[None, :] & (rows_r >= 0)[:, None]
+        offs = cols_r[None, :] * H + ((unit % ROW_TILES) * 64 + rows_r)[:, None]
+        yv = gl.load(y_base + offs, mask=mask_r, other=0.0)
+        rv = gl.load(res_ptr + offs, mask=mask_r, other=0.0)
+        r = (yv.to(dtype).to(gl.float32) + rv.to(gl.float32)).to(dtype)
+        gl.store(res_ptr + offs, r, mask=mask_r)
+        gl.store(y_base + offs, gl.zeros([64, M_PAD], gl.float32, rt_layout), mask=mask_r)
+        rf = r.to(gl.float32)
+        gl.atomic_add(ssq_ptr + layer * M_ROWS + cols_r, gl.sum(rf * rf, 0), mask=cols_r < M,
+                      sem="relaxed", scope="gpu")
+
+    @gluon.jit
+    def _g_inv_rms(ssq_row, M, eps, H: gl.constexpr, M_PAD: gl.constexpr):
+        """1 / sqrt(ssq / H + eps) for rows 0..M-1 (read with acquire), in the gate_up
+        epilogue's column layout."""
+        epi_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        cols_e = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, epi_layout))
+        zero = gl.zeros([M_PAD], gl.float32, gl.SliceLayout(0, epi_layout))
+        q = gl.atomic_add(ssq_row + cols_e, zero, mask=cols_e < M, sem="acquire", scope="gpu")
+        return gl.div_rn(zero + 1.0, gl.sqrt_rn(gl.div_rn(q, zero + H) + eps))
+
+    @gluon.jit
+    def _g_cross_consumer(tab, n, w_ring, a_ring, full, empty, epi, h_ptr, y_ptr, res_ptr,
+                          nw_ptr, xs_ptr, ssq_ptr, gctr_ptr, count_ptr, ready_ptr, M, stride_hm,
+                          eps, MAXC: gl.constexpr, M_PAD: gl.constexpr, HALF: gl.constexpr,
+                          ROW_TILES: gl.constexpr, GK: gl.constexpr, H: gl.constexpr,
+                          GROUPS: gl.constexpr, M_ROWS: gl.constexpr, STAGES: gl.constexpr,
+                          PDL: gl.constexpr, V5: gl.constexpr):
+        """count_ptr: v4 one counter (down items done), v5 one a row tile."""
+        if PDL:
+            _g_grid_wait()
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M_PAD, 16])
+        acc = gl.zeros([64, M_PAD], gl.float32, acc_layout)
         for c in range(n):
-            s = c % STAGES
-            mbarrier.wait(full.index(s), (c // STAGES) & 1)
-            flags = gl.load(tab + 2 * MAXC + c)
-            acc = warpgroup_mma(w_ring.index(s), a_ring.index(s).permute((1, 0)), acc,
-                                use_acc=(flags & 2) == 0)
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(s))
+            acc, flags = _g_consume(tab, c, acc, w_ring, a_ring, full, empty, MAXC, STAGES)
             if (flags & 4) != 0:
                 unit = gl.load(tab + 3 * MAXC + c)
                 layer = flags >> 3
                 if (flags & 1) == 0:
-                    epi.store(acc)
-                    gl.thread_barrier()
-                    gate = epi.slice(0, HALF).load(epi_layout)
-                    up = epi.slice(HALF, HALF).load(epi_layout)
-                    gl.thread_barrier()
-                    if layer > 0:  # x = r / rms: scale the sums (the weight is in W)
-                        q = gl.atomic_add(ssq_ptr + (layer - 1) * M_ROWS + cols_e,
-                                          gl.zeros([M_PAD], gl.float32,
-                                                   gl.SliceLayout(0, epi_layout)),
-                                          mask=cols_e < M, sem="acquire", scope="gpu")
-                        zero = gl.zeros([M_PAD], gl.float32, gl.SliceLayout(0, epi_layout))
-                        inv = gl.div_rn(zero + 1.0,
-                                        gl.sqrt_rn(gl.div_rn(q, zero + H) + eps))
-                        gate = gate * inv[None, :]
-                        up = up * inv[None, :]
-                    hv = silu_mul(gate.to(dtype), up.to(dtype))
-                    h_ptrs = h_ptr + cols_e[None, :] * stride_hm + (unit * HALF + rows_e)[:, None]
-                    gl.store(h_ptrs, hv, mask=(cols_e < M)[None, :])
-                    _g_fence_proxy_async()
-                    gl.thread_barrier()
-                    gl.atomic_add(gctr_ptr + unit * HALF // GK, 1, sem="release", scope="gpu")
+                    if V5:
+                        ones = gl.full([M_PAD], 1.0, gl.float32, gl.SliceLayout(
+                            0, gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])))
+                        inv = ones
+                        if layer > 0:  # x = r / rms: scale the sums (the weight is in W)
+                            inv = _g_inv_rms(ssq_ptr + (layer - 1) * M_ROWS, M, eps, H, M_PAD)
+                        _g_glu_epilogue(acc, epi, h_ptr, gctr_ptr, unit, M, stride_hm, inv,
+                                        HALF, GK, M_PAD, True, True)
+                    else:
+                        _g_glu_epilogue(acc, epi, h_ptr, gctr_ptr, unit, M, stride_hm, 0.0,
+                                        HALF, GK, M_PAD, False, True)
                 else:
-                    rt = unit % ROW_TILES
                     y_base = y_ptr + (layer % 2) * M_ROWS * H
-                    y_ptrs = y_base + cols_a[None, :] * H + (rt * 64 + rows_a)[:, None]
+                    y_ptrs, cols_a = _g_acc_ptrs(y_base, unit, H, ROW_TILES, M_PAD)
                     gl.atomic_add(y_ptrs, acc, mask=(cols_a < M)[None, :], sem="relaxed",
                                   scope="gpu")
                     gl.thread_barrier()
-                    prev = gl.atomic_add(rtc_ptr + rt, 1, sem="acq_rel", scope="gpu")
-                    if prev == GROUPS * (layer + 1) - 1:
-                        # this row tile of y is complete: r = residual + y for its columns
-                        offs = cols_r[None, :] * H + (rt * 64 + rows_r)[:, None]
-                        yv = gl.load(y_base + offs, mask=mask_r, other=0.0)
-                        rv = gl.load(res_ptr + offs, mask=mask_r, other=0.0)
-                        r = (yv.to(dtype).to(gl.float32) + rv.to(gl.float32)).to(dtype)
-                        gl.store(res_ptr + offs, r, mask=mask_r)
-                        gl.store(y_base + offs, gl.zeros([64, M_PAD], gl.float32, rt_layout),
-                                 mask=mask_r)
-                        rf = r.to(gl.float32)
-                        gl.atomic_add(ssq_ptr + layer * M_ROWS + cols_r, gl.sum(rf * rf, 0),
-                                      mask=cols_r < M, sem="relaxed", scope="gpu")
-                        _g_fence_proxy_async()
-                        gl.thread_barrier()
-                        gl.atomic_add(rdone_ptr, 1, sem="release", scope="gpu")
+                    if V5:
+                        prev = gl.atomic_add(count_ptr + unit % ROW_TILES, 1, sem="acq_rel",
+                                             scope="gpu")
+                        if prev == GROUPS * (layer + 1) - 1:  # this row tile of y is complete
+                            _v5_row_tile(unit, layer, y_base, res_ptr, ssq_ptr, M, H, ROW_TILES,
+                                         M_PAD, M_ROWS)
+                            _g_fence_proxy_async()
+                            gl.thread_barrier()
+                            gl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
+                    else:
+                        prev = gl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+                        if prev == ROW_TILES * GROUPS * (layer + 1) - 1:  # the layer's last
+                            _v4_norm(layer, y_ptr, res_ptr, nw_ptr, xs_ptr, M, eps, H, M_ROWS)
+                            _g_fence_proxy_async()
+                            gl.thread_barrier()
+                            gl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
 
     @gluon.jit
-    def _mlp_cross5_kernel(w_desc, x0_desc, res_desc, h_desc, h_ptr, y_ptr, res_ptr, ssq_ptr,
-                           tab_ptr, count_ptr, gctr_ptr, rtc_ptr, rdone_ptr, done_ptr, M,
-                           stride_hm, eps, MAXC: gl.constexpr, M_PAD: gl.constexpr,
-                           HALF: gl.constexpr, ROW_TILES: gl.constexpr, TPG: gl.constexpr,
-                           GK: gl.constexpr, H: gl.constexpr, M_ROWS: gl.constexpr,
-                           NPROG: gl.constexpr, GROUPS: gl.constexpr, SSQ: gl.constexpr,
-                           STAGES: gl.constexpr, PDL: gl.constexpr, PREFETCH: gl.constexpr,
-                           w_ptr=None):
+    def _mlp_cross_kernel(w_desc, x_desc, res_desc, h_desc, w_ptr, h_ptr, y_ptr, res_ptr, nw_ptr,
+                          xs_ptr, ssq_ptr, tab_ptr, count_ptr, gctr_ptr, item_ctr_ptr, ready_ptr,
+                          done_ptr, M, stride_hm, eps, MAXC: gl.constexpr, M_PAD: gl.constexpr,
+                          HALF: gl.constexpr, ROW_TILES: gl.constexpr, TPG: gl.constexpr,
+                          GK: gl.constexpr, H: gl.constexpr, M_ROWS: gl.constexpr,
+                          NPROG: gl.constexpr, GROUPS: gl.constexpr, SSQ: gl.constexpr,
+                          STAGES: gl.constexpr, PDL: gl.constexpr, V5: gl.constexpr,
+                          PREFETCH: gl.constexpr):
+        """v4 (V5 False) and v5. item_ctr: v4 one counter of down items, v5 one a row tile;
+        ready: v4 counts layers whose x is out, v5 row tiles whose residual is."""
         if PDL:
             _g_launch_dependents()
         pid = gl.program_id(0)
         tab = tab_ptr + pid * 4 * MAXC
         n = gl.load(count_ptr + pid)
-        dtype: gl.constexpr = w_desc.dtype
-        BK: gl.constexpr = w_desc.block_type.shape[1]
-        w_ring = gl.allocate_shared_memory(dtype, [STAGES, 64, BK], w_desc.layout)
-        a_ring = gl.allocate_shared_memory(dtype, [STAGES, M_PAD, BK], h_desc.layout)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        epi = gl.allocate_shared_memory(gl.float32, [64, M_PAD],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        for i in gl.static_range(STAGES):
-            mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        fence_async_shared()
-        gl.thread_barrier()
+        w_ring, a_ring, full, empty, epi = _g_ws_rings(w_desc, h_desc, STAGES, M_PAD)
         gl.warp_specialize([
-            (_v5_consumer, (tab, n, w_ring, a_ring, full, empty, epi, h_ptr, y_ptr, res_ptr,
-                            ssq_ptr, gctr_ptr, rtc_ptr, rdone_ptr, M, stride_hm, eps, MAXC,
-                            M_PAD, HALF, ROW_TILES, GK, H, GROUPS, M_ROWS, STAGES, PDL)),
-            (_v5_producer, (w_desc, x0_desc, res_desc, h_desc, tab, n, w_ring, a_ring, full,
-                            empty, gctr_ptr, rdone_ptr, w_ptr, MAXC, ROW_TILES, TPG, GROUPS,
-                            STAGES, PDL, PREFETCH)),
+            (_g_cross_consumer, (tab, n, w_ring, a_ring, full, empty, epi, h_ptr, y_ptr, res_ptr,
+                                 nw_ptr, xs_ptr, ssq_ptr, gctr_ptr, item_ctr_ptr, ready_ptr, M,
+                                 stride_hm, eps, MAXC, M_PAD, HALF, ROW_TILES, GK, H, GROUPS,
+                                 M_ROWS, STAGES, PDL, V5)),
+            (_g_cross_producer, (w_desc, x_desc, res_desc, h_desc, tab, n, w_ring, a_ring, full,
+                                 empty, gctr_ptr, ready_ptr, w_ptr, MAXC, ROW_TILES, TPG, GROUPS,
+                                 STAGES, M_ROWS, PDL, V5, ROW_TILES if V5 else 1, PREFETCH)),
         ], [1], [40])
-        gl.thread_barrier()
-        last = gl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-        if last == NPROG - 1:
-            zl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-            offs_g = gl.arange(0, 64, layout=zl)
-            gl.store(gctr_ptr + offs_g, gl.zeros([64], gl.int32, zl), mask=offs_g < 32)
-            gl.store(rtc_ptr + offs_g, gl.zeros([64], gl.int32, zl), mask=offs_g < ROW_TILES)
-            offs_q = gl.arange(0, SSQ, layout=zl)
-            gl.store(ssq_ptr + offs_q, gl.zeros([SSQ], gl.float32, zl))
-            gl.store(rdone_ptr, 0)
+        if _g_last_out(done_ptr, NPROG):
+            _g_zero(gctr_ptr, 32, 64, gl.int32)
+            _g_zero(item_ctr_ptr, ROW_TILES, 64, gl.int32)
+            if V5:
+                _g_zero(ssq_ptr, SSQ, SSQ, gl.float32)
+            gl.store(ready_ptr, 0)
             gl.store(done_ptr, 0)
 
 
-class CrossMlp5:
-    """v5: `layers` MLPs in one launch, the handoff spread over the row tiles. x0 [M, H] in,
-    the residual stream from zero; returns x_L (rms_norm of the last residual, times the
-    last norm weight, computed here on the host from the kernel's residual and sums)."""
+def _layer_tables(table: Tensor, counts: Tensor, layers: int, tiles: int, flags: bool = True
+                  ) -> tuple[Tensor, Tensor]:
+    """Each program's chunk list repeated for `layers` layers, the W tile indices moved on by
+    `tiles` a layer (and, with flags, the layer in the flags' bits 3..)."""
+    nprog = table.shape[0]
+    big = torch.zeros(nprog, 4, triton.next_power_of_2(int(counts.max()) * layers),
+                      dtype=torch.int32)
+    for p in range(nprog):
+        k = int(counts[p])
+        parts = []
+        for layer in range(layers):
+            t = table[p, :, :k].clone()
+            t[0] += layer * tiles
+            if flags:
+                t[2] |= layer << 3
+            parts.append(t)
+        big[p, :, :k * layers] = torch.cat(parts, dim=1)
+    return big, counts * layers
+
+
+class CrossMlp:
+    """v4 (v5=False) or v5: `layers` MLPs, from x0 [M, H] and a zero residual (as `bench`'s
+    chain), in one launch. ws: each layer's (gate_up, down, norm weight); `output()` is x_L,
+    the last norm's output."""
 
     def __init__(self, m: int, cfg: MlpConfig, ws: list[tuple[Tensor, Tensor, Tensor]],
-                 nprog: int, stages: int = 4, prefetch: int = 0) -> None:
+                 nprog: int, v5: bool, stages: int = 4, prefetch: int = 0) -> None:
         assert cfg.gbn == 32 and m <= 8
-        assert not prefetch or cfg.bk == 256, "the L2 prefetch is of 32 KB tiles"
-        self.prefetch = prefetch
+        assert not prefetch or (v5 and cfg.bk == 256), "the L2 prefetch is v5's, of 32 KB tiles"
         wgu0 = ws[0][0]
         dev, dt = wgu0.device, wgu0.dtype
         self.m, self.cfg, self.nprog, self.stages = m, cfg, nprog, stages
+        self.v5, self.prefetch = v5, prefetch
         self.layers = len(ws)
         self.groups = INTER // (cfg.gc * cfg.bk)
         assert self.groups <= 31
         wts = []
         for i, (wgu, wd, _) in enumerate(ws):
-            if i:  # the norm before this layer: its weight folded into gate and up's columns
+            if v5 and i:  # the norm before this layer: its weight folded into gate and up
                 wgu = (wgu.float() * ws[i - 1][2].float()[None, :]).to(dt)
             wts.append(tile_weights(wgu, wd, tile_k=cfg.bk))
-        self.last_nw = ws[-1][2]
         table, counts = build_chunks(nprog, cfg)
-        tiles = wts[0].shape[0] // TILE_N
-        big = torch.zeros(nprog, 4, triton.next_power_of_2(int(counts.max()) * self.layers),
-                          dtype=torch.int32)
-        for p in range(nprog):
-            k = int(counts[p])
-            parts = []
-            for layer in range(self.layers):
-                t = table[p, :, :k].clone()
-                t[0] += layer * tiles
-                t[2] |= layer << 3
-                parts.append(t)
-            big[p, :, :k * self.layers] = torch.cat(parts, dim=1)
-        self.table, self.counts = big.to(dev), (counts * self.layers).to(dev)
-        self.maxc = big.shape[-1]
+        big, total = _layer_tables(table, counts, self.layers, wts[0].shape[0] // TILE_N)
+        self.table, self.counts, self.maxc = big.to(dev), total.to(dev), big.shape[-1]
         self.w = torch.cat(wts)
+        self.nw = torch.stack([nw for _, _, nw in ws])
         self.h = torch.zeros(m, INTER, dtype=dt, device=dev)
         self.y = torch.zeros(2, 8, HIDDEN, dtype=torch.float32, device=dev)
-        self.res = torch.zeros(m, HIDDEN, dtype=dt, device=dev)
-        self.x0 = torch.zeros(m, HIDDEN, dtype=dt, device=dev)
+        self.res = torch.zeros(m if v5 else 8, HIDDEN, dtype=dt, device=dev)
+        # v4: x_0 .. x_L, a block of 8 rows each; v5: x_0 only
+        self.xs = torch.zeros(m if v5 else (self.layers + 1) * 8, HIDDEN, dtype=dt, device=dev)
         self.ssq_n = triton.next_power_of_2(8 * self.layers)
         self.ssq = torch.zeros(self.ssq_n, dtype=torch.float32, device=dev)
         self.gctr = torch.zeros(64, dtype=torch.int32, device=dev)
-        self.rtc = torch.zeros(64, dtype=torch.int32, device=dev)
-        self.rdone = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.item_ctr = torch.zeros(64, dtype=torch.int32, device=dev)
+        self.ready = torch.zeros(1, dtype=torch.int32, device=dev)
         self.done = torch.zeros(1, dtype=torch.int32, device=dev)
         bk = cfg.bk
         lay_w = gl.NVMMASharedLayout.get_default_for([TILE_N, bk], gl.bfloat16)
         lay_a = gl.NVMMASharedLayout.get_default_for([16, bk], gl.bfloat16)
         self.w_desc = GluonDescriptor(self.w, list(self.w.shape), [bk, 1], [TILE_N, bk], lay_w)
-        self.x0_desc = GluonDescriptor(self.x0, [m, HIDDEN], [HIDDEN, 1], [16, bk], lay_a)
-        self.res_desc = GluonDescriptor(self.res, [m, HIDDEN], [HIDDEN, 1], [16, bk], lay_a)
+        self.x_desc = GluonDescriptor(self.xs, list(self.xs.shape), [HIDDEN, 1], [16, bk], lay_a)
+        self.res_desc = GluonDescriptor(self.res, list(self.res.shape), [HIDDEN, 1], [16, bk],
+                                        lay_a)
         self.h_desc = GluonDescriptor(self.h, [m, INTER], [INTER, 1], [16, bk], lay_a)
 
     def launch(self, x0: Tensor) -> None:
-        self.x0.copy_(x0)
+        self.xs[:self.m].copy_(x0)
         self.res.zero_()
         cfg = self.cfg
         pdl = pdl_enabled()
-        _mlp_cross5_kernel[(self.nprog,)](
-            self.w_desc, self.x0_desc, self.res_desc, self.h_desc, self.h, self.y, self.res,
-            self.ssq, self.table, self.counts, self.gctr, self.rtc, self.rdone, self.done,
-            self.m, self.h.stride(0), 1e-6, MAXC=self.maxc, M_PAD=16, HALF=32,
-            ROW_TILES=HIDDEN // TILE_N, TPG=cfg.gc * cfg.bk // 32, GK=cfg.gc * cfg.bk,
-            H=HIDDEN, M_ROWS=8, NPROG=self.nprog, GROUPS=self.groups, SSQ=self.ssq_n,
-            STAGES=self.stages, PDL=pdl, PREFETCH=self.prefetch, w_ptr=self.w, num_warps=4,
-            **pdl_launch(pdl))
+        _mlp_cross_kernel[(self.nprog,)](
+            self.w_desc, self.x_desc, self.res_desc, self.h_desc, self.w, self.h, self.y,
+            self.res, self.nw, self.xs, self.ssq, self.table, self.counts, self.gctr,
+            self.item_ctr, self.ready, self.done, self.m, self.h.stride(0), 1e-6,
+            MAXC=self.maxc, M_PAD=16, HALF=32, ROW_TILES=HIDDEN // TILE_N,
+            TPG=cfg.gc * cfg.bk // 32, GK=cfg.gc * cfg.bk, H=HIDDEN, M_ROWS=8,
+            NPROG=self.nprog, GROUPS=self.groups, SSQ=self.ssq_n, STAGES=self.stages, PDL=pdl,
+            V5=self.v5, PREFETCH=self.prefetch, num_warps=4, **pdl_launch(pdl))
 
     def output(self) -> Tensor:
-        """x_L from the residual (HF's norm on the host: the kernel zeroed its sums)."""
+        """x_L: v4's last block of xs; v5's from the residual (HF's norm, on the host)."""
+        if not self.v5:
+            return self.xs[self.layers * 8:self.layers * 8 + self.m]
         r = self.res.float()
         x = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return x.to(self.res.dtype) * self.last_nw
+        return x.to(self.res.dtype) * self.nw[-1]
 
 
 class StreamMlp:
@@ -1484,9 +1263,11 @@ def compile_only(cfgs: list[MlpConfig], m: int) -> list[dict[str, object]]:
     return rows
 
 
-def compile_stream(cfg: MlpConfig, m: int, stages: int, skip: int = 0, ws: bool = False
-                   ) -> dict[str, object]:
-    """v2 compiled for sm_90a without a GPU: registers, spills, shared memory."""
+def _compile_caught(kernel: object, launch: Callable[[], object], ptx_out: str
+                    ) -> dict[str, object]:
+    """The Gluon kernel `launch()` would run (its launch caught, as kernel_regs does),
+    compiled for sm_90a without a GPU: shared memory, and registers from ptxas -v; the PTX is
+    written to ptx_out."""
     import re
     import subprocess
     import tempfile
@@ -1496,58 +1277,50 @@ def compile_stream(cfg: MlpConfig, m: int, stages: int, skip: int = 0, ws: bool 
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import create_function_from_signature
 
-    meta = torch.device("meta")
-    mlp = StreamMlp.__new__(StreamMlp)
-    mlp.m, mlp.cfg, mlp.nprog, mlp.stages, mlp.skip, mlp.ws = m, cfg, 132, stages, skip, ws
-    mlp.groups = INTER // (cfg.gc * cfg.bk)
-    mlp.maxc = 128
-    mlp.table = torch.empty(132, 4, 128, dtype=torch.int32, device=meta)
-    mlp.counts = torch.empty(132, dtype=torch.int32, device=meta)
-    mlp.h = torch.empty(m, INTER, dtype=torch.bfloat16, device=meta)
-    mlp.gctr = torch.empty(32, dtype=torch.int32, device=meta)
-    mlp.done = torch.empty(1, dtype=torch.int32, device=meta)
-    mlp.dbg = torch.empty(132, 4, dtype=torch.int32, device=meta)
-    mlp.m_pad = max(16, triton.next_power_of_2(m))
-    mlp.lay_w = gl.NVMMASharedLayout.get_default_for([TILE_N, cfg.bk], gl.bfloat16)
-    mlp.lay_a = gl.NVMMASharedLayout.get_default_for([mlp.m_pad, cfg.bk], gl.bfloat16)
-    mlp.h_desc = GluonDescriptor(mlp.h, [m, INTER], [INTER, 1], [mlp.m_pad, cfg.bk], mlp.lay_a)
-    mlp._w = {}
-    import arle_kernels.split_sums as ss
+    from arle_kernels.jit import set_pdl
 
-    ss._BUFFERS[(meta, (mlp.groups + 1) // 2, HIDDEN)] = torch.empty(
-        (mlp.groups + 1) // 2, 32, HIDDEN, dtype=torch.float32, device=meta)
-    caught: list[tuple[object, tuple[object, ...], dict[str, object]]] = []
-    kernel = _mlp_ws_kernel if ws else _mlp_stream_kernel
-    original = type(kernel).run
+    caught: list[tuple[tuple[object, ...], dict[str, object]]] = []
+    cls: Any = type(kernel)
+    original = cls.run
 
     def record(self: object, *args: object, grid: object, warmup: bool, **kw: object) -> None:
-        caught.append((self, args, kw))
+        caught.append((args, kw))
 
-    type(kernel).run = record
+    cls.run = record
     try:
-        from arle_kernels.jit import set_pdl
         set_pdl(True)
-        mlp(torch.empty(m, HIDDEN, dtype=torch.bfloat16, device=meta),
-            torch.empty(9120 * 64, 128, dtype=torch.bfloat16, device=meta))
+        launch()
     finally:
-        type(kernel).run = original
-    _fn, args, kw = caught[0]
+        cls.run = original
+        set_pdl(None)
+    args, kw = caught[0]
+    k: Any = kernel
     backend = make_backend(TARGET)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    binder = create_function_from_signature(k.signature, k.params, backend)
     bound, spec, opts = binder(*args, **kw)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, spec, opts)
-    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
-                              target=TARGET, options=options.__dict__)
+    options, signature, constexprs, attrs = k._pack_args(backend, kw, bound, spec, opts)
+    compiled = triton.compile(GluonASTSource(k, signature, constexprs, attrs), target=TARGET,
+                              options=options.__dict__)
+    Path(ptx_out).write_text(compiled.asm["ptx"])
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        Path("/tmp/stream.ptx").write_text(compiled.asm["ptx"])
-        out = subprocess.run([_ptxas(), "-v", "-arch=sm_90a", str(ptx), "-o",
+        out = subprocess.run([_ptxas(), "-v", "-arch=sm_90a", ptx_out, "-o",
                               str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
                              check=True).stderr
     used = re.search(r"Used (\d+) registers", out)
-    return {"stages": stages, "ws": ws, "cfg": asdict(cfg), "shared": compiled.metadata.shared,
+    return {"shared": compiled.metadata.shared,
             "registers": int(used.group(1)) if used else None, "ptxas": out[-300:]}
+
+
+def compile_stream(cfg: MlpConfig, m: int, stages: int, skip: int = 0, ws: bool = False
+                   ) -> dict[str, object]:
+    """v2 (v3 with ws) compiled for sm_90a without a GPU (on CPU tensors)."""
+    mlp = StreamMlp(m, cfg, torch.device("cpu"), 132, stages, skip, ws)
+    rows = (2 * INTER * HIDDEN + HIDDEN * INTER) // cfg.bk
+    wt = torch.zeros(rows, cfg.bk, dtype=torch.bfloat16)
+    x = torch.zeros(m, HIDDEN, dtype=torch.bfloat16)
+    kernel = _mlp_ws_kernel if ws else _mlp_stream_kernel
+    return {"stages": stages, "ws": ws, "cfg": asdict(cfg)} | _compile_caught(
+        kernel, lambda: mlp(x, wt), "/tmp/stream.ptx")
 
 
 CONFIGS = [MlpConfig(), MlpConfig(gbn=64, gu_stages=5, dn_stages=4),
@@ -1615,18 +1388,8 @@ def bench_all_layers(layers: int, nprog: int) -> dict[str, object]:
                  for i in range(layers)]
     allm = StreamMlp(8, cfg, torch.device("cuda"), nprog, 4, skip=8, ws=True)
     table, counts = build_chunks(nprog, cfg)
-    reps = []
-    for rep in range(layers):
-        t = table.clone()
-        t[:, 0] += rep * tiles_per_layer
-        reps.append(t)
-    big = torch.zeros(nprog, 4, triton.next_power_of_2(int(counts.max()) * layers),
-                      dtype=torch.int32)
-    for p in range(nprog):
-        k = int(counts[p])
-        big[p, :, :k * layers] = torch.cat([r[p, :, :k] for r in reps], dim=1)
-    allm.table, allm.counts = big.cuda(), (counts * layers).cuda()
-    allm.maxc = big.shape[-1]
+    big, total = _layer_tables(table, counts, layers, tiles_per_layer, flags=False)
+    allm.table, allm.counts, allm.maxc = big.cuda(), total.cuda(), big.shape[-1]
     mlp_bytes = 3 * INTER * HIDDEN * 2
 
     res = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -1649,73 +1412,27 @@ def bench_all_layers(layers: int, nprog: int) -> dict[str, object]:
 
 
 def compile_cross(layers: int = 2, m: int = 8, v5: bool = False) -> dict[str, object]:
-    """v4 (v5) compiled for sm_90a without a GPU (the launch caught on CPU tensors)."""
-    import re
-    import subprocess
-    import tempfile
-
-    from kernel_regs import TARGET, _ptxas
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
-    from arle_kernels.jit import set_pdl
-
-    cfg = MlpConfig(bk=256, gc=2)
+    """v4 (v5: with a 6-chunk L2 prefetch) compiled for sm_90a without a GPU (CPU tensors)."""
     bf = torch.bfloat16
-    if v5:
-        w3 = (torch.zeros(2 * INTER, HIDDEN, dtype=bf), torch.zeros(HIDDEN, INTER, dtype=bf),
-              torch.zeros(HIDDEN, dtype=bf))
-        mlp5 = CrossMlp5(m, cfg, [w3] * layers, 132, prefetch=6)
-    else:
-        wt = torch.zeros(9120 // 2 * 64, 256, dtype=bf)
-        mlp = CrossMlp(m, cfg, [torch.zeros(HIDDEN, dtype=bf)] * layers, [wt] * layers, 132)
-    caught: list[tuple[tuple[object, ...], dict[str, object]]] = []
-    kernel = _mlp_cross5_kernel if v5 else _mlp_cross_kernel
-    original = type(kernel).run
-
-    def record(self: object, *args: object, grid: object, warmup: bool, **kw: object) -> None:
-        caught.append((args, kw))
-
-    type(kernel).run = record
-    try:
-        set_pdl(True)
-        if v5:
-            mlp5.launch(torch.zeros(m, HIDDEN, dtype=bf))
-        else:
-            mlp(torch.zeros(m, HIDDEN, dtype=bf))
-    finally:
-        type(kernel).run = original
-    args, kw = caught[0]
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, spec, opts = binder(*args, **kw)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, spec, opts)
-    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
-                              target=TARGET, options=options.__dict__)
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        Path("/tmp/cross.ptx").write_text(compiled.asm["ptx"])
-        out = subprocess.run([_ptxas(), "-v", "-arch=sm_90a", str(ptx), "-o",
-                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
-                             check=True).stderr
-    used = re.search(r"Used (\d+) registers", out)
-    return {"shared": compiled.metadata.shared,
-            "registers": int(used.group(1)) if used else None}
+    w3 = (torch.zeros(2 * INTER, HIDDEN, dtype=bf), torch.zeros(HIDDEN, INTER, dtype=bf),
+          torch.zeros(HIDDEN, dtype=bf))
+    mlp = CrossMlp(m, MlpConfig(bk=256, gc=2), [w3] * layers, 132, v5, prefetch=6 if v5 else 0)
+    return {"v5": v5} | _compile_caught(
+        _mlp_cross_kernel, lambda: mlp.launch(torch.zeros(m, HIDDEN, dtype=bf)), "/tmp/cross.ptx")
 
 
-def cross(layers: int, nprog: int) -> dict[str, object]:
-    """v4 against the engine's chain (MLP + add_rms_norm a layer, from a zero residual): the
-    outputs after 1, 2 and `layers` layers, then both timed as CUDA graphs."""
+def cross(layers: int, nprog: int, v5: bool) -> dict[str, object]:
+    """v4 (call 13) or v5 (calls 14-15: without and with L2 prefetches) against the engine's
+    chain (MLP + add_rms_norm a layer, from a zero residual): the outputs after 1, 2 and
+    `layers` layers, then each timed as a CUDA graph, interleaved with the engine's."""
     import time
 
     cfg = MlpConfig(bk=256, gc=2)
     gen = torch.Generator(device="cuda").manual_seed(4)
     ws = _weights(layers, gen)
-    wts = [tile_weights(wgu, wd, tile_k=cfg.bk) for wgu, wd, _ in ws]
     x0 = torch.randn(8, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
     res = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    name = "v5" if v5 else "v4"
 
     def engine(n: int) -> Tensor:
         res.zero_()
@@ -1725,45 +1442,7 @@ def cross(layers: int, nprog: int) -> dict[str, object]:
         return h
     out: dict[str, object] = {"layers": layers}
     for n in (1, 2, layers):
-        mlp = CrossMlp(8, cfg, [nw for _, _, nw in ws[:n]], wts[:n], nprog)
-        t = time.perf_counter()
-        got = mlp(x0).clone()
-        torch.cuda.synchronize()
-        ref = engine(n).float()
-        err = ((got.float() - ref).norm() / ref.norm()).item()
-        out[f"rel_err_{n}_layers"] = err
-        print(f"v4 {n} layers: ran in {time.perf_counter() - t:.3f} s, rel err vs engine "
-              f"{err:.2e}, counters {int(mlp.gctr.abs().sum() + mlp.dctr + mlp.xready)}",
-              flush=True)
-    mlp_bytes = 3 * INTER * HIDDEN * 2
-    for rnd in range(2):
-        for name, body in (("engine", lambda: engine(layers)), ("v4_one_launch", lambda: mlp(x0))):
-            us = _graph_us(body) / layers
-            out[f"{name}_r{rnd}"] = {"us_per_layer": us, "tb_s": mlp_bytes / us / 1e6}
-            print(f"{name:16} round {rnd}: {us:7.2f} us a layer, {mlp_bytes / us / 1e6:5.2f} TB/s",
-                  flush=True)
-    return out
-
-
-def cross5(layers: int, nprog: int) -> dict[str, object]:
-    """v5 against the engine's chain, as `cross` for v4."""
-    import time
-
-    cfg = MlpConfig(bk=256, gc=2)
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    ws = _weights(layers, gen)
-    x0 = torch.randn(8, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
-    res = torch.zeros(8, HIDDEN, dtype=torch.bfloat16, device="cuda")
-
-    def engine(n: int) -> Tensor:
-        res.zero_()
-        h = x0
-        for wgu, wd, nw in ws[:n]:
-            h, _ = add_rms_norm(gemv_split_sums(gemv_silu_mul(h, wgu), wd), res, nw, 1e-6)
-        return h
-    out: dict[str, object] = {"layers": layers}
-    for n in (1, 2, layers):
-        mlp = CrossMlp5(8, cfg, ws[:n], nprog, prefetch=6)
+        mlp = CrossMlp(8, cfg, ws[:n], nprog, v5, prefetch=6 if v5 else 0)
         t = time.perf_counter()
         mlp.launch(x0)
         torch.cuda.synchronize()
@@ -1771,20 +1450,21 @@ def cross5(layers: int, nprog: int) -> dict[str, object]:
         ref = engine(n).float()
         err = ((got - ref).norm() / ref.norm()).item()
         out[f"rel_err_{n}_layers"] = err
-        print(f"v5 {n} layers: ran in {time.perf_counter() - t:.3f} s, rel err vs engine "
-              f"{err:.2e}, counters {int(mlp.gctr.abs().sum() + mlp.rtc.sum() + mlp.rdone)}",
+        print(f"{name} {n} layers: ran in {time.perf_counter() - t:.3f} s, rel err vs engine "
+              f"{err:.2e}, counters {int(mlp.gctr.abs().sum() + mlp.item_ctr.sum() + mlp.ready)}",
               flush=True)
-    mlp_bytes = 3 * INTER * HIDDEN * 2
-    pf = {k: CrossMlp5(8, cfg, ws, nprog, prefetch=k) for k in (0, 3, 10)}
-    pf[6] = mlp
+    variants = {6 if v5 else 0: mlp} | ({k: CrossMlp(8, cfg, ws, nprog, v5, prefetch=k)
+                                         for k in (0, 3, 10)} if v5 else {})
     bodies = [("engine", lambda: engine(layers))] + [
-        (f"v5_one_launch_prefetch{k}", lambda k=k: pf[k].launch(x0)) for k in sorted(pf)]
+        (f"{name}_one_launch_prefetch{k}", lambda k=k: variants[k].launch(x0))
+        for k in sorted(variants)]
+    mlp_bytes = 3 * INTER * HIDDEN * 2
     for rnd in range(2):
-        for name, body in bodies:
+        for label, body in bodies:
             us = _graph_us(body) / layers
-            out[f"{name}_r{rnd}"] = {"us_per_layer": us, "tb_s": mlp_bytes / us / 1e6}
-            print(f"{name:16} round {rnd}: {us:7.2f} us a layer, {mlp_bytes / us / 1e6:5.2f} TB/s",
-                  flush=True)
+            out[f"{label}_r{rnd}"] = {"us_per_layer": us, "tb_s": mlp_bytes / us / 1e6}
+            print(f"{label:26} round {rnd}: {us:7.2f} us a layer, "
+                  f"{mlp_bytes / us / 1e6:5.2f} TB/s", flush=True)
     return out
 
 
@@ -1814,8 +1494,8 @@ def main() -> None:
                     help="whose stream variants --check / --bench run")
     ap.add_argument("--all-layers", action="store_true", help="call 12: one launch, 36 layers")
     ap.add_argument("--compile-cross", action="store_true", help="v4 for sm_90a, no GPU")
-    ap.add_argument("--cross", action="store_true", help="v4 against the engine's chain")
-    ap.add_argument("--cross5", action="store_true", help="v5 against the engine's chain")
+    ap.add_argument("--cross", action="store_true", help="call 13: v4 against the engine")
+    ap.add_argument("--cross5", action="store_true", help="calls 14-15: v5 against the engine")
     ap.add_argument("--schedule", action="store_true", help="print the schedules' balance")
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--layers", type=int, default=36)
@@ -1839,10 +1519,8 @@ def main() -> None:
         print(json.dumps(result["compile_stream"], indent=1))
     if args.check or args.bench or args.diag or args.all_layers or args.cross or args.cross5:
         nprog = torch.cuda.get_device_properties(0).multi_processor_count
-        if args.cross:
-            result["cross"] = cross(args.layers, nprog)
-        if args.cross5:
-            result["cross5"] = cross5(args.layers, nprog)
+        if args.cross or args.cross5:
+            result["cross"] = cross(args.layers, nprog, v5=args.cross5)
         if args.all_layers:
             result["all_layers"] = bench_all_layers(args.layers, nprog)
         if args.diag:
