@@ -258,8 +258,8 @@ async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any,
     each would stall every request for up to seconds mid-serving. Without graphs, with graphs
     for every batch size, and with graphs for 1-2 rows only (`--cuda-graph-max-bs 2`: larger
     steps run eagerly). A model of its own head shape (head dim 64, 32 for the small graphs;
-    8 query heads per KV head), so no earlier test built its variants. (Seen on the H200: eager lm_head at 3..16
-    rows built its tensor-core variant mid-serving.)"""
+    8 query heads per KV head), so no earlier test built its variants. (Seen on the H200:
+    eager lm_head at 3..16 rows built its tensor-core variant mid-serving.)"""
     from arle.diagnostics import Phase, warmup_passes
     from arle_kernels.jit import watch_compiles
 

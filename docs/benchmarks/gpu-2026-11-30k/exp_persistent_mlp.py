@@ -323,25 +323,13 @@ if gluon is not None:
     # ---- pieces every Gluon version shares ---------------------------------------------------
 
     @gluon.jit
-    def _g_fence_proxy_async():
-        """Generic-proxy writes (h, the residual) ordered with async-proxy reads (TMA)."""
-        gl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def _g_fence_acq_rel():
-        gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def _g_launch_dependents():
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _g_grid_wait():
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+    def _g_my_chunks(tab_ptr, count_ptr, MAXC: gl.constexpr, PDL: gl.constexpr):
+        """A kernel's start: let the next kernel launch (PDL), then this program's chunk table
+        and chunk count (static data: read before the PDL wait)."""
+        if PDL:
+            gdc_launch_dependents()
+        pid = gl.program_id(0)
+        return tab_ptr + pid * 4 * MAXC, gl.load(count_ptr + pid)
 
     @gluon.jit
     def _g_prefetch_l2(ptr):
@@ -368,7 +356,7 @@ if gluon is not None:
             if i < n:
                 _g_issue_w(w_desc, tab, i, w_ring, bars, STAGES, ACT_BYTES)
         if PDL:
-            _g_grid_wait()
+            gdc_wait()
 
     @gluon.jit
     def _g_groups_ready(tab, d, gctr_ptr, known, known_layer, MAXC: gl.constexpr,
@@ -392,8 +380,8 @@ if gluon is not None:
             known = gl.sum(gl.where(cnt >= TPG * (layer + 1), 1 << offs_g, 0), 0)
             ok = ((known >> g) & 1) != 0
             if ok:
-                _g_fence_acq_rel()
-                _g_fence_proxy_async()
+                _fence_acq_rel()
+                _fence_proxy_async()
         return ok, known, known_layer
 
     @gluon.jit
@@ -420,7 +408,7 @@ if gluon is not None:
         h_ptrs = h_ptr + cols_e[None, :] * stride_hm + (unit * HALF + rows_e)[:, None]
         gl.store(h_ptrs, hv, mask=(cols_e < M)[None, :])
         if FENCE:
-            _g_fence_proxy_async()
+            _fence_proxy_async()
         gl.thread_barrier()
         gl.atomic_add(gctr_ptr + unit * HALF // GK, 1, sem="release", scope="gpu")
 
@@ -476,8 +464,8 @@ if gluon is not None:
             # (call 3-5's hangs)
             ok = gl.atomic_add(gctr_ptr + g, 0, sem="acquire", scope="gpu") >= TPG
             if ok & ((SKIP & 1) == 0):
-                _g_fence_acq_rel()
-                _g_fence_proxy_async()
+                _fence_acq_rel()
+                _fence_proxy_async()
         return ok
 
     @gluon.jit
@@ -505,11 +493,7 @@ if gluon is not None:
                            NPROG: gl.constexpr, GROUPS: gl.constexpr, G_PAD: gl.constexpr,
                            STAGES: gl.constexpr, PDL: gl.constexpr, SPIN_LIMIT: gl.constexpr,
                            SKIP: gl.constexpr):
-        if PDL:
-            _g_launch_dependents()
-        pid = gl.program_id(0)
-        tab = tab_ptr + pid * 4 * MAXC
-        n = gl.load(count_ptr + pid)
+        tab, n = _g_my_chunks(tab_ptr, count_ptr, MAXC, PDL)
         dtype: gl.constexpr = w_desc.dtype
         ACT_BYTES: gl.constexpr = x_desc.block_type.nbytes
         BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -536,10 +520,11 @@ if gluon is not None:
                     spins += 1
                 if spins >= SPIN_LIMIT:  # DEBUG: record and go on
                     g_dbg = gl.load(tab + 3 * MAXC + c) // ROW_TILES
-                    gl.store(dbg_ptr + pid * 4, c + 1)
-                    gl.store(dbg_ptr + pid * 4 + 1, g_dbg)
-                    gl.store(dbg_ptr + pid * 4 + 2, gl.load(gctr_ptr + g_dbg, volatile=True))
-                    gl.store(dbg_ptr + pid * 4 + 3, n)
+                    dbg = dbg_ptr + gl.program_id(0) * 4
+                    gl.store(dbg, c + 1)
+                    gl.store(dbg + 1, g_dbg)
+                    gl.store(dbg + 2, gl.load(gctr_ptr + g_dbg, volatile=True))
+                    gl.store(dbg + 3, n)
                 _issue_act(x_desc, h_desc, tab, c, a_ring, bars, STAGES, MAXC)
                 pend = c + 1
             mbarrier.wait(bars.index(s), (c // STAGES) & 1)
@@ -606,6 +591,16 @@ if gluon is not None:
         _g_issue_w(w_desc, tab, c, w_ring, full, STAGES, ACT_BYTES)
 
     @gluon.jit
+    def _g_warpgroup_start(M_PAD: gl.constexpr, PDL: gl.constexpr):
+        """The warpgroup's start: wait for the kernel before (the sums it adds into were zeroed
+        there), and a zero [64, M_PAD] accumulator in the wgmma layout."""
+        if PDL:
+            gdc_wait()
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M_PAD, 16])
+        return gl.zeros([64, M_PAD], gl.float32, acc_layout)
+
+    @gluon.jit
     def _g_consume(tab, c, acc, w_ring, a_ring, full, empty, MAXC: gl.constexpr,
                    STAGES: gl.constexpr):
         """The warpgroup's turn for chunk c: wait for its slot, multiply, free the slot.
@@ -651,11 +646,7 @@ if gluon is not None:
                      stride_hm, stride_ss, stride_sm, MAXC: gl.constexpr, M_PAD: gl.constexpr,
                      HALF: gl.constexpr, ROW_TILES: gl.constexpr, GK: gl.constexpr,
                      STAGES: gl.constexpr, PDL: gl.constexpr):
-        if PDL:
-            _g_grid_wait()  # (the slots it adds into are zeroed by the kernel before)
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M_PAD, 16])
-        acc = gl.zeros([64, M_PAD], gl.float32, acc_layout)
+        acc = _g_warpgroup_start(M_PAD, PDL)
         for c in range(n):
             acc, flags = _g_consume(tab, c, acc, w_ring, a_ring, full, empty, MAXC, STAGES)
             if (flags & 4) != 0:
@@ -677,11 +668,7 @@ if gluon is not None:
                        NPROG: gl.constexpr, GROUPS: gl.constexpr, G_PAD: gl.constexpr,
                        STAGES: gl.constexpr, PDL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                        SKIP: gl.constexpr = 0):
-        if PDL:
-            _g_launch_dependents()
-        pid = gl.program_id(0)
-        tab = tab_ptr + pid * 4 * MAXC
-        n = gl.load(count_ptr + pid)
+        tab, n = _g_my_chunks(tab_ptr, count_ptr, MAXC, PDL)
         w_ring, a_ring, full, empty, epi = _g_ws_rings(w_desc, x_desc, STAGES, M_PAD)
         gl.warp_specialize([
             (_ws_consumer, (tab, n, w_ring, a_ring, full, empty, epi, h_ptr, slots_ptr, gctr_ptr,
@@ -730,8 +717,8 @@ if gluon is not None:
                 seen = gl.load(ready_ptr, volatile=True)
                 ok = seen >= READY_PER_LAYER * layer
                 if ok:
-                    _g_fence_acq_rel()
-                    _g_fence_proxy_async()
+                    _fence_acq_rel()
+                    _fence_proxy_async()
         elif (flags & 2) != 0:
             ok, known, known_layer = _g_groups_ready(tab, d, gctr_ptr, known, known_layer, MAXC,
                                                      ROW_TILES, TPG, GROUPS)
@@ -876,11 +863,7 @@ if gluon is not None:
                           GROUPS: gl.constexpr, M_ROWS: gl.constexpr, STAGES: gl.constexpr,
                           PDL: gl.constexpr, V5: gl.constexpr):
         """count_ptr: v4 one counter (down items done), v5 one a row tile."""
-        if PDL:
-            _g_grid_wait()
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M_PAD, 16])
-        acc = gl.zeros([64, M_PAD], gl.float32, acc_layout)
+        acc = _g_warpgroup_start(M_PAD, PDL)
         for c in range(n):
             acc, flags = _g_consume(tab, c, acc, w_ring, a_ring, full, empty, MAXC, STAGES)
             if (flags & 4) != 0:
@@ -910,14 +893,14 @@ if gluon is not None:
                         if prev == GROUPS * (layer + 1) - 1:  # this row tile of y is complete
                             _v5_row_tile(unit, layer, y_base, res_ptr, ssq_ptr, M, H, ROW_TILES,
                                          M_PAD, M_ROWS)
-                            _g_fence_proxy_async()
+                            _fence_proxy_async()
                             gl.thread_barrier()
                             gl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
                     else:
                         prev = gl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
                         if prev == ROW_TILES * GROUPS * (layer + 1) - 1:  # the layer's last
                             _v4_norm(layer, y_ptr, res_ptr, nw_ptr, xs_ptr, M, eps, H, M_ROWS)
-                            _g_fence_proxy_async()
+                            _fence_proxy_async()
                             gl.thread_barrier()
                             gl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
 
@@ -932,11 +915,7 @@ if gluon is not None:
                           PREFETCH: gl.constexpr):
         """v4 (V5 False) and v5. item_ctr: v4 one counter of down items, v5 one a row tile;
         ready: v4 counts layers whose x is out, v5 row tiles whose residual is."""
-        if PDL:
-            _g_launch_dependents()
-        pid = gl.program_id(0)
-        tab = tab_ptr + pid * 4 * MAXC
-        n = gl.load(count_ptr + pid)
+        tab, n = _g_my_chunks(tab_ptr, count_ptr, MAXC, PDL)
         w_ring, a_ring, full, empty, epi = _g_ws_rings(w_desc, h_desc, STAGES, M_PAD)
         gl.warp_specialize([
             (_g_cross_consumer, (tab, n, w_ring, a_ring, full, empty, epi, h_ptr, y_ptr, res_ptr,
