@@ -18,7 +18,9 @@ Three kernels share that contract: `_gemv_kernel` (FMAs, 1-2 rows), and on tenso
   (N < 264), K is split over programs that write fp32 partials, and a second small kernel
   sums them in a fixed order (deterministic: no atomics), adds the bias and casts.
 - W does not depend on the kernel before it: under programmatic dependent launch the first
-  chunk of W is loaded before `gdc_wait` (kernels/jit.py), while that kernel still runs.
+  chunk of W is loaded before `gdc_wait` (kernels/jit.py), while that kernel still runs. The
+  tensor-core kernel on TMA loads nothing before its wait, and so lets the next kernel launch
+  only after its K loop (see `_gemv_tma_kernel`).
 - `gemv_silu_mul`: an MLP's gate_up projection with its activation in the epilogue. A program
   sums gate row n and up row n + N and stores silu(gate) * up (HF's roundings): one launch and
   no [M, 2N] round trip (24.3 against 27.6 us for Qwen3-4B's gate_up + silu_and_mul, H200;
@@ -265,9 +267,15 @@ def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_
     index math), `num_stages` tiles in flight per program (Triton pipelines the TMA loads
     with barriers), and the MMA from shared memory (wgmma on a warpgroup at BLOCK_N >= 64,
     mma.sync below). No load before `gdc_wait`: the loop's pipeline starts after it.
+
+    Under PDL it lets the next kernel launch after its K loop, not first thing as the others
+    do. Its programs hold 80-180 KB of shared memory, and the next kernel (whose programs
+    mostly wait, or take as much) got resident early only on the SMs with room, lopsided:
+    its last wave then ran on a few SMs. Launched as this kernel's programs finish, its
+    programs spread over every SM. With the fused gate_up at 3 stages (`_tma_stages`), a
+    Qwen3-4B batch-8 graph 35-39 us faster and its TPOT 40-70 us (H200, two calls,
+    docs/benchmarks/gpu-2026-11-30l.md).
     NOTE: k_per_split is a multiple of BLOCK_K, so no chunk crosses into the next split."""
-    if PDL:
-        gdc_launch_dependents()
     pid_k = tl.program_id(1)
     off_n = tl.program_id(0) * BLOCK_N
     offs_n = off_n + tl.arange(0, BLOCK_N)
@@ -285,6 +293,8 @@ def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_
         if GLU:
             w_up = w_desc.load([off_n + N, k0])
             acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PRECISION)
+    if PDL:
+        gdc_launch_dependents()
     _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
                       stride_ys, HAS_BIAS, PARTIAL, GLU, PAIRED)
 
@@ -311,6 +321,11 @@ def _split_reduce_kernel(p_ptr, b_ptr, y_ptr, N, splits, stride_ps, stride_pm, s
 _REDUCE_BLOCK = 1024
 #: shared memory the TMA kernel's stages may take (an H100/H200 SM has 227 KB for a program)
 _TMA_SMEM = 200 * 1024
+#: stages of the fused gate_up on TMA at 3..16 rows: 108 KB, so two programs share an SM and
+#: all of Qwen3-4B's 152 tiles are resident at once on 132 SMs (at 5 stages, 180 KB, the last
+#: 20 ran as a second wave). It pays only with `_gemv_tma_kernel`'s late PDL trigger: with the
+#: trigger first thing the step lost 135-160 us (docs/benchmarks/gpu-2026-11-30c.md, -30l.md)
+_GLU_STAGES_16_ROWS = 3
 
 
 def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
@@ -354,7 +369,8 @@ def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
     On Hopper, `_gemv_tma_kernel` (from `sweep_mma(tma=True)` on the H200, M = 8, 11 tiles x
     splits 1-16; the 6 smaller TMA_TILES and the sweep's own picks gained nothing more in the
     engine; docs/benchmarks/gpu-2026-11-29g): 64 rows a program on one warpgroup, BLOCK_K
-    128, 4 TMA stages (6 for the fused gate_up, which fits 5), and K split in two or four
+    128, 4 TMA stages (6 for the fused gate_up, which fits 5; 3 at up to 16 rows:
+    `_tma_stages`), and K split in two or four
     while the grid has fewer programs than SMs (qkv 192 programs, o_proj and down 160):
     qkv / o_proj / gate_up + SiLU·up / down / lm_head 10.5 / 8.7 / 28.5 / 15.9 / 178.6 us
     against cuBLAS's 10.3 / 10.5 / 31.6 (+ silu_and_mul) / 18.0 / 189.4, and a batch-8 step
@@ -494,14 +510,18 @@ def _launch_tma(x: Tensor, weight: Tensor, b: Tensor, dst: Tensor, dst_strides: 
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [m_pad, cfg.block_k])
     w_desc = TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1],
                               [cfg.block_n, cfg.block_k])
-    # NOTE: fewer stages where cfg's would not fit in shared memory (the fused gate_up
-    # brings in two W tiles a stage)
-    w_rows = cfg.block_n * (2 if meta["GLU"] else 1)
-    stages = max(2, min(cfg.num_stages, _TMA_SMEM // ((w_rows + m_pad) * cfg.block_k
-                                                      * x.element_size())))
-    meta = meta | {"num_stages": stages}
+    meta = meta | {"num_stages": _tma_stages(cfg, bool(meta["GLU"]), m_pad, x.element_size())}
     n = dst.shape[-1]
     _gemv_tma_kernel[grid](x_desc, w_desc, b, dst, m, n, k, k_per_split, *dst_strides, **meta)
+
+
+def _tma_stages(cfg: GemvConfig, glu: bool, m_pad: int, itemsize: int) -> int:
+    """The TMA kernel's stages: cfg's, fewer where they would not fit in shared memory (the
+    fused gate_up brings in two W tiles a stage), and `_GLU_STAGES_16_ROWS` for the fused
+    gate_up at up to 16 rows. NOTE: stages change no sum's order (batch invariance holds)."""
+    w_rows = cfg.block_n * (2 if glu else 1)
+    stages = max(2, min(cfg.num_stages, _TMA_SMEM // ((w_rows + m_pad) * cfg.block_k * itemsize)))
+    return min(stages, _GLU_STAGES_16_ROWS) if glu and m_pad <= 16 else stages
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,

@@ -26,6 +26,7 @@ from arle_kernels.gemv import (
     _launch,
     _pick_config,
     _tma_config,
+    _tma_stages,
     gemv,
     gemv_ref,
     gemv_silu_mul,
@@ -139,6 +140,27 @@ def test_pick_config_splits_small_n() -> None:
     cfg = _pick_config(1, 40, 9728)
     assert cfg.split_k > 1 and -(-9728 // cfg.block_k) >= 2 * cfg.split_k
     assert _pick_config(1, 6144, 2560).split_k == 1
+
+
+def test_tma_stages() -> None:
+    """The TMA kernel's stages for Qwen3-4B's shapes: at up to 16 rows two programs of the fused
+    gate_up share an SM (227 KB of shared memory, 1 KB more a program), so its 152 tiles are
+    all resident on 132 SMs; at 32 rows, and for the other layers, as many as fit in
+    _TMA_SMEM; never fewer than 2."""
+    def smem(cfg: GemvConfig, glu: bool, m_pad: int) -> int:
+        stages = _tma_stages(cfg, glu, m_pad, 2)
+        assert stages >= 2
+        return stages * (cfg.block_n * (2 if glu else 1) + m_pad) * cfg.block_k * 2 + 1024
+
+    n, k = BENCH_SHAPES["gate_up"]
+    glu = _tma_config(n, k, True)
+    assert 2 * smem(glu, True, 16) <= 227 * 1024 < 3 * smem(glu, True, 16)
+    assert -(-(n // 2) // glu.block_n) <= 2 * 132
+    assert smem(glu, True, 32) > 227 * 1024 // 2  # one program an SM, its most stages
+    assert _tma_stages(glu, True, 32, 2) == gemv_module._TMA_SMEM // ((128 + 32) * 128 * 2)
+    for shape in ("qkv", "o_proj", "down", "lm_head"):
+        cfg = _tma_config(*BENCH_SHAPES[shape], False)
+        assert _tma_stages(cfg, False, 16, 2) == _tma_stages(cfg, False, 32, 2) == cfg.num_stages
 
 
 def triton_next_pow2(m: int) -> int:
