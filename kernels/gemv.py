@@ -19,8 +19,8 @@ Three kernels share that contract: `_gemv_kernel` (FMAs, 1-2 rows), and on tenso
   sums them in a fixed order (deterministic: no atomics), adds the bias and casts.
 - W does not depend on the kernel before it: under programmatic dependent launch the first
   chunk of W is loaded before `gdc_wait` (kernels/jit.py), while that kernel still runs. The
-  tensor-core kernel on TMA loads nothing before its wait, and so lets the next kernel launch
-  only after its K loop (see `_gemv_tma_kernel`).
+  tensor-core kernel on TMA loads nothing before its wait; for most layers it lets the next
+  kernel launch only after its K loop (`_late_trigger`).
 - `gemv_silu_mul`: an MLP's gate_up projection with its activation in the epilogue. A program
   sums gate row n and up row n + N and stores silu(gate) * up (HF's roundings): one launch and
   no [M, 2N] round trip (24.3 against 27.6 us for Qwen3-4B's gate_up + silu_and_mul, H200;
@@ -260,7 +260,8 @@ def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
 def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_ym, stride_ys,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, M_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr,
-                     PDL: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr = False):
+                     PDL: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr = False,
+                     LATE: tl.constexpr = True):
     """`_gemv_mma_kernel`'s contract with the tiles brought in by the copy engine (TMA):
     y^T [BLOCK_N, M_PAD] += W tile [BLOCK_N, BLOCK_K] @ x^T tile [BLOCK_K, M_PAD], W and x read
     through tensor descriptors (x's rows past M and K's tail arrive as zeros: no masks, no
@@ -268,14 +269,14 @@ def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_
     with barriers), and the MMA from shared memory (wgmma on a warpgroup at BLOCK_N >= 64,
     mma.sync below). No load before `gdc_wait`: the loop's pipeline starts after it.
 
-    Under PDL it lets the next kernel launch after its K loop, not first thing as the others
-    do. Its programs hold 80-180 KB of shared memory, and the next kernel (whose programs
-    mostly wait, or take as much) got resident early only on the SMs with room, lopsided:
-    its last wave then ran on a few SMs. Launched as this kernel's programs finish, its
-    programs spread over every SM. With the fused gate_up at 3 stages (`_tma_stages`), a
-    Qwen3-4B batch-8 graph 35-39 us faster and its TPOT 40-70 us (H200, two calls,
-    docs/benchmarks/gpu-2026-11-30l.md).
+    LATE (under PDL, `_late_trigger`): let the next kernel launch after the K loop, not first
+    thing as the other kernels do. This kernel's programs hold 80-180 KB of shared memory; a
+    next kernel launched early got resident only on the SMs with room left, lopsided, and its
+    last wave then ran on a few SMs. Launched as this kernel's programs finish, its programs
+    spread over every SM.
     NOTE: k_per_split is a multiple of BLOCK_K, so no chunk crosses into the next split."""
+    if PDL and not LATE:
+        gdc_launch_dependents()
     pid_k = tl.program_id(1)
     off_n = tl.program_id(0) * BLOCK_N
     offs_n = off_n + tl.arange(0, BLOCK_N)
@@ -293,7 +294,7 @@ def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_
         if GLU:
             w_up = w_desc.load([off_n + N, k0])
             acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PRECISION)
-    if PDL:
+    if PDL and LATE:
         gdc_launch_dependents()
     _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
                       stride_ys, HAS_BIAS, PARTIAL, GLU, PAIRED)
@@ -323,8 +324,8 @@ _REDUCE_BLOCK = 1024
 _TMA_SMEM = 200 * 1024
 #: stages of the fused gate_up on TMA at 3..16 rows: 108 KB, so two programs share an SM and
 #: all of Qwen3-4B's 152 tiles are resident at once on 132 SMs (at 5 stages, 180 KB, the last
-#: 20 ran as a second wave). It pays only with `_gemv_tma_kernel`'s late PDL trigger: with the
-#: trigger first thing the step lost 135-160 us (docs/benchmarks/gpu-2026-11-30c.md, -30l.md)
+#: 20 ran as a second wave). It pays only with `_late_trigger`: with the trigger first thing
+#: the step lost 135-160 us (docs/benchmarks/gpu-2026-11-30c.md, -30l.md)
 _GLU_STAGES_16_ROWS = 3
 
 
@@ -510,7 +511,9 @@ def _launch_tma(x: Tensor, weight: Tensor, b: Tensor, dst: Tensor, dst_strides: 
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [m_pad, cfg.block_k])
     w_desc = TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1],
                               [cfg.block_n, cfg.block_k])
-    meta = meta | {"num_stages": _tma_stages(cfg, bool(meta["GLU"]), m_pad, x.element_size())}
+    glu = bool(meta["GLU"])
+    meta = meta | {"num_stages": _tma_stages(cfg, glu, m_pad, x.element_size()),
+                   "LATE": _late_trigger(glu, weight.shape[0], k)}
     n = dst.shape[-1]
     _gemv_tma_kernel[grid](x_desc, w_desc, b, dst, m, n, k, k_per_split, *dst_strides, **meta)
 
@@ -522,6 +525,18 @@ def _tma_stages(cfg: GemvConfig, glu: bool, m_pad: int, itemsize: int) -> int:
     w_rows = cfg.block_n * (2 if glu else 1)
     stages = max(2, min(cfg.num_stages, _TMA_SMEM // ((w_rows + m_pad) * cfg.block_k * itemsize)))
     return min(stages, _GLU_STAGES_16_ROWS) if glu and m_pad <= 16 else stages
+
+
+def _late_trigger(glu: bool, n: int, k: int) -> bool:
+    """Whether `_gemv_tma_kernel` lets the next kernel launch only after its K loop (LATE): the
+    fused gate_up and the layers that narrow (K > N: o_proj, down). The layers that widen
+    (qkv, lm_head) let it launch first thing: after qkv come the rope and decode attention,
+    which loads its K/V before its PDL wait and gains from starting early (qkv late cost the
+    two 99 us a Qwen3-4B batch-8 step, more than its own 46-74 us gain).
+    Measured on the H200 (docs/benchmarks/gpu-2026-11-30l.md), with `_tma_stages`' 3-stage
+    gate_up: batch-8 graph 2.947 -> 2.880 ms, TPOT 2.97 -> 2.90 ms; at the start-of-kernel
+    trigger for every layer the 3-stage gate_up cost 135-160 us."""
+    return glu or k > n
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,

@@ -6,9 +6,10 @@
 
 PDL: a kernel launched with it may start while the kernel before it in the stream is still
 running, once every program of that kernel has called `gdc_launch_dependents` (ours do so
-first thing, but for the TMA GEMV: kernels/gemv.py says why). Its programs get resident early and run what does not depend on the previous
-kernel (a GEMV loads its first chunk of weights, attention its page table), then
-`gdc_wait` until that kernel has finished and its writes are visible. A decode step is ~360
+first thing, but for the TMA GEMV of most layers: kernels/gemv.py's `_late_trigger`). Its
+programs get resident early and run what does not depend on the previous kernel (a GEMV
+loads its first chunk of weights, attention its page table), then `gdc_wait` until that
+kernel has finished and its writes are visible. A decode step is ~360
 launches of a few microseconds each, so the launch and ramp-up of each one hidden under its
 predecessor's tail is time off every step. Inside a CUDA graph the edges become programmatic.
 NOTE: the rule every kernel keeps: before `gdc_wait`, read only what no kernel of the step

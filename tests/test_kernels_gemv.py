@@ -23,6 +23,7 @@ from arle_kernels.gemv import (
     BENCH_SHAPES,
     GemvConfig,
     _cp_async_config,
+    _late_trigger,
     _launch,
     _pick_config,
     _tma_config,
@@ -161,6 +162,17 @@ def test_tma_stages() -> None:
     for shape in ("qkv", "o_proj", "down", "lm_head"):
         cfg = _tma_config(*BENCH_SHAPES[shape], False)
         assert _tma_stages(cfg, False, 16, 2) == _tma_stages(cfg, False, 32, 2) == cfg.num_stages
+
+
+def test_late_trigger_layers() -> None:
+    """Which of Qwen3-4B's layers let the next kernel launch only after their K loop on TMA:
+    o_proj, down and the fused gate_up; not qkv (the rope and decode attention after it start
+    early) nor lm_head."""
+    late = {shape: _late_trigger(False, *BENCH_SHAPES[shape])
+            for shape in ("qkv", "o_proj", "down", "lm_head")}
+    n2, k = BENCH_SHAPES["gate_up"]
+    assert late == {"qkv": False, "o_proj": True, "down": True, "lm_head": False}
+    assert _late_trigger(True, n2 // 2, k)
 
 
 def triton_next_pow2(m: int) -> int:
