@@ -532,10 +532,10 @@ def _late_trigger(glu: bool, n: int, k: int) -> bool:
     fused gate_up and the layers that narrow (K > N: o_proj, down). The layers that widen
     (qkv, lm_head) let it launch first thing: after qkv come the rope and decode attention,
     which loads its K/V before its PDL wait and gains from starting early (qkv late cost the
-    two 99 us a Qwen3-4B batch-8 step, more than its own 46-74 us gain).
+    three kernels after it ~98 us a Qwen3-4B batch-8 step; this rule is 33-35 us faster).
     Measured on the H200 (docs/benchmarks/gpu-2026-11-30l.md), with `_tma_stages`' 3-stage
-    gate_up: batch-8 graph 2.947 -> 2.880 ms, TPOT 2.97 -> 2.90 ms; at the start-of-kernel
-    trigger for every layer the 3-stage gate_up cost 135-160 us."""
+    gate_up: batch-8 graph 2.93-2.95 -> 2.87-2.88 ms, TPOT 2.95-2.97 -> 2.90-2.91 ms; with
+    the trigger first thing in every layer the 3-stage gate_up cost 135-160 us."""
     return glu or k > n
 
 
