@@ -7,45 +7,35 @@ Writes NAME/ (kernels, scripts, arle) from HEAD, then edits kernels/gemv.py. Ref
 ruff after the session; the edits are the ones that ran.
 """
 
-import pathlib
-import subprocess
 import sys
 
-ROOT = pathlib.Path("/work/main")
+from mkvar import edit, variant_tree
 
 
 def make(name: str, rule: str) -> None:
-    dst = ROOT / name
-    subprocess.run(f"rm -rf {dst} && mkdir -p {dst} && git -C {ROOT} archive HEAD kernels "
-                   f"scripts arle | tar -x -C {dst}", shell=True, check=True)
-    path = dst / "kernels/gemv.py"
-    s = path.read_text()
-
-    def sub(old: str, new: str) -> None:
-        nonlocal s
-        assert s.count(old) == 1, (old[:50], s.count(old))
-        s = s.replace(old, new)
-
-    sub("PDL: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr = False):\n"
-        "    \"\"\"`_gemv_mma_kernel`'s contract with the tiles",
-        "PDL: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr = False,\n"
-        "                     LATE: tl.constexpr = True):\n"
-        "    \"\"\"`_gemv_mma_kernel`'s contract with the tiles")
-    sub('''    NOTE: k_per_split is a multiple of BLOCK_K, so no chunk crosses into the next split."""
-    pid_k''', '''    NOTE: k_per_split is a multiple of BLOCK_K, so no chunk crosses into the next split."""
+    edit(variant_tree(name) / "kernels/gemv.py", [
+        ("PDL: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr = False):\n"
+         "    \"\"\"`_gemv_mma_kernel`'s contract with the tiles",
+         "PDL: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr = False,\n"
+         "                     LATE: tl.constexpr = True):\n"
+         "    \"\"\"`_gemv_mma_kernel`'s contract with the tiles"),
+        ('''    NOTE: k_per_split is a multiple of BLOCK_K, so no chunk crosses into the next split."""
+    pid_k''',
+         '''    NOTE: k_per_split is a multiple of BLOCK_K, so no chunk crosses into the next split."""
     if PDL and not LATE:
         gdc_launch_dependents()
-    pid_k''')
-    sub('''    if PDL:
+    pid_k'''),
+        ('''    if PDL:
         gdc_launch_dependents()
-    _store_transposed''', '''    if PDL and LATE:
+    _store_transposed''',
+         '''    if PDL and LATE:
         gdc_launch_dependents()
-    _store_transposed''')
-    sub('''    meta = meta | {"num_stages": _tma_stages(cfg, bool(meta["GLU"]), m_pad, x.element_size())}''',
-        f'''    glu, n = bool(meta["GLU"]), weight.shape[0]
+    _store_transposed'''),
+        ('''    meta = meta | {"num_stages": _tma_stages(cfg, bool(meta["GLU"]), m_pad, x.element_size())}''',
+         f'''    glu, n = bool(meta["GLU"]), weight.shape[0]
     meta = meta | {{"num_stages": _tma_stages(cfg, bool(meta["GLU"]), m_pad, x.element_size()),
-                   "LATE": bool({rule})}}''')
-    path.write_text(s)
+                   "LATE": bool({rule})}}'''),
+    ])
 
 
 if __name__ == "__main__":

@@ -12,28 +12,15 @@ Checked without a GPU: the loop stays pipelined (the same TMA loads before it), 
 registers and shared memory (scripts/kernel_regs.py, sm_90a).
 """
 
-import pathlib
-import subprocess
 import sys
 
-ROOT = pathlib.Path("/work/main")
+from mkvar import edit, variant_tree
 
 
 def make(name: str, ahead: int, norm_late: bool) -> None:
-    dst = ROOT / name
-    subprocess.run(f"rm -rf {dst} && mkdir -p {dst} && git -C {ROOT} archive HEAD kernels "
-                   f"scripts arle | tar -x -C {dst}", shell=True, check=True)
-
-    def edit(rel: str, pairs: list[tuple[str, str]]) -> None:
-        path = dst / rel
-        s = path.read_text()
-        for old, new in pairs:
-            assert s.count(old) == 1, (rel, old[:60], s.count(old))
-            s = s.replace(old, new)
-        path.write_text(s)
-
+    dst = variant_tree(name)
     if ahead:
-        edit("kernels/gemv.py", [("""    for k0 in range(k_lo, k_hi, BLOCK_K):
+        edit(dst / "kernels/gemv.py", [("""    for k0 in range(k_lo, k_hi, BLOCK_K):
         x = x_desc.load([0, k0])  # [M_PAD, BLOCK_K]
         w = w_desc.load([off_n, k0])
         acc = tl.dot(w, x.T, acc, input_precision=PRECISION)
@@ -55,7 +42,7 @@ def make(name: str, ahead: int, norm_late: bool) -> None:
             acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PRECISION)
 """)])
     if norm_late:
-        edit("kernels/fused.py", [
+        edit(dst / "kernels/fused.py", [
             ("""    `SplitSums` with that many slots (stride_s apart).\"\"\"
     if PDL:
         gdc_launch_dependents()""", """    `SplitSums` with that many slots (stride_s apart).\"\"\"
