@@ -9,9 +9,9 @@ running, once every program of that kernel has called `gdc_launch_dependents` (o
 first thing, but for the TMA GEMV of most layers: kernels/gemv.py's `_late_trigger`). Its
 programs get resident early and run what does not depend on the previous kernel (a GEMV
 loads its first chunk of weights, attention its page table), then `gdc_wait` until that
-kernel has finished and its writes are visible. A decode step is ~360
-launches of a few microseconds each, so the launch and ramp-up of each one hidden under its
-predecessor's tail is time off every step. Inside a CUDA graph the edges become programmatic.
+kernel has finished and its writes are visible. A decode step is ~360 launches of a few
+microseconds each, so the launch and ramp-up of each one hidden under its predecessor's tail
+is time off every step. Inside a CUDA graph the edges become programmatic.
 NOTE: the rule every kernel keeps: before `gdc_wait`, read only what no kernel of the step
 writes (weights, the step's metadata copied in before the first kernel, the K/V cache slots of
 earlier steps: decode attention leaves out each row's newest token) and write nothing.
