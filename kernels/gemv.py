@@ -20,7 +20,8 @@ Three kernels share that contract: `_gemv_kernel` (FMAs, 1-2 rows), and on tenso
 - W does not depend on the kernel before it: under programmatic dependent launch the first
   chunk of W is loaded before `gdc_wait` (kernels/jit.py), while that kernel still runs. The
   tensor-core kernel on TMA loads nothing before its wait; for most layers it lets the next
-  kernel launch only after its K loop (`_late_trigger`).
+  kernel launch only after its K loop (`_late_trigger`), or two chunks before its end where a
+  norm comes next (`_trigger_ahead`).
 - `gemv_silu_mul`: an MLP's gate_up projection with its activation in the epilogue. A program
   sums gate row n and up row n + N and stores silu(gate) * up (HF's roundings): one launch and
   no [M, 2N] round trip (24.3 against 27.6 us for Qwen3-4B's gate_up + silu_and_mul, H200;
@@ -261,7 +262,7 @@ def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, M_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr,
                      PDL: tl.constexpr, PRECISION: tl.constexpr, PAIRED: tl.constexpr = False,
-                     LATE: tl.constexpr = True):
+                     LATE: tl.constexpr = True, AHEAD: tl.constexpr = 0):
     """`_gemv_mma_kernel`'s contract with the tiles brought in by the copy engine (TMA):
     y^T [BLOCK_N, M_PAD] += W tile [BLOCK_N, BLOCK_K] @ x^T tile [BLOCK_K, M_PAD], W and x read
     through tensor descriptors (x's rows past M and K's tail arrive as zeros: no masks, no
@@ -273,7 +274,8 @@ def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_
     thing as the other kernels do. This kernel's programs hold 80-180 KB of shared memory; a
     next kernel launched early got resident only on the SMs with room left, lopsided, and its
     last wave then ran on a few SMs. Launched as this kernel's programs finish, its programs
-    spread over every SM.
+    spread over every SM. AHEAD > 0 (`_trigger_ahead`): the late trigger fires that many chunks
+    before the loop's end, so the next kernel's launch is hidden under the last chunks.
     NOTE: k_per_split is a multiple of BLOCK_K, so no chunk crosses into the next split."""
     if PDL and not LATE:
         gdc_launch_dependents()
@@ -285,16 +287,21 @@ def _gemv_tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, k_per_split, stride_
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     acc_up = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    # the chunk at which a late trigger fires when AHEAD > 0 (the first, for short splits)
+    k_trigger = k_lo + tl.maximum(tl.cdiv(k_hi - k_lo, BLOCK_K) - AHEAD, 0) * BLOCK_K
     if PDL:
         gdc_wait()
     for k0 in range(k_lo, k_hi, BLOCK_K):
+        if PDL and LATE and AHEAD > 0:  # noqa: SIM102 (a compile-time if, then a runtime one)
+            if k0 == k_trigger:
+                gdc_launch_dependents()
         x = x_desc.load([0, k0])  # [M_PAD, BLOCK_K]
         w = w_desc.load([off_n, k0])
         acc = tl.dot(w, x.T, acc, input_precision=PRECISION)
         if GLU:
             w_up = w_desc.load([off_n + N, k0])
             acc_up = tl.dot(w_up, x.T, acc_up, input_precision=PRECISION)
-    if PDL and LATE:
+    if PDL and LATE and AHEAD == 0:
         gdc_launch_dependents()
     _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
                       stride_ys, HAS_BIAS, PARTIAL, GLU, PAIRED)
@@ -512,8 +519,9 @@ def _launch_tma(x: Tensor, weight: Tensor, b: Tensor, dst: Tensor, dst_strides: 
     w_desc = TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1],
                               [cfg.block_n, cfg.block_k])
     glu = bool(meta["GLU"])
-    meta = meta | {"num_stages": _tma_stages(cfg, glu, m_pad, x.element_size()),
-                   "LATE": _late_trigger(glu, weight.shape[0], k)}
+    late = _late_trigger(glu, weight.shape[0], k)
+    meta = meta | {"num_stages": _tma_stages(cfg, glu, m_pad, x.element_size()), "LATE": late,
+                   "AHEAD": _trigger_ahead(late, glu, m_pad)}
     n = dst.shape[-1]
     _gemv_tma_kernel[grid](x_desc, w_desc, b, dst, m, n, k, k_per_split, *dst_strides, **meta)
 
@@ -537,6 +545,20 @@ def _late_trigger(glu: bool, n: int, k: int) -> bool:
     gate_up: batch-8 graph 2.93-2.95 -> 2.87-2.88 ms, TPOT 2.95-2.97 -> 2.90-2.91 ms; with
     the trigger first thing in every layer the 3-stage gate_up cost 135-160 us."""
     return glu or k > n
+
+
+#: chunks before the K loop's end at which a late trigger fires, at up to 16 rows
+_TRIGGER_AHEAD_16_ROWS = 2
+
+
+def _trigger_ahead(late: bool, glu: bool, m_pad: int) -> int:
+    """AHEAD of a late-trigger TMA GEMV: `_TRIGGER_AHEAD_16_ROWS` for o_proj and down at up to
+    16 rows (a norm comes next: its launch is hidden under the last chunks), else 0 (after the
+    loop). Not for the fused gate_up: down comes next, a TMA GEMV whose programs must land
+    once gate_up's have left (two chunks early cost down 4-38 us a Qwen3-4B batch-8 step, on
+    two hosts). At 32 rows it cost the batch-32 graph 70-90 us. On the H200
+    (docs/benchmarks/gpu-2026-11-30m.md) the two norms went 73 / 71 -> 62 / 58 us a step."""
+    return _TRIGGER_AHEAD_16_ROWS if late and not glu and m_pad <= 16 else 0
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,

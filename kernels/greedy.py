@@ -8,7 +8,9 @@ next step). Two small kernels, no host sync:
 - `_argmax_chunks_kernel`, grid (B, S): program (r, s) takes chunk s of row r (`chunk` logits),
   BLOCK at a time; each lane keeps the first maximum it sees, then the lanes' maxima reduce to
   the chunk's (value, first index) and its first NaN. S is sized from B so that the grid fills
-  the SMs: a step's logits (B x 151936) are read by hundreds of programs, not B.
+  the SMs: a step's logits (B x 151936) are read by hundreds of programs, not B; and a chunk is
+  at most `_MAX_STEPS` loop steps, since the steps' loads wait one after the other (at 8 rows
+  a program took 5 steps, and the kernel 6.8 us for 2.4 MB; H200).
 - `_argmax_finish_kernel`, grid (B,): the row's S partials in chunk order: the first NaN if any,
   else the largest value's first index.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import triton
 import triton.language as tl
 from torch import Tensor
 
@@ -37,9 +40,10 @@ GreedyPick = Callable[[Tensor, Tensor, Tensor], Tensor]
 _NONE = tl.constexpr(2**31 - 1)
 #: logits a program reads per loop step (4 warps x 32 lanes x 8)
 _BLOCK = 1024
-#: programs the first pass aims for (~2 per SM of an H200; any count is correct); also the
-#: bound on a row's chunks, so one finish variant (S_PAD) serves every batch
+#: programs the first pass aims for at least (~2 per SM of an H200; any count is correct)
 _TARGET_PROGRAMS = 256
+#: loop steps a first-pass program takes at most (more rows: more programs, not longer ones)
+_MAX_STEPS = 2
 
 
 # NOTE: the sizes change with the batch and are not specialised (see jit_varying): one variant
@@ -96,10 +100,11 @@ def _argmax_finish_kernel(val_ptr, idx_ptr, nan_ptr, S, slots_ptr, token_buffer_
 
 
 def _chunk(rows: int, vocab: int, block: int = _BLOCK) -> int:
-    """Logits per first-pass program: a multiple of BLOCK, about TARGET_PROGRAMS in all."""
+    """Logits per first-pass program: a multiple of BLOCK, about TARGET_PROGRAMS programs
+    in all, or more where a program would take over `_MAX_STEPS` steps."""
     per_row = -(-_TARGET_PROGRAMS // max(rows, 1))
     per_program = -(-vocab // per_row)
-    return -(-per_program // block) * block
+    return min(-(-per_program // block), _MAX_STEPS) * block
 
 
 def greedy_pick(logits: Tensor, slots: Tensor, token_buffer: Tensor, *,
@@ -116,14 +121,15 @@ def greedy_pick(logits: Tensor, slots: Tensor, token_buffer: Tensor, *,
         return out
     chunk = _chunk(rows, vocab, block)
     s = -(-vocab // chunk)
-    assert s <= _TARGET_PROGRAMS
     val = torch.empty(rows, s, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, s, dtype=torch.int32, device=logits.device)
     nan = torch.empty(rows, s, dtype=torch.int32, device=logits.device)
     _argmax_chunks_kernel[(rows, s)](logits, logits.stride(0), vocab, val, idx, nan, s, chunk,
                                      BLOCK=block, num_warps=4)
+    # NOTE: S_PAD bounds a row's chunks at any batch (chunks of one block): one variant
     _argmax_finish_kernel[(rows,)](val, idx, nan, s, slots, token_buffer, out,
-                                   S_PAD=_TARGET_PROGRAMS, num_warps=4)
+                                   S_PAD=triton.next_power_of_2(-(-vocab // block)),
+                                   num_warps=4)
     return out
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from arle_kernels import decode_attention, extend_attention, fused, greedy
+from arle_kernels import decode_attention, embed, extend_attention, fused, greedy
 from arle_kernels.split_sums import SplitSums
 
 
@@ -29,17 +29,20 @@ class Ops:
     decode_attention: Callable[..., Tensor]
     extend_attention: Callable[..., Tensor]
     greedy_pick: greedy.GreedyPick
+    #: (weight, ids, source) -> weight's rows ids (or source[ids]: a decode graph's ids are
+    #: its rows' slots into the token buffer)
+    embed: Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
 REFERENCE = Ops(fused.rms_norm_ref, fused.add_rms_norm_ref, fused.silu_and_mul_ref,
                 fused.qk_norm_rope_store_kv_ref, decode_attention.decode_attention_ref,
-                extend_attention.extend_attention_ref, greedy.greedy_pick_ref)
+                extend_attention.extend_attention_ref, greedy.greedy_pick_ref, embed.embed_ref)
 
 
 def triton_ops() -> Ops:
     return Ops(fused.rms_norm, fused.add_rms_norm, fused.silu_and_mul,
                fused.qk_norm_rope_store_kv, decode_attention.decode_attention,
-               extend_attention.extend_attention, greedy.greedy_pick)
+               extend_attention.extend_attention, greedy.greedy_pick, embed.embed)
 
 
 def ops_for(device: torch.device) -> Ops:

@@ -20,6 +20,7 @@ from helpers import run_interpreter_check
 
 from arle_kernels import gemv as gemv_module
 from arle_kernels.gemv import (
+    _TRIGGER_AHEAD_16_ROWS,
     BENCH_SHAPES,
     GemvConfig,
     _cp_async_config,
@@ -28,6 +29,7 @@ from arle_kernels.gemv import (
     _pick_config,
     _tma_config,
     _tma_stages,
+    _trigger_ahead,
     gemv,
     gemv_ref,
     gemv_silu_mul,
@@ -173,6 +175,21 @@ def test_late_trigger_layers() -> None:
     n2, k = BENCH_SHAPES["gate_up"]
     assert late == {"qkv": False, "o_proj": True, "down": True, "lm_head": False}
     assert _late_trigger(True, n2 // 2, k)
+
+
+def test_trigger_ahead_layers() -> None:
+    """The late trigger fires two chunks early only where a norm comes next (o_proj, down) and
+    at up to 16 rows: never in the fused gate_up (down's programs must land after its own),
+    never at 32 rows, never where the trigger is first thing anyway."""
+    for shape in ("qkv", "o_proj", "down", "lm_head"):
+        n, k = BENCH_SHAPES[shape]
+        late = _late_trigger(False, n, k)
+        assert _trigger_ahead(late, False, 16) == (2 if late else 0)
+        assert _trigger_ahead(late, False, 32) == 0
+        cfg = _tma_config(n, k, False)
+        # the trigger chunk lies inside every split's K range (a split has >= 2 chunks)
+        assert -(-k // cfg.block_k) // cfg.split_k >= _TRIGGER_AHEAD_16_ROWS
+    assert _trigger_ahead(True, True, 16) == _trigger_ahead(True, True, 8) == 0
 
 
 def triton_next_pow2(m: int) -> int:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import run_interpreter_check
 
-from arle_kernels.greedy import greedy_pick, greedy_pick_ref
+from arle_kernels.greedy import _BLOCK, _chunk, greedy_pick, greedy_pick_ref
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -75,6 +75,20 @@ def test_reference_is_torch_argmax() -> None:
     assert torch.equal(ids, x.argmax(-1))
     i = ids.tolist()
     assert buf.tolist() == [i[1], -5, i[2], -5, i[3], -5, -5, -5, i[0]]
+
+
+def test_chunks_stay_short() -> None:
+    """The first pass's programs take at most two loop steps at any batch (more rows: more
+    programs), ~256 programs in all at least (half that after rounding a chunk up to whole
+    blocks), and a row's chunks fit the finish kernel's one variant (S_PAD: a row in
+    one-block chunks)."""
+    vocab = 151936
+    for rows in (1, 3, 8, 64, 256):
+        chunk = _chunk(rows, vocab)
+        assert chunk % _BLOCK == 0 and _BLOCK <= chunk <= 2 * _BLOCK, (rows, chunk)
+        chunks = -(-vocab // chunk)
+        assert 2 * rows * chunks >= 256, (rows, chunks)
+        assert chunks <= -(-vocab // _BLOCK)
 
 
 @needs_cuda

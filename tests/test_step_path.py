@@ -127,10 +127,14 @@ def test_graph_inputs_compute_what_the_eager_step_does(tiny: LoadedModel) -> Non
     graphs.num_splits[bs] = 1
     packed = pack_step(decode, PS, graph_bs=bs, pad_slot=15)
     graphs.load(packed, torch.tensor(packed.meta, dtype=torch.int32), bs)
-    step = graphs.step(bs, token_buffer)
-    padded = model.logits(model(step.input_ids, PagedAttention(kv, step, rotary, model)))
+    step = graphs.step(bs)  # its input ids: the rows' slots into the token buffer
+    padded = model.logits(model(step.input_ids, PagedAttention(kv, step, rotary, model),
+                                id_source=token_buffer))
     torch.testing.assert_close(padded[:3], eager, rtol=1e-5, atol=1e-5)
-    assert torch.equal(kv.k, kv_eager.k) and torch.equal(kv.v, kv_eager.v)
+    # NOTE: close, not equal: a CPU's matmul may round 4 rows and 3 rows differently (it does
+    # on some); a padding row's write would differ by O(1)
+    torch.testing.assert_close(kv.k, kv_eager.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv.v, kv_eager.v, rtol=1e-5, atol=1e-5)
 
 
 def test_extend_graph_inputs_compute_what_the_eager_step_does(tiny: LoadedModel) -> None:

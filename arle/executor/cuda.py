@@ -139,10 +139,12 @@ class DecodeGraphs:
         start, mp = packed.offsets["page_table"][0], packed.max_pages
         self.page_table[:bs, :mp].copy_(meta[start:start + bs * mp].view(bs, mp))
 
-    def step(self, bs: int, token_buffer: torch.Tensor) -> DeviceStep:
-        """The graph's inputs as a step: views of the static buffers (decode rows only)."""
+    def step(self, bs: int) -> DeviceStep:
+        """The graph's inputs as a step: views of the static buffers (decode rows only).
+        NOTE: its input_ids are the rows' slots: the model reads the ids from the token buffer
+        there (`Decoder.forward`'s id_source), in the embedding kernel."""
         slots, positions, kv_slots, seq_lens = self.meta[:, :bs]
-        return DeviceStep(input_ids=token_buffer[slots], positions=positions, kv_slots=kv_slots,
+        return DeviceStep(input_ids=slots, positions=positions, kv_slots=kv_slots,
                           seq_lens=seq_lens, cu_q_lens=seq_lens[:0],
                           page_table=self.page_table[:bs], num_decode=bs, max_q_len=1,
                           num_splits=self.num_splits[bs])
@@ -369,7 +371,7 @@ class CUDAExecutor:
                                                         self.config.max_model_len, self.num_sms)
 
                 def run(bs: int = bs) -> None:
-                    graphs.logits[bs] = self._forward_decode(graphs.step(bs, self.token_buffer))
+                    graphs.logits[bs] = self._forward_decode(graphs.step(bs))
 
                 graphs.graphs[bs] = self._record(run, pool, warm_runs=2)
         self.stream.synchronize()
@@ -468,9 +470,11 @@ class CUDAExecutor:
         self.stream.synchronize()
 
     def _forward_decode(self, step: DeviceStep) -> torch.Tensor:
+        """A decode graph's forward: step.input_ids are the rows' slots in the token buffer."""
         backend = PagedAttention(self.kv, step, self.rotary, self.model)
+        hidden = self.model(step.input_ids, backend, id_source=self.token_buffer)
         # NOTE: in the model's dtype: the greedy pick reads it as is, `sample` upcasts
-        return self.model.logits(self.model(step.input_ids, backend), upcast=False)
+        return self.model.logits(hidden, upcast=False)
 
     # ---- the event loop's thread ----------------------------------------------------------
     def launch(self, plan: StepPlan) -> Awaitable[StepOutput]:

@@ -132,9 +132,13 @@ class DecoderLM(nn.Module):
         self.ops: Ops = REFERENCE
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]. Positions live in the backend."""
-        x: torch.Tensor | SplitSums = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, backend: AttentionBackend,
+                id_source: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]. Positions live in the backend.
+        id_source: the ids are id_source[input_ids] (the CUDA decode graphs pass their rows'
+        slots and the token buffer: the embedding kernel reads the ids there itself)."""
+        x: torch.Tensor | SplitSums = self.ops.embed(self.embed_tokens.weight, input_ids,
+                                                     id_source)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, backend, self.ops)
