@@ -163,13 +163,11 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding rows split by vocabulary range across ranks (world size 1: a plain lookup)."""
+    """Embedding rows split by vocabulary range across ranks (world size 1: the whole table). A
+    weight holder: the lookup is `ops.embed` (the model's forward), the projection `linear`."""
 
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         assert tp.size == 1, "vocab-parallel embedding with TP > 1 is not written yet"
         self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
         _set_loader(self.weight, load_whole)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
