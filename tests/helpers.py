@@ -11,13 +11,17 @@ import inspect
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+import torch
 
 from arle.model.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+T = TypeVar("T")
 
 
 @functools.cache
@@ -79,3 +83,18 @@ def run_interpreter_check(module: str, check: str) -> None:
                           env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+def capture(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """fn() once eagerly on a side stream (Triton builds its kernels, and buffers made on first
+    use are made, outside the capture), then captured as a CUDA graph: the graph and what the
+    captured call returned (its outputs, which each replay rewrites)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

@@ -17,7 +17,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import run_interpreter_check
+from helpers import capture, run_interpreter_check
 
 from arle_kernels.attention import decode_attention_ref as sdpa_decode_ref
 from arle_kernels.attention import decode_gather_index
@@ -282,14 +282,7 @@ def test_gpu_cuda_graph_replay(fp8: bool) -> None:
     def step() -> None:
         decode_attention(*static.args(), static.scale, splits, **static.scales(), out=out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture(step)
     for case in cases:
         for name in ("q", "k_cache", "v_cache", "k_scale", "v_scale", "page_table", "seq_lens"):
             dst, src = getattr(static, name), getattr(case, name)

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_interpreter_check
+from helpers import capture, run_interpreter_check
 
 from arle_kernels.embed import embed, embed_ref
 
@@ -77,14 +77,7 @@ def test_gpu_cuda_graph() -> None:
     weight = torch.randn(151936, 2560, device="cuda").to(torch.bfloat16)
     slots = torch.tensor([4, 0, 7, 2], dtype=torch.int32, device="cuda")
     buf = torch.zeros(9, dtype=torch.int32, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        embed(weight, slots, buf)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = embed(weight, slots, buf)
+    graph, y = capture(lambda: embed(weight, slots, buf))
     for seed in (1, 2):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         buf.copy_(torch.randint(0, 151936, (9,), generator=gen, device="cuda").int())

@@ -17,7 +17,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import run_interpreter_check
+from helpers import capture, run_interpreter_check
 from torch import Tensor
 
 from arle_kernels import fused
@@ -534,11 +534,8 @@ def test_gpu_kernels_replay_in_a_cuda_graph() -> None:
                 qk_norm_rope_store_kv(**case, **caches), caches["k_scale"].clone(),
                 exponential_noise(seeds, offsets, 1000)]
 
-    step()  # compile outside the capture
-    res_start = res.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture(step)
+    res_start = res.clone()  # as the eager call left it (the capture runs nothing)
     for buf in (x, gu, case["qkv"]):
         buf.copy_(torch.randn(buf.shape, device="cuda", generator=gen))
     res.copy_(res_start)

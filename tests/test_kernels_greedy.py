@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from helpers import run_interpreter_check
+from helpers import capture, run_interpreter_check
 
 from arle_kernels.greedy import _BLOCK, _chunk, greedy_pick, greedy_pick_ref
 
@@ -106,14 +106,7 @@ def test_gpu_cuda_graph() -> None:
     logits = make_logits(8, 151936, torch.bfloat16, "cuda")
     slots = torch.arange(8, dtype=torch.int32, device="cuda")
     buf = torch.zeros(9, dtype=torch.int32, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        greedy_pick(logits, slots, buf)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ids = greedy_pick(logits, slots, buf)
+    graph, ids = capture(lambda: greedy_pick(logits, slots, buf))
     for seed in (1, 2):
         logits.copy_(make_logits(8, 151936, torch.bfloat16, "cuda", seed=seed))
         graph.replay()

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from helpers import run_interpreter_check
+from helpers import capture, run_interpreter_check
 from test_kernels_fused import fresh_caches, make_qk_case
 from torch import Tensor
 
@@ -213,14 +213,7 @@ def test_gpu_split_sums_in_a_cuda_graph() -> None:
     def chain() -> Tensor:
         return add_rms_norm(gemv_split_sums(x, w), res, w_norm, 1e-6)[0]
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain()  # eager first: the buffer is made outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    graph, out = capture(chain)  # eager first: the slot buffer is made outside the capture
     for i in range(3):
         x.copy_(torch.randn(8, k, generator=gen, device="cuda"))
         start = torch.randn(8, n, generator=gen, device="cuda").bfloat16()
