@@ -12,6 +12,7 @@ from conftest import assert_all_pages_back, run, run_many, text_of, tokens_of
 
 from arle.engine.request import GenerateRequest, SamplingParams
 from arle.errors import InvalidRequestError, OverloadedError
+from arle.executor.base import StepOutput
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -234,6 +235,58 @@ async def test_failed_step_fails_its_requests_and_engine_goes_on(tiny, make_engi
     engine.executor.launch = flaky  # type: ignore[method-assign]
     deltas = await run(engine, "boom", max_tokens=5, ignore_eos=True)
     assert deltas[-1].finish_reason == "error" and "injected" in deltas[-1].error
+    assert len(tokens_of(await run(engine, "fine", max_tokens=4, ignore_eos=True))) == 4
+    assert_all_pages_back(engine)
+
+
+async def test_undecodable_token_fails_its_request_only(tiny, make_engine):
+    """A sampled id its detokenizer rejects (here 2**62, injected into one row of the third
+    step's output) fails that request with an error naming it; the request beside it, and the
+    next one, finish. Before, the exception ended the engine's loop: both waited forever."""
+    engine = make_engine(tiny)
+    real = engine.executor.launch
+    calls = {"n": 0}
+
+    def corrupt(plan):
+        handle = real(plan)
+        calls["n"] += 1
+        if calls["n"] != 3:
+            return handle
+
+        async def out():
+            o = await handle
+            return StepOutput([2**62] + o.token_ids[1:], o.logprobs, o.exec_s)
+        return out()
+
+    engine.executor.launch = corrupt  # type: ignore[method-assign]
+    a, b = await asyncio.wait_for(run_many(engine, ["one", "two"], max_tokens=8,
+                                           ignore_eos=True), 30)
+    failed = [d for d in (a, b) if d[-1].finish_reason == "error"]
+    assert len(failed) == 1 and f"token {2**62}" in failed[0][-1].error
+    other = b if failed[0] is a else a
+    assert other[-1].finish_reason == "length" and len(tokens_of(other)) == 8
+    engine.executor.launch = real  # type: ignore[method-assign]
+    assert len(tokens_of(await run(engine, "three", max_tokens=4, ignore_eos=True))) == 4
+    assert_all_pages_back(engine)
+
+
+async def test_loop_error_fails_every_request_and_engine_goes_on(tiny, make_engine):
+    """An error outside a step (here the scheduler, once) fails the running requests with
+    an error naming it, logged, instead of leaving them waiting; the next request runs."""
+    engine = make_engine(tiny)
+    real = engine.scheduler.schedule
+    calls = {"n": 0}
+
+    def broken():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected scheduler bug")
+        return real()
+
+    engine.scheduler.schedule = broken  # type: ignore[method-assign]
+    deltas = await asyncio.wait_for(run(engine, "boom", max_tokens=8, ignore_eos=True), 30)
+    assert deltas[-1].finish_reason == "error"
+    assert "engine loop failed" in deltas[-1].error and "injected" in deltas[-1].error
     assert len(tokens_of(await run(engine, "fine", max_tokens=4, ignore_eos=True))) == 4
     assert_all_pages_back(engine)
 

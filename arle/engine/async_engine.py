@@ -287,6 +287,19 @@ class AsyncEngine:
                                                                      name="arle-engine-loop")
 
     async def _loop(self) -> None:
+        """Run the steps. NOTE: a step's errors fail that step's requests (`_fail_step`); an
+        error anywhere else in the loop is a bug of ours: it fails every request, logged,
+        rather than leave them waiting on a loop that is gone (the next request starts a new
+        one)."""
+        try:
+            await self._steps()
+        except Exception as e:
+            log.exception("engine_loop_failed", error=repr(e), requests=len(self._requests))
+            for seq in list(self._requests.values()):
+                if not seq.finished:
+                    self._finish(seq, "error", None, error=f"engine loop failed: {e!r}")
+
+    async def _steps(self) -> None:
         """Schedule step N+1 while step N runs; then process step N's output.
 
         NOTE: with overlap, step N+1 is planned before step N's tokens are known: a request that
@@ -347,7 +360,13 @@ class AsyncEngine:
             if seq.finished:
                 continue  # the extra step of a request that finished one step earlier
             t1 = time.perf_counter()
-            self._on_token(seq, token, lp)
+            try:
+                self._on_token(seq, token, lp)
+            except Exception as e:  # NOTE: one request's output that cannot be processed (an
+                # id its detokenizer rejects) fails that request only; raised here it would
+                # end the loop, and every request would wait forever
+                if not seq.finished:
+                    self._finish(seq, "error", None, error=f"token {token}: {e!r}")
             tl.emit_us += (time.perf_counter() - t1) * 1e6
 
     def _on_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
