@@ -177,12 +177,23 @@ async def test_seeds_reproducible_alone_and_in_batch(tiny, make_engine):
     assert other != alone
 
 
+async def _until(condition, seconds: float = 10.0) -> None:
+    """Wait (polling every millisecond) until condition() holds; fail after `seconds`."""
+    deadline = time.perf_counter() + seconds
+    while not condition():
+        assert time.perf_counter() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
 async def test_overloaded_queue_is_refused(tiny, make_engine):
     engine = make_engine(tiny, max_waiting_requests=1, max_running_requests=1)
-    long_running = asyncio.create_task(run(engine, "a", max_tokens=50, ignore_eos=True))
-    await asyncio.sleep(0.05)
+    long_running = asyncio.create_task(run(engine, "a", max_tokens=200, ignore_eos=True))
+    # NOTE: each request tokenizes in a thread first: wait for the states, not fixed sleeps
+    # (a first run in a fresh process once missed them)
+    await _until(lambda: len(engine.scheduler.running) == 1)
     waiting = asyncio.create_task(run(engine, "b", max_tokens=2))
-    await asyncio.sleep(0.01)
+    await _until(lambda: len(engine.scheduler.waiting) == 1)
+    assert not long_running.done()
     with pytest.raises(OverloadedError, match="overloaded"):
         await run(engine, "c", max_tokens=2)
     await asyncio.gather(long_running, waiting)
