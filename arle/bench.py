@@ -107,6 +107,20 @@ async def discover(client: httpx.AsyncClient, cfg: BenchConfig) -> tuple[str, in
     return model, vocab
 
 
+async def engine_counters(client: httpx.AsyncClient) -> tuple[int, int] | None:
+    """arle's step count and device busy time (us) so far, from /v1/stats; None for a server
+    that does not report them."""
+    try:
+        resp = await client.get("/v1/stats")
+        if resp.status_code != 200:
+            return None
+        engine = resp.json().get("engine") or {}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    steps, busy = engine.get("steps"), engine.get("device_us")
+    return (steps, busy) if isinstance(steps, int) and isinstance(busy, int) else None
+
+
 def random_prompts(cfg: BenchConfig, vocab_size: int, count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size) for _ in range(cfg.input_len)] for _ in range(count)]
@@ -182,7 +196,8 @@ def _stats(name: str, values_s: list[float]) -> dict[str, float]:
 
 
 def summarize(cfg: BenchConfig, model: str, results: list[RequestResult], duration_s: float,
-              max_in_flight: int) -> dict[str, Any]:
+              max_in_flight: int, engine: tuple[int, int] | None = None) -> dict[str, Any]:
+    """engine: the server's steps and device busy time (us) during the run, if it says."""
     ok = [r for r in results if r.ok]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_len for r in ok)
@@ -217,6 +232,11 @@ def summarize(cfg: BenchConfig, model: str, results: list[RequestResult], durati
         "max_concurrent_requests": max_in_flight,
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
+    if engine is not None:
+        # NOTE: arle only. The device's busy share of the run: what is left is time the host
+        # side (the engine loop, HTTP, this client) kept the device waiting
+        out["server_steps"] = engine[0]
+        out["server_device_busy"] = engine[1] / 1e6 / dur
     return out
 
 
@@ -246,6 +266,7 @@ async def run_bench(cfg: BenchConfig, progress: Callable[[], None] | None = None
                 progress()
             return r
 
+        before = await engine_counters(client)
         start = time.perf_counter()
         tasks = []
         for prompt in prompts:
@@ -254,7 +275,9 @@ async def run_bench(cfg: BenchConfig, progress: Callable[[], None] | None = None
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(cfg, model, list(results), duration, in_flight.max)
+        after = await engine_counters(client) if before is not None else None
+    engine = (after[0] - before[0], after[1] - before[1]) if before and after else None
+    return summarize(cfg, model, list(results), duration, in_flight.max, engine)
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -276,6 +299,9 @@ def format_summary(s: dict[str, Any]) -> str:
         ("Total token throughput (tok/s)", s["total_throughput"]),
         ("Concurrency", s["concurrency"]),
     ]
+    if "server_steps" in s:
+        rows += [("Server steps", s["server_steps"]),
+                 ("Server device busy (share of the run)", s["server_device_busy"])]
     lines = ["{:=^56}".format(" Serving Benchmark Result ")]
     for label, value in rows:
         lines.append(f"{label + ':':<42}{_fmt(value):>14}")

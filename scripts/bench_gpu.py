@@ -519,7 +519,9 @@ def serve(args: argparse.Namespace) -> None:
             out["runs"][str(conc)] = s
             _write(args.out, out)  # after every run: a cut-short call keeps what it measured
             print(f"concurrency {conc}: {s['output_throughput']:.0f} tok/s, "
-                  f"TPOT {s['mean_tpot_ms']:.2f} ms, TTFT {s['mean_ttft_ms']:.1f} ms", flush=True)
+                  f"TPOT {s['mean_tpot_ms']:.2f} ms, TTFT {s['mean_ttft_ms']:.1f} ms, "
+                  f"{s.get('server_steps')} steps, device busy {s.get('server_device_busy')}",
+                  flush=True)
         # the cyclic GC's pauses in the server over all the runs (`/v1/stats`)
         out["gc"] = httpx.get(f"http://127.0.0.1:{port}/v1/stats", timeout=10).json()["gc"]
     except Exception as e:

@@ -336,6 +336,10 @@ class AsyncEngine:
 
     def _process(self, plan: StepPlan, out: StepOutput) -> None:
         exec_us = out.exec_s * 1e6
+        # NOTE: the device's busy time over the server's life: against a run's wall time, what
+        # the host (scheduling, HTTP, the client) left the device idle (`arle bench` reports it)
+        self.stats["steps"] += 1
+        self.stats["device_us"] += round(exec_us)
         width = len(plan.rows)
         admitted = {ns.slot for ns in plan.new_slots}
         k = 0
