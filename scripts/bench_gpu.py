@@ -373,7 +373,9 @@ async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
     count and device time (the executor's events), and the wall clock: the device's idle time
     is the wall time less the steps' device time. Then the kernels of the largest extend graph
     (a prefill step) by time: what a prefill step's GPU time is made of. And every collection
-    of the cyclic GC during the run: when it began, its generation, how long it held the loop."""
+    of the cyclic GC during the run: when it began, its generation, how long it held the loop.
+    `--http`: the same engine behind the app `arle serve` runs, the clients `arle bench`: what
+    HTTP changes in the steps."""
     engine = await _engine(args, serving=True)
     ex = engine.executor
     vocab = engine.tokenizer.vocab_size
@@ -389,8 +391,15 @@ async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
     pauses = GCPauses(keep_events=True).start()
     finish = _record_steps(ex)
     t_start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(args.concurrency)))
-    wall = time.perf_counter() - t_start
+    over_http = None
+    if args.http:
+        from serve_sim import bench_over_http  # scripts/ is on sys.path (this script's folder)
+
+        over_http = await bench_over_http(engine, args, warmup_requests=0)
+        wall = over_http["duration"]  # not the client process's start
+    else:
+        await asyncio.gather(*(client() for _ in range(args.concurrency)))
+        wall = time.perf_counter() - t_start
     pauses.stop()
     steps = finish()
     # the loop's longest stalls: gaps between two steps' launches, beside the collections
@@ -404,12 +413,19 @@ async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
         k["device_ms"] += st.get("device_ms", 0.0)
         k["tokens"] += st["tokens"]
     device = sum(k["device_ms"] for k in kinds.values())
-    ttft, tpot = _latencies(results)
+    if over_http is None:
+        ttft, tpot = _latencies(results)
+        clients = {"requests": len(results), "output_tok_s": len(results) * args.output_len / wall,
+                   "mean_ttft_ms": statistics.mean(ttft) * 1e3,
+                   "mean_tpot_ms": statistics.mean(tpot) * 1e3}
+    else:  # the bench's own figures (its duration excludes starting the client process)
+        clients = {"requests": over_http["completed"],
+                   "output_tok_s": over_http["output_throughput"],
+                   "mean_ttft_ms": over_http["mean_ttft_ms"],
+                   "mean_tpot_ms": over_http["mean_tpot_ms"], "bench": over_http}
     out: dict[str, Any] = {
         "phase": "timeline", "model": args.model, "concurrency": args.concurrency,
-        "requests": len(results), "wall_s": wall,
-        "output_tok_s": len(results) * args.output_len / wall,
-        "mean_ttft_ms": statistics.mean(ttft) * 1e3, "mean_tpot_ms": statistics.mean(tpot) * 1e3,
+        "http": args.http, "wall_s": wall, **clients,
         "device_ms": device, "idle_ms": wall * 1e3 - device, "kinds": kinds,
         "decode_step_ms_median": statistics.median(
             [st["device_ms"] for st in steps if st["tokens"] == st["decode_rows"]
@@ -433,7 +449,12 @@ async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def timeline(args: argparse.Namespace) -> None:
-    _write(args.out, asyncio.run(_timeline(args)))
+    if args.http:  # on uvloop, as `arle serve` runs
+        import uvloop
+
+        _write(args.out, uvloop.run(_timeline(args)))
+    else:
+        _write(args.out, asyncio.run(_timeline(args)))
 
 
 def host(args: argparse.Namespace) -> None:
@@ -561,6 +582,9 @@ def main() -> None:
         s.add_argument("--repeats", type=int, default=5)
         s.add_argument("--num-requests", type=int, default=256)
         s.add_argument("--concurrency", type=int, default=8, help="timeline's clients")
+        s.add_argument("--http", action="store_true",
+                       help="timeline: the clients are `arle bench` over HTTP, against the app "
+                            "`arle serve` runs (in this process, on uvloop)")
         s.add_argument("--no-gc-freeze", action="store_true",
                        help="leave the engine's start-up objects to the cyclic GC (`arle serve` "
                        "freezes them)")

@@ -2,7 +2,7 @@
 # One device call: the GPU tests and benchmarks of issue 5, phase by phase, each under a timeout.
 #   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench tmasweep fmasweep parity
 #     ceilings decode decode_nopdl host launch prefill serve serve_warm serve_pdl serve_ttft
-#     serve_long budget1024 serve_ablation timeline serve_sim hf hf_eager offline decode8b)
+#     serve_long budget1024 serve_ablation timeline timeline_http serve_sim hf hf_eager offline decode8b)
 # Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/log.txt, $OUT/pytest.txt and
 # $OUT/results.tar (every phase's JSON; at most 8 files come back from $OUT, so one archive,
 # rewritten after each phase: a call cut short still returns what finished).
@@ -120,6 +120,9 @@ json.dump(rows, open('$RES/sweep_fma.json', 'w'), indent=0)" ;;
              phase timeline_$b 150 python3 scripts/bench_gpu.py timeline "$d" --concurrency 8 \
                 --num-requests 64 --out $RES/timeline_4b_$b.json "${flag[@]}"
            done ;;
+    timeline_http) d=$(model qwen3-4b)  # the same, the clients `arle bench` over HTTP
+           phase timeline_http 150 python3 scripts/bench_gpu.py timeline "$d" --concurrency 8 \
+              --num-requests 64 --http --out $RES/timeline_4b_http.json ;;
     serve_sim) d=$(model qwen3-4b)  # the host side on a simulated device (its tokenizer)
            phase serve_sim 150 python3 scripts/serve_sim.py --tokenizer "$d" --repeats 2 \
               --out $RES/serve_sim.json ;;

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import socket
 import statistics
@@ -46,20 +47,24 @@ from arle.model.tokenizer import Tokenizer
 class SimExecutor:
     """Steps of modelled device time, run in launch order on one 'device' thread.
 
-    NOTE: a step starts when the one before it ends or when it is launched, whichever is later
+    NOTE: a step starts when the one before it ends or when it is queued, whichever is later
     (a stream); the thread sleeps until the step's modelled end and then hands the result to
-    the loop, as the CUDA executor's waiter thread does after its event."""
+    the loop, as the CUDA executor's waiter thread does after its event. With `launch_us`, a
+    launcher thread first holds the GIL that long per step (pure Python), as the CUDA
+    executor's launcher does while it queues a step's copies and graph replay."""
 
-    def __init__(self, num_slots: int, num_pages: int, decode_ms: float, prefill_us: float
-                 ) -> None:
+    def __init__(self, num_slots: int, num_pages: int, decode_ms: float, prefill_us: float,
+                 launch_us: float = 0.0) -> None:
         self.num_slots = num_slots
         self.kv_pool = KVPoolInfo(num_pages, 16, 0, "bfloat16")
         self.decode_s = decode_ms / 1e3
         self.prefill_s = prefill_us / 1e6
+        self.launch_s = launch_us / 1e6
         self.busy_s = 0.0
         self.idle_s = 0.0  # the device with nothing queued while the run went on
         self.steps = 0
         self._free_at = 0.0
+        self._launcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="launcher")
         self._cv = threading.Condition()
         self._queue: list[tuple[float, asyncio.Future[StepOutput], StepOutput]] = []
         self._thread = threading.Thread(target=self._device, daemon=True)
@@ -71,19 +76,30 @@ class SimExecutor:
         dur = self.decode_s + self.prefill_s * prompt_tokens
         self.steps += 1
         self.busy_s += dur
+        n = sum(r.sample for r in plan.rows)
+        future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
+        # an id that detokenizes to text (every chunk carries some)
+        out = StepOutput([1000 + self.steps % 500] * n, exec_s=dur)
+        if self.launch_s:
+            self._launcher.submit(self._queue_step, dur, future, out)
+        else:
+            self._queue_step(dur, future, out)
+        return future
+
+    def _queue_step(self, dur: float, future: asyncio.Future[StepOutput], out: StepOutput
+                    ) -> None:
+        if self.launch_s:
+            until = time.perf_counter() + self.launch_s
+            while time.perf_counter() < until:  # Python work: the GIL is held
+                pass
         now = time.perf_counter()
         if self._free_at and now > self._free_at:
             self.idle_s += now - self._free_at
         start = max(self._free_at, now)
         self._free_at = start + dur
-        n = sum(r.sample for r in plan.rows)
-        future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
-        # an id that detokenizes to text (every chunk carries some)
-        out = StepOutput([1000 + self.steps % 500] * n, exec_s=dur)
         with self._cv:
             self._queue.append((self._free_at, future, out))
             self._cv.notify()
-        return future
 
     def _device(self) -> None:
         while True:
@@ -97,7 +113,7 @@ class SimExecutor:
             future.get_loop().call_soon_threadsafe(_resolve, future, out)
 
     def close(self) -> None:
-        pass
+        self._launcher.shutdown(wait=True)
 
 
 def _resolve(future: asyncio.Future[StepOutput], out: StepOutput) -> None:
@@ -108,9 +124,10 @@ def _resolve(future: asyncio.Future[StepOutput], out: StepOutput) -> None:
 def _engine(args: argparse.Namespace, tokenizer: Any) -> tuple[AsyncEngine, SimExecutor]:
     slots = args.concurrency * 2 + 1
     ex = SimExecutor(slots, 8 * args.concurrency * (args.input_len + args.output_len) // 16 + 64,
-                     args.decode_ms, args.prefill_us)
+                     args.decode_ms, args.prefill_us, args.launch_us)
     # the serving defaults `arle serve` takes on a GPU
-    cfg = EngineConfig(device="cuda", serving=True).for_device("cuda")
+    cfg = EngineConfig(device="cuda", serving=True, max_batched_tokens=args.max_batched_tokens
+                       ).for_device("cuda")
     engine = AsyncEngine(cfg, tokenizer, ex, "sim", 1 << 20)  # type: ignore[arg-type]
     return engine, ex
 
@@ -147,35 +164,45 @@ async def _direct(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
             "mean_ttft_ms": statistics.mean(ttfts) * 1e3}
 
 
-async def _serve(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+async def bench_over_http(engine: AsyncEngine, args: argparse.Namespace,
+                          warmup_requests: int = 2, http: str = "auto") -> dict[str, Any]:
+    """`arle bench` (a separate process) against the app `arle serve` runs, served by uvicorn
+    on this loop around `engine`: closed-loop clients over HTTP. The bench's JSON summary."""
     import uvicorn
 
     from arle.server.app import create_app
 
-    engine, _ = _engine(args, tokenizer)
-    app = create_app(engine)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                           lifespan="off", http=args.http))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_config=None,
+                                           access_log=False, lifespan="off", http=http))
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
-    out_file = Path(f"/tmp/serve_sim_{port}.json")
+    out_file = Path(f"/tmp/bench_over_http_{port}.json")
     cmd = [sys.executable, "-m", "arle", "bench", "--base-url", f"http://127.0.0.1:{port}",
            "--num-prompts", str(args.num_requests), "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--max-concurrency",
-           str(args.concurrency), "--warmup-requests", "2", "--output-file", str(out_file)]
+           str(args.concurrency), "--warmup-requests", str(warmup_requests),
+           "--output-file", str(out_file)]
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL,
                                                 stderr=subprocess.PIPE)
     _, err = await proc.communicate()
     server.should_exit = True
     await task
-    await engine.close()
     if proc.returncode:
         raise RuntimeError(f"arle bench failed: {err.decode()[-2000:]}")
-    s = json.loads(out_file.read_text())
+    summary: dict[str, Any] = json.loads(out_file.read_text())
+    return summary
+
+
+async def _serve(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+    engine, _ = _engine(args, tokenizer)
+    try:
+        s = await bench_over_http(engine, args, http=args.http)
+    finally:
+        await engine.close()
     return {"mode": "serve", "wall_s": s["duration"],
             "output_tok_s": s["output_throughput"],
             "mean_ttft_ms": s["mean_ttft_ms"], "mean_tpot_ms": s["mean_tpot_ms"],
@@ -201,7 +228,10 @@ def main() -> None:
     p.add_argument("--decode-ms", type=float, default=2.84, help="device time of a step")
     p.add_argument("--prefill-us", type=float, default=11.0,
                    help="device time added by each prompt token of a step")
+    p.add_argument("--launch-us", type=float, default=0.0,
+                   help="host time a launcher thread holds the GIL for each step")
     p.add_argument("--modes", nargs="+", default=["direct", "serve"])
+    p.add_argument("--max-batched-tokens", type=int, help="the step budget (default: serving's)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--http", default="auto", help="uvicorn's HTTP parser (auto, h11, httptools)")
     p.add_argument("--tokenizer", help="a Hugging Face model directory (default: the default "

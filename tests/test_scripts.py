@@ -4,29 +4,17 @@ benchmark runs on it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # NOTE: dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
+from helpers import ROOT
+from helpers import load_script as _script
 
 mrm = _script("make_random_model")
 
