@@ -502,6 +502,30 @@ def launch(args: argparse.Namespace) -> None:
     _write(args.out, {"phase": "launch", "host_us_per_call": res})
 
 
+def _trace_summary(lines: list[str], output_len: int) -> dict[str, Any]:
+    """The server's own view of the measured requests (its `request_trace` log lines with
+    `output_len` tokens; the warm-ups have fewer): TTFT from the request reaching the engine,
+    the prompt's tokenization (a thread) and its wait for admission, means in ms."""
+    traces = []
+    for line in lines:
+        if '"request_trace"' not in line:
+            continue
+        try:
+            t = json.loads(line)
+        except ValueError:
+            continue
+        if t.get("completion_tokens") == output_len and t.get("ttft_ms") is not None:
+            traces.append(t)
+    if not traces:
+        return {"count": 0}
+    pre = [t["preprocess"] for t in traces]
+    return {"count": len(traces),
+            "mean_ttft_ms": statistics.mean(t["ttft_ms"] for t in traces),
+            "mean_tokenize_ms": statistics.mean(p["tokenize_us"] for p in pre) / 1e3,
+            "mean_wait_ms": statistics.mean(p["wait_us"] or 0 for p in pre) / 1e3,
+            "mean_total_ms": statistics.mean(t["total_ms"] for t in traces)}
+
+
 def serve(args: argparse.Namespace) -> None:
     """Start `arle serve`, time it to ready, run `arle bench` at each concurrency, stop it."""
     import httpx
@@ -557,8 +581,10 @@ def serve(args: argparse.Namespace) -> None:
             proc.kill()
         log.close()
         # kernel variants the warm-up missed (each one stalled every request while it built)
-        out["late_compiles"] = [line[:400] for line in Path(log.name).read_text().splitlines()
+        lines = Path(log.name).read_text().splitlines()
+        out["late_compiles"] = [line[:400] for line in lines
                                 if "triton_kernel_built_after_warmup" in line]
+        out["server_traces"] = _trace_summary(lines, args.output_len)
         _write(args.out, out)
 
 
