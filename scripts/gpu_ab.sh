@@ -2,6 +2,7 @@
 # Decode A/B on the device: each TREE:TAG runs `bench_gpu.py decode` on a random Qwen3-4B, in
 # turn, within one call (the way docs/benchmarks compares a change against its base).
 #   bash scripts/gpu_ab.sh [--serve C | --offline] [--cold] [--then "PHASE..."] TREE:TAG...
+# (the options in any order, before the trees)
 # TREE is a folder with kernels/ scripts/ arle/: "." for the checkout, else e.g.
 #   git archive REV kernels scripts arle | tar -x -C var_x   (then patch it; pass it in `carry`)
 # Give each tree twice, interleaved: machines drift, and two runs of one tree in one call agree
@@ -15,10 +16,16 @@
 set -u
 OUT=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p $RES $OUT
 phases="" serve="" offline="" cold=""
-if [ "${1:-}" = "--serve" ]; then serve=$2; shift 2; fi
-if [ "${1:-}" = "--offline" ]; then offline=1; shift; fi
-if [ "${1:-}" = "--cold" ]; then cold=1; shift; fi
-if [ "${1:-}" = "--then" ]; then phases=$2; shift 2; fi
+while [ $# -gt 0 ]; do  # the options, in any order, before the trees
+  case $1 in
+    --serve) serve=$2; shift 2 ;;
+    --offline) offline=1; shift ;;
+    --cold) cold=1; shift ;;
+    --then) phases=$2; shift 2 ;;
+    --*) echo "unknown option $1" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
 T0=$SECONDS
 log() { echo "== $((SECONDS - T0)) s: $*" | tee -a $RES/ab_log.txt; }
 bash scripts/gpu_session.sh >/dev/null 2>&1  # installs the wheels into /tmp/site
