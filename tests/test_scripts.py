@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, require_smollm2_gguf
 from helpers import load_script as _script
 
 mrm = _script("make_random_model")
@@ -202,3 +202,24 @@ def test_bench_gpu_latencies() -> None:
     bench = _script("bench_gpu")
     ttft, tpot = bench._latencies([(1.0, [1.5, 2.0, 3.0]), (0.0, [0.25, 0.75])])
     assert ttft == [0.5, 0.25] and tpot == [0.75, 0.5]
+
+
+def test_serve_sim_runs_the_engine_and_the_server_on_a_simulated_device(tmp_path: Path) -> None:
+    """scripts/serve_sim.py, both modes, tiny: every request is served, the simulated device's
+    time is what its model gives the engine's steps, and over HTTP the server's counters
+    (`arle bench`'s server_steps / server_device_busy) say how busy that device was."""
+    require_smollm2_gguf()  # its tokenizer
+    out = tmp_path / "sim.json"
+    _run("scripts/serve_sim.py", "--concurrency", "2", "--num-requests", "4", "--input-len", "32",
+         "--output-len", "6", "--decode-ms", "5", "--prefill-us", "100", "--repeats", "1",
+         "--out", str(out))
+    direct, served = json.loads(out.read_text())["runs"]
+    assert (direct["mode"], served["mode"]) == ("direct", "serve")
+    # 4 requests x 6 tokens; each request needs 6 steps of its own (one prefill, five decode)
+    assert direct["output_tok_s"] == pytest.approx(24 / direct["wall_s"])
+    assert 12 <= direct["steps"] <= 24
+    # every step costs 5 ms, plus 0.1 ms a prompt token (4 x 32 of them)
+    assert direct["device_busy_s"] == pytest.approx(direct["steps"] * 0.005 + 128 * 1e-4)
+    assert direct["device_busy_s"] <= direct["wall_s"] + 1e-3
+    assert 12 <= served["server_steps"] <= 30
+    assert 0.3 < served["server_device_busy"] <= 1.0 + 1e-6
