@@ -450,9 +450,9 @@ async def _timeline(args: argparse.Namespace) -> dict[str, Any]:
 
 def timeline(args: argparse.Namespace) -> None:
     if args.http:  # on uvloop, as `arle serve` runs
-        import uvloop
+        from arle.cli.serve import run_on_uvloop
 
-        _write(args.out, uvloop.run(_timeline(args)))
+        _write(args.out, run_on_uvloop(_timeline(args)))
     else:
         _write(args.out, asyncio.run(_timeline(args)))
 

@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from arle.cli.serve import run_on_uvloop
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import GenerateRequest, SamplingParams
@@ -209,15 +210,6 @@ async def _serve(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
             "server_steps": s.get("server_steps"), "server_device_busy": s.get("server_device_busy")}
 
 
-def _run(main: Any) -> Any:
-    """On uvloop where it is installed, as `arle serve` runs."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -244,7 +236,7 @@ def main() -> None:
     runs = []
     for _ in range(args.repeats):
         for mode in args.modes:
-            r = _run((_direct if mode == "direct" else _serve)(args, tokenizer))
+            r = run_on_uvloop((_direct if mode == "direct" else _serve)(args, tokenizer))
             runs.append(r)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                               for k, v in r.items()}), flush=True)

@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ROOT, require_smollm2_gguf
-from helpers import load_script as _script
+from helpers import ROOT, load_script, require_smollm2_gguf
 
-mrm = _script("make_random_model")
+mrm = load_script("make_random_model")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -151,7 +150,7 @@ def test_kernel_regs_reports_a_decode_step(tmp_path: Path) -> None:
     """scripts/kernel_regs.py compiles a decode step's Triton kernels for sm_90a on the CPU and
     reports each variant's registers and programs per SM (`tiny`, batch 1: 32 splits, so the
     merge runs too)."""
-    regs = _script("kernel_regs")
+    regs = load_script("kernel_regs")
     if not Path(regs._ptxas()).exists():
         pytest.skip("this Triton has no ptxas for sm_90")
     out = tmp_path / "regs.json"
@@ -171,7 +170,7 @@ def test_bench_gpu_records_steps_in_launch_order() -> None:
     own methods back afterwards."""
     from types import SimpleNamespace
 
-    bench = _script("bench_gpu")
+    bench = load_script("bench_gpu")
 
     class Executor:
         def _enqueue(self, h: Any) -> tuple[str, Any]:
@@ -199,7 +198,7 @@ def test_bench_gpu_records_steps_in_launch_order() -> None:
 
 def test_bench_gpu_latencies() -> None:
     """TTFT from the request's start to its first token; TPOT over the tokens after the first."""
-    bench = _script("bench_gpu")
+    bench = load_script("bench_gpu")
     ttft, tpot = bench._latencies([(1.0, [1.5, 2.0, 3.0]), (0.0, [0.25, 0.75])])
     assert ttft == [0.5, 0.25] and tpot == [0.75, 0.5]
 

@@ -71,20 +71,19 @@ def serve(
 
     settings = ServerSettings(served_model_name=served_model_name, api_key=api_key or None,
                               max_body_bytes=max_body_bytes)
-    _run(_serve(config, settings, host, port, grace_period))
+    run_on_uvloop(_serve(config, settings, host, port, grace_period))
 
 
-def _run(main: Any) -> None:
-    """asyncio.run, on uvloop where it is installed."""
+def run_on_uvloop(main: Any) -> Any:
+    """asyncio.run, on uvloop where it is installed (the benchmarks that stand in for
+    `arle serve` run this way too)."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-        return
+        return asyncio.run(main)
     if hasattr(uvloop, "run"):  # uvloop >= 0.18
-        uvloop.run(main)
-    else:
-        asyncio.run(main)
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 async def _warm_up(engine: AsyncEngine) -> None:
