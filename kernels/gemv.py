@@ -27,8 +27,8 @@ Three kernels share that contract: `_gemv_kernel` (FMAs, 1-2 rows), and on tenso
   no [M, 2N] round trip (24.3 against 27.6 us for Qwen3-4B's gate_up + silu_and_mul, H200;
   at 8 rows with TMA 28.5 against cuBLAS + silu_and_mul's 31.6).
 
-- `gemv_split_sums`: y left as `SplitSums` (kernels/split_sums.py) where K is split in an even
-  number of parts: pairs of splits add their fp32 tiles atomically into zeroed slots and the
+- `gemv_split_sums`: y left as `SplitSums` (kernels/split_sums.py) where the tensor-core
+  kernel splits K: pairs of splits add their fp32 tiles atomically into zeroed slots and the
   next kernel (the norm, the rope) sums them, so no `_split_reduce_kernel` launch (the
   decoder's qkv, o_proj and down: 89 us off a 3.09 ms batch-8 step of Qwen3-4B, H200).
 
@@ -187,7 +187,7 @@ def _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, st
     the bias, or silu(acc) * acc_up (GLU), in y's dtype."""
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     if PAIRED:
-        # NOTE: exactly two splits land in a slot that holds zeros: 0 + a + b == 0 + b + a in
+        # NOTE: at most two splits land in a slot that holds zeros: 0 + a + b == 0 + b + a in
         # fp32, so the slot is the same whichever program arrives first (deterministic)
         y_ptrs = y_ptr + (pid_k // 2) * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
         tl.atomic_add(y_ptrs, acc, mask=out_mask, sem="relaxed")
@@ -444,8 +444,8 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
             cfg: GemvConfig, glu: bool = False, sums: bool = False) -> Tensor | SplitSums:
     """Run `cfg` (gemv picks it; tests and tuning pass their own). glu: weight is [gate; up]
     and the result silu(x gate^T) * (x up^T), [M, N / 2] (no bias, no split K). sums: where
-    the tensor-core kernel splits K in an even number of parts (and there is no bias), the
-    result is left as `SplitSums` (no reduce kernel); otherwise y."""
+    the tensor-core kernel splits K (and there is no bias), the result is left as `SplitSums`
+    (no reduce kernel); otherwise y."""
     _check(x, weight, bias, None)
     m, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
@@ -463,12 +463,12 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
     k_per_split = triton.cdiv(chunks, max(1, min(cfg.split_k, chunks))) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)  # no empty splits
     has_bias = bias is not None
-    paired = sums and cfg.mma and splits > 1 and splits % 2 == 0 and not has_bias
+    paired = sums and cfg.mma and splits > 1 and not has_bias
     # split K: the programs write fp32 partials [splits, M, N], summed by _split_reduce_kernel,
-    # or (paired) add pairs of them into the zeroed slots [splits / 2, M, N] of a SplitSums,
-    # and then no y is made at all
+    # or (paired) add pairs of them into the zeroed slots [ceil(splits / 2), M, N] of a
+    # SplitSums (an odd count's last split alone in its slot), and then no y is made at all
     if paired:
-        dst = y = slot_buffer(x.device, splits // 2, m, n)
+        dst = y = slot_buffer(x.device, triton.cdiv(splits, 2), m, n)
     else:
         y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
         dst = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32,
@@ -573,8 +573,8 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
 
 
 def gemv_split_sums(x: Tensor, weight: Tensor) -> Tensor | SplitSums:
-    """gemv's y = x @ weight^T (no bias), left as `SplitSums` where the config splits K in an
-    even number of parts (3..32 rows on tensor cores: one launch fewer, no reduce kernel);
+    """gemv's y = x @ weight^T (no bias), left as `SplitSums` where the config splits K
+    (3..32 rows on tensor cores: one launch fewer, no reduce kernel);
     y otherwise. The caller hands it to a consumer that takes SplitSums (add_rms_norm,
     qk_norm_rope_store_kv), which sums the slots and leaves them zero."""
     cfg = _pick_config(x.shape[0], weight.shape[0], x.shape[1])

@@ -155,17 +155,21 @@ def check_rope_chain(t: int, h: int, kvh: int, d: int, dtype: torch.dtype, slots
 
 def interp_check_split_sums() -> None:
     """Under TRITON_INTERPRET=1 on CPU, tiny shapes (fp16: the interpreter's bf16 dot is
-    broken): the cp.async and TMA kernels with 2 and 4 K splits, and both consumers."""
+    broken): the cp.async and TMA kernels with 2-5 K splits (odd counts: the last split alone
+    in its slot), and both consumers."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for tma in (False, True):
-        for m, split, slots in ((3, 2, 1), (8, 4, 2), (16, 4, 2)):
+        for m, k, split, slots in ((3, 256, 2, 1), (8, 256, 4, 2), (16, 256, 4, 2),
+                                   (5, 288, 3, 2), (8, 320, 5, 3)):
             cfg = GemvConfig(block_n=64 if tma else 16, block_k=32, num_warps=4 if tma else 1,
                              num_stages=2, split_k=split, mma=True, tma=tma)
-            check_chain(m, 40, 256, torch.float16, "cpu", cfg, slots, 1e-3)
-    # an odd split count is not paired: y, reduced as before
+            check_chain(m, 40, k, torch.float16, "cpu", cfg, slots, 1e-3)
+    # with a bias there are no split sums: y, reduced by the reduce kernel
     cfg = GemvConfig(block_n=16, block_k=32, num_warps=1, split_k=3, mma=True)
-    x, w = torch.randn(3, 96).half(), torch.randn(40, 96).half()
-    assert isinstance(_launch(x, w, None, None, cfg, sums=True), Tensor)
+    x, w, b = torch.randn(3, 96).half(), torch.randn(40, 96).half(), torch.randn(40).half()
+    y = _launch(x, w, b, None, cfg, sums=True)
+    assert isinstance(y, Tensor) and torch.allclose(y.float(), gemv_ref(x, w, b).float(),
+                                                    atol=5e-2, rtol=1e-2)
     for t, slots in ((1, 1), (5, 2)):
         check_rope_chain(t, 4, 2, 32, torch.float16, slots, "cpu")
 
