@@ -2,6 +2,8 @@
 
 - `jit_varying`: @triton.jit for kernels some of whose arguments change from step to step.
 - `watch_compiles`: a callback for every kernel variant Triton builds (serving watches with it).
+- `compile_ahead`: launches turned into compiles on a thread pool (start-up builds its variants
+  side by side).
 - `pdl_enabled` / `pdl_launch`: programmatic dependent launch (PDL, Hopper and later).
 
 PDL: a kernel launched with it may start while the kernel before it in the stream is still
@@ -19,9 +21,11 @@ earlier steps: decode attention leaves out each row's newest token) and write no
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import triton
@@ -71,6 +75,46 @@ def watch_compiles(on_build: Callable[[str], None]) -> Callable[[], None] | None
     def stop() -> None:
         runtime.jit_cache_hook = previous
     return stop
+
+
+@contextlib.contextmanager
+def compile_ahead(workers: int | None = None) -> Iterator[bool]:
+    """Inside: every Triton launch builds its kernel variant on a pool of `workers` threads
+    (default: one per CPU, at most 32) and runs nothing. On leaving, every variant is built and
+    in its kernel's cache, so the same launches after it run at once. Yields whether it is on:
+    a Triton with async compiles (3.5+), not the interpreter; elsewhere launches run as usual.
+
+    Why: from a cold cache, start-up builds ~100 variants, one after another, 0.1-1 s each.
+    Most of a build (MLIR passes, LLVM, ptxas) runs without the GIL, so threads build them side
+    by side.
+    NOTE: no kernel inside runs, so nothing it would write is written: pass through it only
+    work whose results are thrown away, and nothing that reads a kernel's output on the host
+    to decide what to launch next (decode and extend steps never do: they are captured in CUDA
+    graphs)."""
+    from triton.runtime.jit import JITFunction
+
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # a Triton before async compiles
+        available = False
+    else:
+        available = os.environ.get("TRITON_INTERPRET") != "1"
+    if not available:
+        yield False
+        return
+    launch = JITFunction.run
+
+    def build_only(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    workers = workers or min(32, len(os.sched_getaffinity(0)))
+    with (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="arle-compile")
+          as pool, AsyncCompileMode(pool)):
+        JITFunction.run = build_only
+        try:
+            yield True
+        finally:  # NOTE: before AsyncCompileMode's exit, which waits for the builds
+            JITFunction.run = launch
 
 
 _pdl: bool | None = None
@@ -125,5 +169,5 @@ def pdl_launch(pdl: bool) -> dict[str, Any]:
     return _PDL_ON if pdl else _PDL_OFF
 
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "hopper_gpu", "jit_varying", "pdl_enabled",
-           "pdl_launch", "set_pdl", "watch_compiles"]
+__all__ = ["compile_ahead", "gdc_launch_dependents", "gdc_wait", "hopper_gpu", "jit_varying",
+           "pdl_enabled", "pdl_launch", "set_pdl", "watch_compiles"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ from arle_kernels.decode_attention import (
 )
 from arle_kernels.extend_attention import block_tokens
 from arle_kernels.gemv import row_classes
+from arle_kernels.jit import compile_ahead
 from arle_kernels.ops import ops_for
 
 log = get_logger("arle.executor.cuda")
@@ -246,7 +248,7 @@ class CUDAExecutor:
         with torch.cuda.stream(self.stream):
             weights = torch.cuda.memory_allocated(self.device)
             t0 = time.perf_counter()
-            peak = self._profile()
+            peak, compile_s = self._profile()
             profile_s = time.perf_counter() - t0
             total = torch.cuda.get_device_properties(self.device).total_memory
             per_token = cfg.kv_bytes_per_token(torch.finfo(config.kv_dtype).bits // 8,
@@ -277,19 +279,27 @@ class CUDAExecutor:
         self.graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
         if config.cuda_graph_max_bs > 0:
-            pool = torch.cuda.graph_pool_handle()
             self.graphs = DecodeGraphs(min(config.cuda_graph_max_bs, config.num_slots),
                                        self.max_pages, self.device)
-            self._capture(self.graphs, pool)
             if config.extend_graph_max_tokens > 0:
                 self.extend_graphs = ExtendGraphs(
                     min(config.extend_graph_max_tokens, config.max_batched_tokens),
                     min(EXTEND_GRAPH_ROWS, config.num_slots), self._block_t(), self.max_pages,
                     cfg.vocab_size, self.pad_slot, self.device)
-                self._capture_extend(self.extend_graphs, pool)
+            decode_runs = self._decode_runs(self.graphs)
+            extend_runs = self._extend_runs(self.extend_graphs) if self.extend_graphs else {}
+            compile_s += self._build_ahead(*decode_runs.values(), *extend_runs.values(),
+                                           self._build_sampler_variants)
+            pool = torch.cuda.graph_pool_handle()
+            self._capture(self.graphs, decode_runs, pool)
+            if self.extend_graphs is not None:
+                self._capture_extend(self.extend_graphs, extend_runs, pool)
         else:
+            compile_s += self._build_ahead(self._build_eager_variants,
+                                           self._build_sampler_variants)
             self._build_eager_variants()
         self._build_sampler_variants()
+        log.info("kernels_built_ahead", seconds=round(compile_s, 2))
         #: What start-up measured, for `arle warmup` and the model info.
         self.startup_info = {
             "memory_plan": {"total_bytes": total, "weights_bytes": weights,
@@ -298,6 +308,7 @@ class CUDAExecutor:
                             "kv_pool_bytes": self.kv.nbytes, "kv_format": fmt,
                             "mem_fraction_static": config.mem_fraction_static,
                             "profile_s": round(profile_s, 3)},
+            "kernels_built_ahead_s": round(compile_s, 3),
             "cuda_graphs": ({"batch_sizes": self.graphs.sizes,
                              "capture_s": round(self.graphs.capture_s, 3)}
                             if self.graphs is not None else None),
@@ -310,32 +321,49 @@ class CUDAExecutor:
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arle-wait")
 
     # ---- start-up ------------------------------------------------------------------------
-    def _profile(self) -> int:
+    def _build_ahead(self, *passes: Callable[[], object]) -> float:
+        """Run the start-up passes with their launches turned into compiles (`compile_ahead`):
+        the Triton kernel variants they take are built side by side, on every core, before the
+        passes run for real (from a cold cache they are most of the time to ready). Seconds.
+        NOTE: nothing is computed, so a pass here must be one that runs again after."""
+        t0 = time.perf_counter()
+        with torch.inference_mode(), torch.cuda.stream(self.stream), compile_ahead() as on:
+            for run in passes if on else ():
+                run()
+        return time.perf_counter() - t0
+
+    def _profile(self) -> tuple[int, float]:
         """Run the largest step once (a full prefill chunk, every slot sampling) against a
-        scratch cache; return the peak memory it needed, weights included."""
+        scratch cache; return the peak memory it needed, weights included (and the seconds its
+        kernels took to build ahead, `_build_ahead`)."""
         cfg = self.model.config
         n = self.config.max_batched_tokens
         pages = -(-n // self.page_size) + 1
         scratch = KVCache.allocate(cfg.num_layers, pages, self.page_size, cfg.num_kv_heads,
                                    cfg.head_dim, self.config.kv_dtype, self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
         ids = torch.randint(0, cfg.vocab_size, (n,), dtype=torch.int32, device=self.device)
         pos = torch.arange(n, dtype=torch.int32, device=self.device)
         table = torch.arange(pages, dtype=torch.int32, device=self.device)[None]
         step = DeviceStep(ids, pos, pos, torch.tensor([n], dtype=torch.int32, device=self.device),
                           torch.tensor([0, n], dtype=torch.int32, device=self.device), table,
                           num_decode=0, max_q_len=n, num_splits=1)
-        with torch.inference_mode():
-            hidden = self.model(ids, PagedAttention(scratch, step, self.rotary, self.model))
-            rows = min(self.num_slots, n)
-            logits = self.model.logits(hidden[:rows])
-            batch = SamplingBatch.build([_PROFILE_PARAMS] * rows, [0] * rows, self.device)
-            sample(logits, batch, generator=self.generator)
+        rows = min(self.num_slots, n)
+        batch = SamplingBatch.build([_PROFILE_PARAMS] * rows, [0] * rows, self.device)
+
+        def run(cache: KVCache = scratch) -> None:
+            with torch.inference_mode():
+                hidden = self.model(ids, PagedAttention(cache, step, self.rotary, self.model))
+                sample(self.model.logits(hidden[:rows]), batch, generator=self.generator)
+
+        compile_s = self._build_ahead(run)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)  # NOTE: the inputs above count
+        run()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        del scratch, hidden, logits
+        del run, scratch
         torch.cuda.empty_cache()
-        return peak
+        return peak, compile_s
 
     def _graph_reserve(self, activations: int) -> int:
         """Memory the graphs keep: the decode graphs' logits and a margin for their activations;
@@ -358,39 +386,49 @@ class CUDAExecutor:
         return block_tokens(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads,
                             self.config.kv_dtype == FP8_KV)
 
-    def _capture(self, graphs: DecodeGraphs, pool: _PoolHandle) -> None:
-        """Capture one decode graph per batch size, largest first (they share one pool)."""
-        t0 = time.perf_counter()
-        # padding everywhere: slot, position 0, no K/V write, one token of context
+    def _decode_runs(self, graphs: DecodeGraphs) -> dict[int, Callable[[], None]]:
+        """One decode forward per batch size of the ladder, on the static buffers, which now
+        hold padding everywhere: slot, position 0, no K/V write, one token of context."""
         for row, value in enumerate((self.pad_slot, 0, -1, 1)):
             graphs.meta[row].fill_(value)
         cfg = self.model.config
+        runs: dict[int, Callable[[], None]] = {}
+        for bs in graphs.sizes:
+            graphs.num_splits[bs] = pick_num_splits(bs, cfg.num_kv_heads,
+                                                    self.config.max_model_len, self.num_sms)
+
+            def run(bs: int = bs) -> None:
+                graphs.logits[bs] = self._forward_decode(graphs.step(bs))
+
+            runs[bs] = run
+        return runs
+
+    def _capture(self, graphs: DecodeGraphs, runs: dict[int, Callable[[], None]],
+                 pool: _PoolHandle) -> None:
+        """Capture one decode graph per batch size (`_decode_runs`), largest first (they share
+        one pool)."""
+        t0 = time.perf_counter()
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for bs in reversed(graphs.sizes):
-                graphs.num_splits[bs] = pick_num_splits(bs, cfg.num_kv_heads,
-                                                        self.config.max_model_len, self.num_sms)
-
-                def run(bs: int = bs) -> None:
-                    graphs.logits[bs] = self._forward_decode(graphs.step(bs))
-
-                graphs.graphs[bs] = self._record(run, pool, warm_runs=2)
+                graphs.graphs[bs] = self._record(runs[bs], pool, warm_runs=2)
         self.stream.synchronize()
         graphs.capture_s = time.perf_counter() - t0
         log.info("cuda_graphs_captured", batch_sizes=graphs.sizes,
                  seconds=round(graphs.capture_s, 2))
 
-    def _capture_extend(self, graphs: ExtendGraphs, pool: _PoolHandle) -> None:
-        """Capture one extend graph per token count, largest first, in the decode graphs' pool
-        (steps replay one at a time). Each runs once eagerly first, on its padding: the
-        kernels' variants and cuBLAS's choices for its shapes are made outside the capture."""
+    def _extend_runs(self, graphs: ExtendGraphs) -> dict[int, Callable[[], None]]:
+        """One extend forward per token count of the ladder, on its static block's padding."""
+        return {t: functools.partial(self._forward_extend, graphs, t) for t in graphs.sizes}
+
+    def _capture_extend(self, graphs: ExtendGraphs, runs: dict[int, Callable[[], None]],
+                        pool: _PoolHandle) -> None:
+        """Capture one extend graph per token count (`_extend_runs`), largest first, in the
+        decode graphs' pool (steps replay one at a time). Each runs once eagerly first: cuBLAS's
+        choices for its shapes are made outside the capture."""
         t0 = time.perf_counter()
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for t in reversed(graphs.sizes):
-
-                def run(t: int = t) -> None:
-                    self._forward_extend(graphs, t)
-
-                graphs.graphs[t] = self._record(run, pool, warm_runs=1)
+                graphs.graphs[t] = self._record(runs[t], pool, warm_runs=1)
         self.stream.synchronize()
         graphs.capture_s = time.perf_counter() - t0
         log.info("extend_graphs_captured", tokens=graphs.sizes, rows=graphs.rows,
