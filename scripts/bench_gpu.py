@@ -6,6 +6,7 @@
     python scripts/bench_gpu.py offline MODEL_DIR --out o.json    # nano-vllm's 256-request run
     python scripts/bench_gpu.py serve MODEL_DIR --out s.json --serve-args="[arle serve flags]"
     python scripts/bench_gpu.py timeline MODEL_DIR --out t.json --num-requests 64  # c = 8, steps
+    python scripts/bench_gpu.py startup MODEL_DIR --out s.json    # start-up's phases and builds
 
 Floors come from ceilings measured in the same run (`ceilings`), never from datasheets: decode
 floor = weight bytes / read bandwidth; prefill floor = FLOPs / bf16 GEMM rate.
@@ -588,6 +589,33 @@ def serve(args: argparse.Namespace) -> None:
         _write(args.out, out)
 
 
+def startup(args: argparse.Namespace) -> None:
+    """`arle warmup` with `arle serve`'s settings (the model loaded, memory planned, kernels
+    built, graphs captured, the warm-up passes), timed phase by phase, and every Triton kernel
+    variant start-up builds or loads from the disk cache, with when (seconds from the start)
+    and in which phase. Run it after an empty Triton cache for the cold figure."""
+    from dataclasses import replace
+
+    from arle.diagnostics import run_warmup
+    from arle_kernels.jit import watch_compiles
+
+    t0 = time.perf_counter()
+    builds: list[dict[str, Any]] = []
+    watch_compiles(lambda kernel: builds.append(
+        {"s": round(time.perf_counter() - t0, 3), "kernel": kernel.split("[")[0][:80]}))
+    report = asyncio.run(run_warmup(replace(_engine_config(args), serving=True)))
+    total = time.perf_counter() - t0
+    model = report.get("model") or {}
+    _write(args.out, {"phase": "startup", "model": args.model, "ok": report["ok"],
+                      "total_s": round(total, 2), "phases": report["phases"],
+                      "startup": {k: model.get(k) for k in ("load_ms", "memory_plan",
+                                                            "kernels_built_ahead_s",
+                                                            "cuda_graphs", "extend_graphs")},
+                      "builds": len(builds), "build_log": builds})
+    print(f"start-up {total:.1f} s, {len(builds)} kernel builds; phases "
+          + ", ".join(f"{p['name']} {p['ms'] / 1e3:.1f} s" for p in report["phases"]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="phase", required=True)
@@ -598,7 +626,7 @@ def main() -> None:
     c.add_argument("--out", required=True)
     c.set_defaults(fn=launch)
     for name, fn in (("decode", decode), ("prefill", prefill), ("offline", offline),
-                     ("host", host), ("timeline", timeline)):
+                     ("host", host), ("timeline", timeline), ("startup", startup)):
         s = sub.add_parser(name)
         s.add_argument("model")
         s.add_argument("--out", required=True)

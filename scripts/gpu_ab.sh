@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Decode A/B on the device: each TREE:TAG runs `bench_gpu.py decode` on a random Qwen3-4B, in
 # turn, within one call (the way docs/benchmarks compares a change against its base).
-#   bash scripts/gpu_ab.sh [--serve C | --offline] [--cold] [--then "PHASE..."] TREE:TAG...
+#   bash scripts/gpu_ab.sh [--serve C | --offline | --startup] [--cold] [--then "PHASE..."] TREE:TAG...
 # (the options in any order, before the trees)
 # TREE is a folder with kernels/ scripts/ arle/: "." for the checkout, else e.g.
 #   git archive REV kernels scripts arle | tar -x -C var_x   (then patch it; pass it in `carry`)
@@ -11,15 +11,17 @@
 # the checkout afterwards (ARLE_COMMIT names it). --serve C: `bench_gpu.py serve` at concurrency
 # C, or at each of "C1 C2" on one server (64 prompts, 512 in / 128 out) instead of decode, into
 # serve_TAG.json. --offline: `bench_gpu.py offline` on a random Qwen3-0.6B (256 requests, 3
-# runs) into offline_TAG.json.
+# runs) into offline_TAG.json. --startup: `bench_gpu.py startup` (start-up's phases and kernel
+# builds) into startup_TAG.json.
 # --cold: an empty Triton cache before each run (a server's first start, or a container's).
 set -u
 OUT=${OUT:-/tmp/out}; RES=/tmp/res; mkdir -p $RES $OUT
-phases="" serve="" offline="" cold=""
+phases="" serve="" offline="" cold="" startup=""
 while [ $# -gt 0 ]; do  # the options, in any order, before the trees
   case $1 in
     --serve) serve=$2; shift 2 ;;
     --offline) offline=1; shift ;;
+    --startup) startup=1; shift ;;
     --cold) cold=1; shift ;;
     --then) phases=$2; shift 2 ;;
     --*) echo "unknown option $1" >&2; exit 2 ;;
@@ -46,6 +48,8 @@ for spec in "$@"; do
   if [ -n "$serve" ]; then
     # shellcheck disable=SC2086  # --serve "8 32": one server, each concurrency in turn
     run serve "${spec%%:*}" "${spec#*:}" 150 --concurrency $serve --num-prompts 64
+  elif [ -n "$startup" ]; then
+    run startup "${spec%%:*}" "${spec#*:}" 150
   elif [ -n "$offline" ]; then
     run offline "${spec%%:*}" "${spec#*:}" 150
   else

@@ -129,7 +129,7 @@ def _engine(args: argparse.Namespace, tokenizer: Any) -> tuple[AsyncEngine, SimE
     # the serving defaults `arle serve` takes on a GPU
     cfg = EngineConfig(device="cuda", serving=True, max_batched_tokens=args.max_batched_tokens
                        ).for_device("cuda")
-    engine = AsyncEngine(cfg, tokenizer, ex, "sim", 1 << 20)  # type: ignore[arg-type]
+    engine = AsyncEngine(cfg, tokenizer, ex, "sim", 1 << 20)
     return engine, ex
 
 
