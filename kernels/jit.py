@@ -103,8 +103,17 @@ def compile_ahead(workers: int | None = None) -> Iterator[bool]:
         yield False
         return
     launch = JITFunction.run
+    seen: set[tuple[Any, ...]] = set()
 
     def build_only(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        # NOTE: Triton caches a variant only once it is built (on leaving), so each repeat of
+        # a launch (every layer's) would take its slow path again: repeats stop here, by a key
+        # at least as fine as Triton's (a launch it wrongly took for a repeat would only be
+        # built later, when it runs)
+        key = (self, *map(_launch_key, args), *((k, _launch_key(v)) for k, v in kwargs.items()))
+        if key in seen:
+            return None
+        seen.add(key)
         return launch(self, *args, grid=grid, warmup=True, **kwargs)
 
     workers = workers or min(32, len(os.sched_getaffinity(0)))
@@ -115,6 +124,21 @@ def compile_ahead(workers: int | None = None) -> Iterator[bool]:
             yield True
         finally:  # NOTE: before AsyncCompileMode's exit, which waits for the builds
             JITFunction.run = launch
+
+
+def _launch_key(arg: Any) -> Any:
+    """What of a launch argument may decide its Triton variant: a tensor's dtype and alignment,
+    a descriptor's layout, any other value itself (an unknown object: itself, by identity)."""
+    if hasattr(arg, "data_ptr"):  # a tensor
+        return (arg.dtype, arg.data_ptr() % 16)
+    if hasattr(arg, "block_shape") and hasattr(arg, "base"):  # a TMA tensor descriptor
+        return (_launch_key(arg.base), tuple(arg.shape), tuple(arg.strides),
+                tuple(arg.block_shape))
+    try:
+        hash(arg)
+    except TypeError:
+        return id(arg)
+    return (type(arg), arg)  # NOTE: True == 1, but Triton takes a bool and an int apart
 
 
 _pdl: bool | None = None

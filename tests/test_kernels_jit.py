@@ -56,10 +56,12 @@ def test_compile_ahead_under_the_interpreter() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
 def test_gpu_compile_ahead_builds_and_runs_nothing() -> None:
-    """Inside: the launch (with its split-K reduce) builds and writes nothing (`out` keeps its
-    NaNs). After: the same launch builds no variant and computes y."""
+    """Inside: the launches (with their split-K reduce) build and write nothing (`out` keeps
+    its NaNs); a repeat is built once, and x read from an unaligned view (another variant for
+    Triton) is built too. After: the same launches build nothing and compute y."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(2, 384, generator=gen, device="cuda").bfloat16()
+    x_odd = torch.randn(2, 385, generator=gen, device="cuda").bfloat16()[:, 1:]
     w = torch.randn(20, 384, generator=gen, device="cuda").bfloat16()
     out = torch.full((2, 20), float("nan"), device="cuda").bfloat16()
     built: list[str] = []
@@ -68,16 +70,19 @@ def test_gpu_compile_ahead_builds_and_runs_nothing() -> None:
         pytest.skip("this Triton has no jit_cache_hook to watch builds with")
     try:
         with compile_ahead() as on:
-            _odd_gemv(x, w, out)
+            for a in (x, x, x_odd):
+                _odd_gemv(a, w, out)
         if not on:
             pytest.skip("this Triton cannot compile asynchronously")
         torch.cuda.synchronize()
         assert out.isnan().all(), "nothing ran inside compile_ahead"
-        # the GEMV (its split-K reduce too, unless a test before built that variant)
-        assert any("_gemv_kernel" in b for b in built), built
+        # two GEMV variants (their split-K reduce too, unless a test before built it)
+        assert sum("_gemv_kernel" in b for b in built) == 2, built
         built.clear()
-        _odd_gemv(x, w, out)
+        for a in (x, x_odd):
+            _odd_gemv(a, w, out)
+            torch.testing.assert_close(out.float(), gemv_ref(a, w).float(), atol=2e-2,
+                                       rtol=2e-2)
     finally:
         stop()
     assert not built, f"built again after compile_ahead: {built}"
-    torch.testing.assert_close(out.float(), gemv_ref(x, w).float(), atol=2e-2, rtol=2e-2)

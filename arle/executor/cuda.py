@@ -410,7 +410,7 @@ class CUDAExecutor:
         t0 = time.perf_counter()
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for bs in reversed(graphs.sizes):
-                graphs.graphs[bs] = self._record(runs[bs], pool, warm_runs=2)
+                graphs.graphs[bs] = self._record(runs[bs], pool)
         self.stream.synchronize()
         graphs.capture_s = time.perf_counter() - t0
         log.info("cuda_graphs_captured", batch_sizes=graphs.sizes,
@@ -428,18 +428,17 @@ class CUDAExecutor:
         t0 = time.perf_counter()
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for t in reversed(graphs.sizes):
-                graphs.graphs[t] = self._record(runs[t], pool, warm_runs=1)
+                graphs.graphs[t] = self._record(runs[t], pool)
         self.stream.synchronize()
         graphs.capture_s = time.perf_counter() - t0
         log.info("extend_graphs_captured", tokens=graphs.sizes, rows=graphs.rows,
                  seconds=round(graphs.capture_s, 2))
 
-    def _record(self, run: Callable[[], None], pool: _PoolHandle, warm_runs: int
-                ) -> torch.cuda.CUDAGraph:
-        """run() eagerly warm_runs times (kernel variants and cuBLAS's choices are made outside
-        the capture), then captured as a graph in `pool`, on the executor's stream."""
-        for _ in range(warm_runs):
-            run()
+    def _record(self, run: Callable[[], None], pool: _PoolHandle) -> torch.cuda.CUDAGraph:
+        """run() once eagerly (buffers made on first use and cuBLAS's choices are made outside
+        the capture; the kernels were built ahead, `_build_ahead`), then captured as a graph in
+        `pool`, on the executor's stream."""
+        run()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=self.stream):
             run()
