@@ -393,7 +393,12 @@ def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
 
 
 def _tma_config(n: int, k: int, glu: bool) -> GemvConfig:
-    """`_mma_config` on Hopper: the TMA kernel's tile and split (see there)."""
+    """`_mma_config` on Hopper: the TMA kernel's tile and split (see there).
+
+    NOTE: at 8 rows on the H200 (docs/benchmarks/gpu-2026-11-30o.md) other splits of Qwen3-4B's
+    o_proj and down all lost: 3 (120 programs) +14 / +20 us a step; 5, 6 or 8 (at 3 stages)
+    gained down 5-9 us but cost the two norms 28-40 (three or four slots to sum); qkv in 4 at
+    3 stages saved 21 us and cost the rope 54."""
     tiles = triton.cdiv(n // 2 if glu else n, 64)
     split = 1
     while not glu and tiles * split < _NUM_SMS and triton.cdiv(k, 128) >= 16 * split:
