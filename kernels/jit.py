@@ -84,9 +84,10 @@ def compile_ahead(workers: int | None = None) -> Iterator[bool]:
     in its kernel's cache, so the same launches after it run at once. Yields whether it is on:
     a Triton with async compiles (3.5+), not the interpreter; elsewhere launches run as usual.
 
-    Why: from a cold cache, start-up builds ~100 variants, one after another, 0.1-1 s each.
+    Why: from a cold cache, start-up builds its variants one after another as each first runs
+    (Qwen3-4B with `arle serve`'s settings: 39, 0.1-1.4 s each, ~13 s on the H200's host).
     Most of a build (MLIR passes, LLVM, ptxas) runs without the GIL, so threads build them side
-    by side.
+    by side (the engine's start-up 14-24 -> 11-13 s, docs/benchmarks/gpu-2026-11-30o.md).
     NOTE: no kernel inside runs, so nothing it would write is written: pass through it only
     work whose results are thrown away, and nothing that reads a kernel's output on the host
     to decide what to launch next (decode and extend steps never do: they are captured in CUDA
@@ -116,7 +117,8 @@ def compile_ahead(workers: int | None = None) -> Iterator[bool]:
         seen.add(key)
         return launch(self, *args, grid=grid, warmup=True, **kwargs)
 
-    workers = workers or min(32, len(os.sched_getaffinity(0)))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = workers or min(32, cpus or 1)
     with (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="arle-compile")
           as pool, AsyncCompileMode(pool)):
         JITFunction.run = build_only

@@ -8,19 +8,18 @@ Writes NAME/ (kernels, scripts, arle) from HEAD, then edits `_tma_config` in ker
 that each named shape gets that split and stage count.
 """
 
+import importlib.util
 import pathlib
-import subprocess
 import sys
 
-ROOT = pathlib.Path("/work/main")
-
-
-def variant_tree(name: str) -> pathlib.Path:
-    """NAME/ under the checkout: kernels, scripts and arle as HEAD has them."""
-    dst = ROOT / name
-    subprocess.run(f"rm -rf {dst} && mkdir -p {dst} && git -C {ROOT} archive HEAD kernels "
-                   f"scripts arle | tar -x -C {dst}", shell=True, check=True)
-    return dst
+# the nineteenth session's script makes the tree (NAME/ under the checkout: kernels, scripts and
+# arle as HEAD has them)
+_spec = importlib.util.spec_from_file_location(
+    "mkvar_30l", pathlib.Path(__file__).resolve().parents[1] / "gpu-2026-11-30l" / "mkvar.py")
+assert _spec is not None and _spec.loader is not None
+_mkvar_30l = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_mkvar_30l)
+variant_tree = _mkvar_30l.variant_tree
 
 
 def make(name: str, specs: list[str]) -> None:
