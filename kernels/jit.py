@@ -120,12 +120,34 @@ def compile_ahead(workers: int | None = None) -> Iterator[bool]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = workers or min(32, cpus or 1)
     with (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="arle-compile")
-          as pool, AsyncCompileMode(pool)):
+          as pool, AsyncCompileMode(_BuildsWithLaunchers(pool))):
         JITFunction.run = build_only
         try:
             yield True
         finally:  # NOTE: before AsyncCompileMode's exit, which waits for the builds
             JITFunction.run = launch
+
+
+class _BuildsWithLaunchers:
+    """`compile_ahead`'s executor: each build on the pool also makes its kernel's launcher.
+    Triton (3.6) compiles a small C module (gcc) per kernel signature at the kernel's first
+    launch, on the launching thread, one after another; made here, side by side, that first
+    launch finds it in Triton's disk cache."""
+
+    def __init__(self, pool: concurrent.futures.Executor) -> None:
+        self._pool = pool
+
+    def submit(self, build: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        def build_and_link() -> Any:
+            kernel = build()
+            from triton.runtime.driver import driver
+
+            make = getattr(driver.active, "launcher_cls", None)
+            if make is not None and hasattr(kernel, "src") and hasattr(kernel, "metadata"):
+                make(kernel.src, kernel.metadata)
+            return kernel
+
+        return self._pool.submit(build_and_link)
 
 
 def _launch_key(arg: Any) -> Any:
