@@ -87,7 +87,8 @@ def compile_ahead(workers: int | None = None) -> Iterator[bool]:
     Why: from a cold cache, start-up builds its variants one after another as each first runs
     (Qwen3-4B with `arle serve`'s settings: 39, 0.1-1.4 s each, ~13 s on the H200's host).
     Most of a build (MLIR passes, LLVM, ptxas) runs without the GIL, so threads build them side
-    by side (the engine's start-up 14-24 -> 11-13 s, docs/benchmarks/gpu-2026-11-30o.md).
+    by side, each with its launcher (the engine's start-up 14-24 -> 9 s,
+    docs/benchmarks/gpu-2026-11-30o.md).
     NOTE: no kernel inside runs, so nothing it would write is written: pass through it only
     work whose results are thrown away, and nothing that reads a kernel's output on the host
     to decide what to launch next (decode and extend steps never do: they are captured in CUDA
