@@ -4,9 +4,10 @@ At 3-32 rows the GEMV splits K over programs to give every SM work (o_proj and d
 qkv in two), and the partial sums must be added before anyone reads y. A separate reduce kernel
 costs a launch and ~1.5 us of a decode step's critical path per linear layer. Instead, with
 `gemv_split_sums` (kernels/gemv.py) the programs of splits 2s and 2s + 1 (of an odd count, the
-last split alone) add their fp32 tiles into slot s of a buffer that holds zeros, and the kernel that reads y next (`add_rms_norm`,
-`qk_norm_rope_store_kv`, kernels/fused.py) sums the slots itself, in slot order, rounds the
-sum to the model dtype as the reduce would, and writes the zeros back.
+last split alone) add their fp32 tiles into slot s of a buffer that holds zeros, and the kernel
+that reads y next (`add_rms_norm`, `qk_norm_rope_store_kv`, kernels/fused.py) sums the slots
+itself, in slot order, rounds the sum to the model dtype as the reduce would, and writes the
+zeros back.
 
 - Deterministic: a slot takes at most two adds onto zero, and 0 + a + b == 0 + b + a in fp32,
   whichever program arrives first. Slots are summed in a fixed order.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Decode A/B on the device: each TREE:TAG runs `bench_gpu.py decode` on a random Qwen3-4B, in
 # turn, within one call (the way docs/benchmarks compares a change against its base).
-#   bash scripts/gpu_ab.sh [--serve C | --offline | --startup] [--cold] [--then "PHASE..."] TREE:TAG...
+#   bash scripts/gpu_ab.sh [--serve C | --offline | --startup] [--cold] [--then "PHASE..."] \
+#     TREE:TAG...
 # (the options in any order, before the trees)
 # TREE is a folder with kernels/ scripts/ arle/: "." for the checkout, else e.g.
 #   git archive REV kernels scripts arle | tar -x -C var_x   (then patch it; pass it in `carry`)
