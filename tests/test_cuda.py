@@ -7,7 +7,9 @@ Skipped without a CUDA GPU (CI has none): these run on the lent H200 through `de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -289,3 +291,49 @@ async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any,
         stop()
     assert not built, f"{len(built)} variants built after warm-up: {built[:3]}"
     engine.cache.check()
+
+
+# NOTE: KV head counts no other test uses (3 and 5), so the attention variants (the cache's
+# strides are constexprs) are this test's own, whatever ran before it in this process
+@pytest.mark.parametrize("kv_heads", [3, 5], ids=["graphs", "eager"])
+async def test_start_up_builds_its_variants_ahead(tmp_path: Path, make_engine: Any,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  kv_heads: int) -> None:
+    """The executor's one build pass (`_build_ahead`: the model cut to two layers, against the
+    profile's scratch cache, before the KV pool is sized) takes every Triton variant that
+    start-up's real passes then run: the profile step, each graph's warm-up and capture (or,
+    without graphs, the eager variants) and the greedy pick. A miss would be built later, on
+    the launching thread, one after another."""
+    import arle.executor.cuda as cuda_executor
+    from arle_kernels.jit import watch_compiles
+
+    write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", **{
+        **GPU_SHAPE, "head_dim": 64, "num_attention_heads": 2 * kv_heads,
+        "num_key_value_heads": kv_heads}), seed=5)
+    loaded = load_model(tmp_path, "bfloat16", "cuda")
+    inside = False
+    build_ahead = cuda_executor.compile_ahead
+
+    @contextlib.contextmanager
+    def tracked(workers: int | None = None) -> Iterator[bool]:
+        nonlocal inside
+        with build_ahead(workers) as on:
+            inside = True
+            try:
+                yield on
+            finally:
+                inside = False
+
+    monkeypatch.setattr(cuda_executor, "compile_ahead", tracked)
+    ahead: list[str] = []
+    late: list[str] = []
+    stop = watch_compiles(lambda kernel: (ahead if inside else late).append(kernel))
+    if stop is None:
+        pytest.skip("this Triton has no jit_cache_hook to watch builds with")
+    try:
+        make_engine(loaded, max_running_requests=16, kv_cache_tokens=8192,
+                    cuda_graph=kv_heads == 3, serving=True)
+    finally:
+        stop()
+    assert any("_decode_split_kernel" in k for k in ahead), ahead
+    assert not late, f"{len(late)} variants built after the build pass: {late[:3]}"

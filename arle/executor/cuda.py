@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from torch import nn
 
 from arle.engine.request import SamplingParams
 from arle.errors import ArleError
@@ -75,6 +77,19 @@ _PoolHandle = Any
 
 #: The profile run samples with the most memory-hungry path (a sort over the vocabulary).
 _PROFILE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
+
+
+@contextlib.contextmanager
+def _two_layers(model: DecoderLM) -> Iterator[None]:
+    """Inside, `model` runs its first two layers only. NOTE: enough for a pass that builds
+    kernel variants: layer 0 (no residual yet) and layer 1 launch every variant the others do
+    (one set of shapes, dtypes and alignments)."""
+    layers = model.layers
+    model.layers = nn.ModuleList(list(layers)[:2])
+    try:
+        yield
+    finally:
+        model.layers = layers
 
 
 @dataclass(frozen=True)
@@ -245,11 +260,32 @@ class CUDAExecutor:
         # NOTE: the weights, the rotary table and the token buffer were written on the default
         # stream; everything after runs on ours.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.graphs: DecodeGraphs | None = None
+        self.extend_graphs: ExtendGraphs | None = None
         with torch.cuda.stream(self.stream):
             weights = torch.cuda.memory_allocated(self.device)
             t0 = time.perf_counter()
-            peak, compile_s = self._profile()
-            profile_s = time.perf_counter() - t0
+            # NOTE: until the pool is sized (after the profile), the profile's scratch cache
+            # stands in for it: the builds below depend on its layout, not on its page count
+            self.kv = self._scratch_cache()
+            profile = self._profile_step()
+            buffers = torch.cuda.memory_allocated(self.device)
+            self._make_graph_buffers()
+            buffers = torch.cuda.memory_allocated(self.device) - buffers
+            decode_runs: dict[int, Callable[[], None]] = {}
+            extend_runs: dict[int, Callable[[], None]] = {}
+            if self.graphs is not None:
+                decode_runs = self._decode_runs(self.graphs)
+            if self.extend_graphs is not None:
+                extend_runs = self._extend_runs(self.extend_graphs)
+            eager = () if self.graphs is not None else (self._build_eager_variants,)
+            compile_s = self._build_ahead(profile, *decode_runs.values(), *extend_runs.values(),
+                                          *eager, self._build_sampler_variants)
+            # NOTE: the graphs' static buffers are not the profile step's: the reserve has them
+            peak = self._peak_memory(profile) - buffers
+            del self.kv, profile
+            torch.cuda.empty_cache()
+            profile_s = time.perf_counter() - t0 - compile_s
             total = torch.cuda.get_device_properties(self.device).total_memory
             per_token = cfg.kv_bytes_per_token(torch.finfo(config.kv_dtype).bits // 8,
                                                4 if config.kv_dtype == FP8_KV else 0)
@@ -276,27 +312,12 @@ class CUDAExecutor:
         log.info(f"KV pool: {num_pages * config.page_size} tokens, {num_pages} pages @ "
                  f"{config.page_size}, {self.kv.nbytes / 1e9:.2f} GB, format {fmt}")
 
-        self.graphs: DecodeGraphs | None = None
-        self.extend_graphs: ExtendGraphs | None = None
-        if config.cuda_graph_max_bs > 0:
-            self.graphs = DecodeGraphs(min(config.cuda_graph_max_bs, config.num_slots),
-                                       self.max_pages, self.device)
-            if config.extend_graph_max_tokens > 0:
-                self.extend_graphs = ExtendGraphs(
-                    min(config.extend_graph_max_tokens, config.max_batched_tokens),
-                    min(EXTEND_GRAPH_ROWS, config.num_slots), self._block_t(), self.max_pages,
-                    cfg.vocab_size, self.pad_slot, self.device)
-            decode_runs = self._decode_runs(self.graphs)
-            extend_runs = self._extend_runs(self.extend_graphs) if self.extend_graphs else {}
-            compile_s += self._build_ahead(*decode_runs.values(), *extend_runs.values(),
-                                           self._build_sampler_variants)
+        if self.graphs is not None:
             pool = torch.cuda.graph_pool_handle()
             self._capture(self.graphs, decode_runs, pool)
             if self.extend_graphs is not None:
                 self._capture_extend(self.extend_graphs, extend_runs, pool)
         else:
-            compile_s += self._build_ahead(self._build_eager_variants,
-                                           self._build_sampler_variants)
             self._build_eager_variants()
         self._build_sampler_variants()
         log.info("kernels_built_ahead", seconds=round(compile_s, 2))
@@ -325,45 +346,64 @@ class CUDAExecutor:
         """Run the start-up passes with their launches turned into compiles (`compile_ahead`):
         the Triton kernel variants they take are built side by side, on every core, before the
         passes run for real (from a cold cache they are most of the time to ready). Seconds.
+        The model runs cut to two layers (`_two_layers`): the pass is host work that the builds
+        share the interpreter with, and the other layers would only repeat it.
         NOTE: nothing is computed, so a pass here must be one that runs again after."""
         t0 = time.perf_counter()
-        with torch.inference_mode(), torch.cuda.stream(self.stream), compile_ahead() as on:
+        with (torch.inference_mode(), torch.cuda.stream(self.stream), compile_ahead() as on,
+              _two_layers(self.model)):
             for run in passes if on else ():
                 run()
         return time.perf_counter() - t0
 
-    def _profile(self) -> tuple[int, float]:
-        """Run the largest step once (a full prefill chunk, every slot sampling) against a
-        scratch cache; return the peak memory it needed, weights included (and the seconds its
-        kernels took to build ahead, `_build_ahead`)."""
+    def _scratch_cache(self) -> KVCache:
+        """A KV cache for the profile step: one full prefill chunk."""
+        cfg = self.model.config
+        pages = -(-self.config.max_batched_tokens // self.page_size) + 1
+        return KVCache.allocate(cfg.num_layers, pages, self.page_size, cfg.num_kv_heads,
+                                cfg.head_dim, self.config.kv_dtype, self.device)
+
+    def _profile_step(self) -> Callable[[], None]:
+        """The largest step (a full prefill chunk, every slot sampling) on `self.kv`: what the
+        memory plan measures (`_peak_memory`)."""
         cfg = self.model.config
         n = self.config.max_batched_tokens
-        pages = -(-n // self.page_size) + 1
-        scratch = KVCache.allocate(cfg.num_layers, pages, self.page_size, cfg.num_kv_heads,
-                                   cfg.head_dim, self.config.kv_dtype, self.device)
         ids = torch.randint(0, cfg.vocab_size, (n,), dtype=torch.int32, device=self.device)
         pos = torch.arange(n, dtype=torch.int32, device=self.device)
-        table = torch.arange(pages, dtype=torch.int32, device=self.device)[None]
+        table = torch.arange(-(-n // self.page_size) + 1, dtype=torch.int32,
+                             device=self.device)[None]
         step = DeviceStep(ids, pos, pos, torch.tensor([n], dtype=torch.int32, device=self.device),
                           torch.tensor([0, n], dtype=torch.int32, device=self.device), table,
                           num_decode=0, max_q_len=n, num_splits=1)
         rows = min(self.num_slots, n)
         batch = SamplingBatch.build([_PROFILE_PARAMS] * rows, [0] * rows, self.device)
 
-        def run(cache: KVCache = scratch) -> None:
+        def run() -> None:
             with torch.inference_mode():
-                hidden = self.model(ids, PagedAttention(cache, step, self.rotary, self.model))
+                hidden = self.model(ids, PagedAttention(self.kv, step, self.rotary, self.model))
                 sample(self.model.logits(hidden[:rows]), batch, generator=self.generator)
+        return run
 
-        compile_s = self._build_ahead(run)
+    def _peak_memory(self, run: Callable[[], None]) -> int:
+        """The peak of allocated memory while run() runs (what is allocated now included)."""
         torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)  # NOTE: the inputs above count
+        torch.cuda.reset_peak_memory_stats(self.device)
         run()
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del run, scratch
-        torch.cuda.empty_cache()
-        return peak, compile_s
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _make_graph_buffers(self) -> None:
+        """The decode and extend graphs' static buffers, as the config asks (none: eager)."""
+        config = self.config
+        if config.cuda_graph_max_bs <= 0:
+            return
+        self.graphs = DecodeGraphs(min(config.cuda_graph_max_bs, config.num_slots),
+                                   self.max_pages, self.device)
+        if config.extend_graph_max_tokens > 0:
+            self.extend_graphs = ExtendGraphs(
+                min(config.extend_graph_max_tokens, config.max_batched_tokens),
+                min(EXTEND_GRAPH_ROWS, config.num_slots), self._block_t(), self.max_pages,
+                self.model.config.vocab_size, self.pad_slot, self.device)
 
     def _graph_reserve(self, activations: int) -> int:
         """Memory the graphs keep: the decode graphs' logits and a margin for their activations;
