@@ -25,7 +25,6 @@ import concurrent.futures
 import contextlib
 import inspect
 import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -121,26 +120,13 @@ def compile_ahead(workers: int | None = None) -> Iterator[bool]:
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = workers or min(32, cpus or 1)
-    # NOTE: a build takes the GIL back many times (between its passes, in its Python front
-    # end); at Python's default 5 ms switch interval each time may wait that long for a thread
-    # running Python. 21 builds of decode kernels in a row, a busy thread beside them: 2.7 s
-    # alone, 17.3 s at 5 ms, 3.6 s at 0.1 ms (a 2-core CPU)
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(_BUILD_SWITCH_INTERVAL_S)
-    try:
-        with (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="arle-compile")
-              as pool, AsyncCompileMode(_BuildsWithLaunchers(pool))):
-            JITFunction.run = build_only
-            try:
-                yield True
-            finally:  # NOTE: before AsyncCompileMode's exit, which waits for the builds
-                JITFunction.run = launch
-    finally:
-        sys.setswitchinterval(switch)
-
-
-#: the interpreter's switch interval while `compile_ahead` builds
-_BUILD_SWITCH_INTERVAL_S = 1e-4
+    with (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="arle-compile")
+          as pool, AsyncCompileMode(_BuildsWithLaunchers(pool))):
+        JITFunction.run = build_only
+        try:
+            yield True
+        finally:  # NOTE: before AsyncCompileMode's exit, which waits for the builds
+            JITFunction.run = launch
 
 
 class _BuildsWithLaunchers:
