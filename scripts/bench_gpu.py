@@ -7,6 +7,7 @@
     python scripts/bench_gpu.py serve MODEL_DIR --out s.json --serve-args="[arle serve flags]"
     python scripts/bench_gpu.py timeline MODEL_DIR --out t.json --num-requests 64  # c = 8, steps
     python scripts/bench_gpu.py startup MODEL_DIR --out s.json    # start-up's phases and builds
+    python scripts/bench_gpu.py extend MODEL_DIR --out e.json     # each extend graph's replay
 
 Floors come from ceilings measured in the same run (`ceilings`), never from datasheets: decode
 floor = weight bytes / read bandwidth; prefill floor = FLOPs / bf16 GEMM rate.
@@ -251,6 +252,33 @@ async def _prefill(args: argparse.Namespace) -> dict[str, Any]:
 
 def prefill(args: argparse.Namespace) -> None:
     _write(args.out, asyncio.run(_prefill(args)))
+
+
+async def _extend(args: argparse.Namespace) -> dict[str, Any]:
+    """The device time of each extend graph (a prefill or mixed step padded up to the graph's
+    token count): a replay of each, on the padding start-up left in it (its GEMMs, norms and
+    lm_head run in full; attention has no rows). What a step pays for the tokens it is padded
+    by decides the ladder (`arle.executor.cuda.EXTEND_GRAPH_TOKENS`; `--extend-tokens` sets
+    another for this run)."""
+    import arle.executor.cuda as cuda_executor
+
+    if args.extend_tokens:
+        cuda_executor.EXTEND_GRAPH_TOKENS = tuple(int(t) for t in args.extend_tokens.split(","))
+    engine = await _engine(args, serving=True)
+    ex = engine.executor
+    graphs = ex.extend_graphs  # type: ignore[attr-defined]
+    replay_ms: dict[str, float] = {}
+    with torch.cuda.stream(ex.stream):  # type: ignore[attr-defined]
+        for t in graphs.sizes:
+            replay_ms[str(t)] = _median_ms(graphs.graphs[t].replay)
+    out = {"phase": "extend", "model": args.model, "tokens": graphs.sizes, "replay_ms": replay_ms,
+           "startup": engine.model_info.get("extend_graphs")}
+    await engine.close()
+    return out
+
+
+def extend(args: argparse.Namespace) -> None:
+    _write(args.out, asyncio.run(_extend(args)))
 
 
 async def _offline(args: argparse.Namespace) -> dict[str, Any]:
@@ -626,7 +654,8 @@ def main() -> None:
     c.add_argument("--out", required=True)
     c.set_defaults(fn=launch)
     for name, fn in (("decode", decode), ("prefill", prefill), ("offline", offline),
-                     ("host", host), ("timeline", timeline), ("startup", startup)):
+                     ("host", host), ("timeline", timeline), ("startup", startup),
+                     ("extend", extend)):
         s = sub.add_parser(name)
         s.add_argument("model")
         s.add_argument("--out", required=True)
@@ -646,6 +675,7 @@ def main() -> None:
         s.add_argument("--disable-overlap", action="store_true")
         s.add_argument("--disable-cuda-graph", action="store_true")
         s.add_argument("--kv-cache-dtype", default="auto")
+        s.add_argument("--extend-tokens", help="extend: the graphs' token counts (1,2,...)")
         s.add_argument("--max-batched-tokens", type=int, default=None,
                        help="the engine's step token budget (default: the engine's; "
                             "prefill sets its own, one step for the whole prompt)")

@@ -168,7 +168,7 @@ class DecodeGraphs:
 
 
 #: Token counts of the extend graphs (the ladder, up to extend_graph_max_tokens).
-EXTEND_GRAPH_TOKENS = (32, 64, 128, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+EXTEND_GRAPH_TOKENS: tuple[int, ...] = (32, 64, 128, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
 #: Rows an extend graph takes (steps with more run eagerly): the decode rows of 63 requests
 #: beside a prefill.
 EXTEND_GRAPH_ROWS = 64
