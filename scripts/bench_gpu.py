@@ -150,7 +150,12 @@ async def _engine(args: argparse.Namespace, **kw: Any) -> AsyncEngine:
     """The engine of `_engine_config(args, **kw)`, with what its start-up left frozen for the
     cyclic GC as `arle serve` does (`--no-gc-freeze`: not). Unfrozen, a full pass over those
     ~200k objects held the loop ~100 ms in the middle of a run (a Qwen3-4B timeline at
-    concurrency 64: 8% of its throughput; docs/benchmarks/gpu-2026-11-30j.md)."""
+    concurrency 64: 8% of its throughput; docs/benchmarks/gpu-2026-11-30j.md).
+    `--extend-tokens`: the extend graphs' ladder for this run."""
+    if getattr(args, "extend_tokens", None):
+        import arle.executor.cuda as cuda_executor
+
+        cuda_executor.EXTEND_GRAPH_TOKENS = tuple(int(t) for t in args.extend_tokens.split(","))
     engine = await AsyncEngine.create(_engine_config(args, **kw))
     if not args.no_gc_freeze:
         freeze_start_up()
@@ -260,10 +265,6 @@ async def _extend(args: argparse.Namespace) -> dict[str, Any]:
     lm_head run in full; attention has no rows). What a step pays for the tokens it is padded
     by decides the ladder (`arle.executor.cuda.EXTEND_GRAPH_TOKENS`; `--extend-tokens` sets
     another for this run)."""
-    import arle.executor.cuda as cuda_executor
-
-    if args.extend_tokens:
-        cuda_executor.EXTEND_GRAPH_TOKENS = tuple(int(t) for t in args.extend_tokens.split(","))
     engine = await _engine(args, serving=True)
     ex = engine.executor
     graphs = ex.extend_graphs  # type: ignore[attr-defined]
@@ -675,7 +676,7 @@ def main() -> None:
         s.add_argument("--disable-overlap", action="store_true")
         s.add_argument("--disable-cuda-graph", action="store_true")
         s.add_argument("--kv-cache-dtype", default="auto")
-        s.add_argument("--extend-tokens", help="extend: the graphs' token counts (1,2,...)")
+        s.add_argument("--extend-tokens", help="the extend graphs' token counts (T1,T2,...)")
         s.add_argument("--max-batched-tokens", type=int, default=None,
                        help="the engine's step token budget (default: the engine's; "
                             "prefill sets its own, one step for the whole prompt)")
