@@ -168,7 +168,8 @@ class DecodeGraphs:
 
 
 #: Token counts of the extend graphs (the ladder, up to extend_graph_max_tokens).
-EXTEND_GRAPH_TOKENS: tuple[int, ...] = (32, 64, 128, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
+EXTEND_GRAPH_TOKENS: tuple[int, ...] = (32, 64, 128, 256, 384, 512, 640, 768, 1024, 1280, 1536,
+                                        2048)
 #: Rows an extend graph takes (steps with more run eagerly): the decode rows of 63 requests
 #: beside a prefill.
 EXTEND_GRAPH_ROWS = 64
@@ -368,14 +369,14 @@ class CUDAExecutor:
                                 cfg.head_dim, self.config.kv_dtype, self.device)
 
     def _profile_step(self) -> Callable[[], None]:
-        """The largest step (a full prefill chunk, every slot sampling) on `self.kv`: what the
-        memory plan measures (`_peak_memory`)."""
+        """The largest step (a full prefill chunk, every slot sampling) on `self.kv` (the
+        scratch cache, every page in its page table): what the memory plan measures
+        (`_peak_memory`)."""
         cfg = self.model.config
         n = self.config.max_batched_tokens
         ids = torch.randint(0, cfg.vocab_size, (n,), dtype=torch.int32, device=self.device)
         pos = torch.arange(n, dtype=torch.int32, device=self.device)
-        table = torch.arange(-(-n // self.page_size) + 1, dtype=torch.int32,
-                             device=self.device)[None]
+        table = torch.arange(self.kv.k.shape[1], dtype=torch.int32, device=self.device)[None]
         step = DeviceStep(ids, pos, pos, torch.tensor([n], dtype=torch.int32, device=self.device),
                           torch.tensor([0, n], dtype=torch.int32, device=self.device), table,
                           num_decode=0, max_q_len=n, num_splits=1)
