@@ -237,6 +237,14 @@ class ExtendGraphs:
 
 
 class CUDAExecutor:
+    """The model on one NVIDIA GPU: one step in three threads (module docstring).
+
+    Start-up, in order: the profile step's scratch cache stands in for the KV pool while one
+    pass builds every Triton variant start-up will run (`_build_ahead`); the profile step runs
+    and its peak memory sizes the pool (`--mem-fraction-static`); the decode and extend graphs
+    are captured (without graphs, the eager variants run once); `startup_info` keeps what each
+    phase measured."""
+
     def __init__(self, model: DecoderLM, config: CUDAExecutorConfig) -> None:
         cfg = model.config
         self.model, self.config = model, config
