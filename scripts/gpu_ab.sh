@@ -30,6 +30,8 @@ while [ $# -gt 0 ]; do  # the options, in any order, before the trees
   esac
 done
 T0=$SECONDS
+export PYTHONPYCACHEPREFIX=/tmp/pycache  # bytecode kept between runs: see gpu_session.sh
+unset PYTHONDONTWRITEBYTECODE
 log() { echo "== $((SECONDS - T0)) s: $*" | tee -a $RES/ab_log.txt; }
 bash scripts/gpu_session.sh >/dev/null 2>&1  # installs the wheels into /tmp/site
 model=qwen3-4b; [ -n "$offline" ] && model=qwen3-0.6b

@@ -13,6 +13,11 @@ mkdir -p "$OUT" /tmp/models $RES
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD ARLE_COMMIT=${ARLE_COMMIT:-unknown}
+# NOTE: the device image sets PYTHONDONTWRITEBYTECODE=1: every process compiled its ~940
+# modules from source, 2.2-2.3 s of each start (docs/benchmarks/gpu-2026-11-30p.md). An
+# installed package keeps its bytecode (pip compiles it), so time to ready keeps it here too.
+export PYTHONPYCACHEPREFIX=/tmp/pycache
+unset PYTHONDONTWRITEBYTECODE
 # arle_kernels is the kernels/ folder (setuptools maps it at install time)
 ln -sfn "$PWD/kernels" /tmp/site/arle_kernels
 LOG="$OUT/log.txt"
