@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD ARLE_COMMIT=${ARLE_COMMIT:-unknown}
 # NOTE: the device image sets PYTHONDONTWRITEBYTECODE=1: every process compiled its ~940
-# modules from source, 2.2-2.3 s of each start (docs/benchmarks/gpu-2026-11-30p.md). An
+# modules from source, 2-3 s of each start (docs/benchmarks/gpu-2026-11-30p.md). An
 # installed package keeps its bytecode (pip compiles it), so time to ready keeps it here too.
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 unset PYTHONDONTWRITEBYTECODE
