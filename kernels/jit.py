@@ -2,8 +2,8 @@
 
 - `jit_varying`: @triton.jit for kernels some of whose arguments change from step to step.
 - `watch_compiles`: a callback for every kernel variant Triton builds (serving watches with it).
-- `compile_ahead`: launches turned into compiles on a thread pool (start-up builds its variants
-  side by side).
+- `compile_ahead`: launches turned into compiles in worker processes (start-up builds its
+  variants side by side).
 - `pdl_enabled` / `pdl_launch`: programmatic dependent launch (PDL, Hopper and later).
 
 PDL: a kernel launched with it may start while the kernel before it in the stream is still
@@ -23,8 +23,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
+import hashlib
+import importlib
 import inspect
+import multiprocessing
 import os
+import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -77,18 +83,34 @@ def watch_compiles(on_build: Callable[[str], None]) -> Callable[[], None] | None
     return stop
 
 
+@dataclasses.dataclass
+class BuildsAhead:
+    """What `compile_ahead` yields: whether it builds ahead (`on`), and once it has left, how
+    many variants it built and how many of them a worker process compiled."""
+
+    on: bool
+    variants: int = 0
+    in_processes: int = 0
+
+
 @contextlib.contextmanager
-def compile_ahead(workers: int | None = None) -> Iterator[bool]:
-    """Inside: every Triton launch builds its kernel variant on a pool of `workers` threads
-    (default: one per CPU, at most 32) and runs nothing. On leaving, every variant is built and
-    in its kernel's cache, so the same launches after it run at once. Yields whether it is on:
-    a Triton with async compiles (3.5+), not the interpreter; elsewhere launches run as usual.
+def compile_ahead(workers: int | None = None, processes: bool = True) -> Iterator[BuildsAhead]:
+    """Inside: every Triton launch builds its kernel variant on a pool of `workers` (default:
+    one per CPU, at most 32) and runs nothing. On leaving, every variant is built and in its
+    kernel's cache, so the same launches after it run at once. `on` in what it yields says
+    whether it builds ahead: a Triton with async compiles (3.5+), not the interpreter;
+    elsewhere launches run as usual.
 
     Why: from a cold cache, start-up builds its variants one after another as each first runs
     (Qwen3-4B with `arle serve`'s settings: 39, 0.1-1.4 s each, ~13 s on the H200's host).
-    Most of a build (MLIR passes, LLVM, ptxas) runs without the GIL, so threads build them side
-    by side, each with its launcher (the engine's start-up 14-24 -> 9 s,
-    docs/benchmarks/gpu-2026-11-30o.md).
+    Built side by side, the engine's start-up took 14-24 -> 9 s on threads
+    (docs/benchmarks/gpu-2026-11-30o.md). But a build takes the GIL back many times (Triton's
+    front end, between its MLIR passes), so threads wait on each other and on the pass that
+    submits them; with `processes` (Linux; ARLE_BUILD_PROCESSES=0 turns it off) each variant
+    missing from Triton's disk cache is compiled, with its launcher, by a worker process forked
+    at the first such build (`_Builds`), and a thread of this process then loads it from that
+    cache: the engine's cold start-up took 1.3-1.9 s less on the H200
+    (docs/benchmarks/gpu-2026-11-30q.md).
     NOTE: no kernel inside runs, so nothing it would write is written: pass through it only
     work whose results are thrown away, and nothing that reads a kernel's output on the host
     to decide what to launch next (decode and extend steps never do: they are captured in CUDA
@@ -101,8 +123,9 @@ def compile_ahead(workers: int | None = None) -> Iterator[bool]:
         available = False
     else:
         available = os.environ.get("TRITON_INTERPRET") != "1"
+    stats = BuildsAhead(on=available)
     if not available:
-        yield False
+        yield stats
         return
     launch = JITFunction.run
     seen: set[tuple[Any, ...]] = set()
@@ -120,35 +143,143 @@ def compile_ahead(workers: int | None = None) -> Iterator[bool]:
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = workers or min(32, cpus or 1)
+    forks = (processes and "fork" in multiprocessing.get_all_start_methods()
+             and os.environ.get("ARLE_BUILD_PROCESSES", "1") != "0")
     with (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="arle-compile")
-          as pool, AsyncCompileMode(_BuildsWithLaunchers(pool))):
+          as threads, _Builds(threads, workers if forks else 0, stats) as builds,
+          AsyncCompileMode(builds)):
         JITFunction.run = build_only
         try:
-            yield True
+            yield stats
         finally:  # NOTE: before AsyncCompileMode's exit, which waits for the builds
             JITFunction.run = launch
 
 
-class _BuildsWithLaunchers:
-    """`compile_ahead`'s executor: each build on the pool also makes its kernel's launcher.
-    Triton (3.6) compiles a small C module (gcc) per kernel signature at the kernel's first
-    launch, on the launching thread, one after another; made here, side by side, that first
-    launch finds it in Triton's disk cache."""
+class _Builds:
+    """`compile_ahead`'s executor (Triton's `AsyncCompileMode` hands it each build).
 
-    def __init__(self, pool: concurrent.futures.Executor) -> None:
-        self._pool = pool
+    A build is run on a thread, and makes its kernel's launcher there too: Triton (3.6)
+    compiles a small C module (gcc) per kernel signature at the kernel's first launch, on the
+    launching thread, one after another; made here, side by side, that first launch finds it
+    in Triton's disk cache. With `processes` > 0, a worker process (forked at the first build,
+    so it has every kernel module this one has) first compiles the variant and its launcher
+    into that cache from the build's inputs (`_compile_inputs`), and the thread's build is then
+    a load from the cache. A build whose inputs cannot be sent, or whose worker failed, is
+    compiled on the thread as before (a compile error then surfaces from there).
+    NOTE: the workers never touch the GPU (a forked child of a CUDA process must not): Triton
+    compiles for the target it is given. Python warns that fork() in a process with threads
+    may deadlock a child that needs a lock another thread held; a worker takes none of this
+    process's locks but the interpreter's own, which fork() resets. They are forked only on a
+    cache miss (a warm start forks nothing), and ARLE_BUILD_PROCESSES=0 keeps builds on
+    threads."""
+
+    def __init__(self, threads: concurrent.futures.Executor, processes: int,
+                 stats: BuildsAhead) -> None:
+        self._threads = threads
+        self._processes = processes
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._stats = stats
+        self._remote_done: list[bool] = []  # one per build sent to a worker: did it compile?
+
+    def __enter__(self) -> _Builds:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._stats.in_processes = sum(self._remote_done)
+
+    def _workers(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                self._processes, mp_context=multiprocessing.get_context("fork"))
+        return self._pool
 
     def submit(self, build: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        def build_and_link() -> Any:
-            kernel = build()
-            from triton.runtime.driver import driver
+        self._stats.variants += 1
+        inputs = _compile_inputs(build) if self._processes else None
+        remote = None
+        if inputs is not None:
+            try:
+                with warnings.catch_warnings():  # the first submit forks: see the NOTE
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    remote = self._workers().submit(_compile_elsewhere, *inputs)
+            except (OSError, RuntimeError):  # no fork here, or a worker died: threads only
+                self._processes = 0
 
-            make = getattr(driver.active, "launcher_cls", None)
-            if make is not None and hasattr(kernel, "src") and hasattr(kernel, "metadata"):
-                make(kernel.src, kernel.metadata)
+        def build_here() -> Any:
+            if remote is not None:
+                try:
+                    remote.result()
+                except Exception:  # compiled here instead (see the class)
+                    self._remote_done.append(False)
+                else:
+                    self._remote_done.append(True)
+            kernel = build()
+            _make_launcher(kernel)
             return kernel
 
-        return self._pool.submit(build_and_link)
+        return self._threads.submit(build_here)
+
+
+def _compile_inputs(build: Callable[[], Any]) -> tuple[Any, ...] | None:
+    """What a worker process needs to compile what `build` (Triton's closure over the source,
+    target, options and environment, 3.5-3.9) compiles: the kernel by module and name (it must
+    be that module's global) and the rest as plain data. None where it is not found as such,
+    or where Triton's disk cache holds the variant already (a warm start: nothing to send)."""
+    try:
+        cells = dict(zip(build.__code__.co_freevars,
+                         (c.cell_contents for c in build.__closure__ or ()), strict=True))
+        src, target, options = cells["src"], cells["target"], cells["options"]
+        env_vars = cells.get("env_vars")
+        fn = src.fn.fn  # the source's JITFunction's Python function
+        if getattr(sys.modules.get(fn.__module__), fn.__name__, None) is not src.fn:
+            return None
+        if _in_disk_cache(src, target, options, env_vars):
+            return None
+        return (fn.__module__, fn.__name__, src.signature, src.constants, src.attrs, target,
+                dict(options.__dict__), env_vars)
+    except (AttributeError, KeyError, ValueError):  # another Triton's closure
+        return None
+
+
+def _in_disk_cache(src: Any, target: Any, options: Any, env_vars: Any) -> bool:
+    """Whether Triton's disk cache holds this variant: the lookup `triton.compile` starts with
+    (3.5-3.9). False where that cannot be told (the variant then goes to a worker, which finds
+    it there)."""
+    try:
+        from triton.compiler.compiler import get_cache_invalidating_env_vars, make_backend
+        from triton.runtime.cache import get_cache_key, get_cache_manager
+
+        backend = make_backend(target)
+        parsed = backend.parse_options(dict(options.__dict__, **src.parse_options()))
+        key = get_cache_key(src, backend, parsed, env_vars=env_vars if env_vars is not None
+                            else get_cache_invalidating_env_vars())
+        name = f"{src.name[:150]}.json"
+        group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(name)
+    except Exception:  # another Triton's internals
+        return False
+    return bool(group) and name in group
+
+
+def _compile_elsewhere(module: str, name: str, signature: Any, constexprs: Any, attrs: Any,
+                       target: Any, options: dict[str, Any], env_vars: Any) -> None:
+    """In a worker process: compile one variant, and its launcher, into Triton's disk cache."""
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(module), name)
+    _make_launcher(triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                  options=options, _env_vars=env_vars))
+
+
+def _make_launcher(kernel: Any) -> None:
+    """Make (or load from Triton's disk cache) a built variant's launcher, as its first launch
+    would (Triton 3.6: a C module compiled with gcc per kernel signature)."""
+    from triton.runtime.driver import driver
+
+    make = getattr(driver.active, "launcher_cls", None)
+    if make is not None and hasattr(kernel, "src") and hasattr(kernel, "metadata"):
+        make(kernel.src, kernel.metadata)
 
 
 def _launch_key(arg: Any) -> Any:
@@ -218,5 +349,5 @@ def pdl_launch(pdl: bool) -> dict[str, Any]:
     return _PDL_ON if pdl else _PDL_OFF
 
 
-__all__ = ["compile_ahead", "gdc_launch_dependents", "gdc_wait", "hopper_gpu", "jit_varying",
+__all__ = ["BuildsAhead", "compile_ahead", "gdc_launch_dependents", "gdc_wait", "hopper_gpu", "jit_varying",
            "pdl_enabled", "pdl_launch", "set_pdl", "watch_compiles"]

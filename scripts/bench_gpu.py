@@ -638,7 +638,7 @@ def startup(args: argparse.Namespace) -> None:
     _write(args.out, {"phase": "startup", "model": args.model, "ok": report["ok"],
                       "total_s": round(total, 2), "phases": report["phases"],
                       "startup": {k: model.get(k) for k in ("load_ms", "memory_plan",
-                                                            "kernels_built_ahead_s",
+                                                            "kernels_built_ahead",
                                                             "cuda_graphs", "extend_graphs")},
                       "builds": len(builds), "build_log": builds})
     print(f"start-up {total:.1f} s, {len(builds)} kernel builds; phases "

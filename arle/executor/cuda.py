@@ -29,7 +29,7 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -74,6 +74,7 @@ log = get_logger("arle.executor.cuda")
 
 #: What torch.cuda.graph_pool_handle() returns (graphs captured with one share memory)
 _PoolHandle = Any
+_T = TypeVar("_T")
 
 #: The profile run samples with the most memory-hungry path (a sort over the vocabulary).
 _PROFILE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
@@ -281,24 +282,20 @@ class CUDAExecutor:
             buffers = torch.cuda.memory_allocated(self.device)
             self._make_graph_buffers()
             buffers = torch.cuda.memory_allocated(self.device) - buffers
-            decode_runs: dict[int, Callable[[], None]] = {}
+            decode_runs: dict[int, Callable[[], torch.Tensor]] = {}
             extend_runs: dict[int, Callable[[], None]] = {}
             if self.graphs is not None:
                 decode_runs = self._decode_runs(self.graphs)
             if self.extend_graphs is not None:
                 extend_runs = self._extend_runs(self.extend_graphs)
             eager = () if self.graphs is not None else (self._build_eager_variants,)
-            compile_s = self._build_ahead(profile, *decode_runs.values(), *extend_runs.values(),
-                                          *eager, self._build_sampler_variants)
-            if self.graphs is not None:
-                # NOTE: the logits the pass left (0.44 GB over Qwen3-4B's ladder) would count in
-                # the profile's peak and shrink the KV pool
-                self.graphs.logits.clear()
+            built = self._build_ahead(profile, *decode_runs.values(), *extend_runs.values(),
+                                      *eager, self._build_sampler_variants)
             # NOTE: the graphs' static buffers are not the profile step's: the reserve has them
             peak = self._peak_memory(profile) - buffers
             del self.kv, profile
             torch.cuda.empty_cache()
-            profile_s = time.perf_counter() - t0 - compile_s
+            profile_s = time.perf_counter() - t0 - built["seconds"]
             total = torch.cuda.get_device_properties(self.device).total_memory
             per_token = cfg.kv_bytes_per_token(torch.finfo(config.kv_dtype).bits // 8,
                                                4 if config.kv_dtype == FP8_KV else 0)
@@ -333,7 +330,6 @@ class CUDAExecutor:
         else:
             self._build_eager_variants()
         self._build_sampler_variants()
-        log.info("kernels_built_ahead", seconds=round(compile_s, 2))
         #: What start-up measured, for `arle warmup` and the model info.
         self.startup_info = {
             "memory_plan": {"total_bytes": total, "weights_bytes": weights,
@@ -342,7 +338,7 @@ class CUDAExecutor:
                             "kv_pool_bytes": self.kv.nbytes, "kv_format": fmt,
                             "mem_fraction_static": config.mem_fraction_static,
                             "profile_s": round(profile_s, 3)},
-            "kernels_built_ahead_s": round(compile_s, 3),
+            "kernels_built_ahead": built,
             "cuda_graphs": ({"batch_sizes": self.graphs.sizes,
                              "capture_s": round(self.graphs.capture_s, 3)}
                             if self.graphs is not None else None),
@@ -355,19 +351,23 @@ class CUDAExecutor:
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arle-wait")
 
     # ---- start-up ------------------------------------------------------------------------
-    def _build_ahead(self, *passes: Callable[[], object]) -> float:
+    def _build_ahead(self, *passes: Callable[[], object]) -> dict[str, float]:
         """Run the start-up passes with their launches turned into compiles (`compile_ahead`):
         the Triton kernel variants they take are built side by side, on every core, before the
-        passes run for real (from a cold cache they are most of the time to ready). Seconds.
+        passes run for real (from a cold cache they are most of the time to ready). Returns the
+        seconds, the variants built and how many of them worker processes compiled.
         The model runs cut to two layers (`_two_layers`): the pass is host work that the builds
         share the interpreter with, and the other layers would only repeat it.
         NOTE: nothing is computed, so a pass here must be one that runs again after."""
         t0 = time.perf_counter()
-        with (torch.inference_mode(), torch.cuda.stream(self.stream), compile_ahead() as on,
-              _two_layers(self.model)):
-            for run in passes if on else ():
+        with (torch.inference_mode(), torch.cuda.stream(self.stream),
+              compile_ahead() as builds, _two_layers(self.model)):
+            for run in passes if builds.on else ():
                 run()
-        return time.perf_counter() - t0
+        built = {"seconds": round(time.perf_counter() - t0, 3), "variants": builds.variants,
+                 "in_processes": builds.in_processes}
+        log.info("kernels_built_ahead", **built)
+        return built
 
     def _scratch_cache(self) -> KVCache:
         """A KV cache for the profile step: one full prefill chunk."""
@@ -439,31 +439,32 @@ class CUDAExecutor:
         return block_tokens(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads,
                             self.config.kv_dtype == FP8_KV)
 
-    def _decode_runs(self, graphs: DecodeGraphs) -> dict[int, Callable[[], None]]:
+    def _decode_runs(self, graphs: DecodeGraphs) -> dict[int, Callable[[], torch.Tensor]]:
         """One decode forward per batch size of the ladder, on the static buffers, which now
-        hold padding everywhere: slot, position 0, no K/V write, one token of context."""
+        hold padding everywhere: slot, position 0, no K/V write, one token of context. Each
+        returns its logits (the graph's output once captured: `_capture`)."""
         for row, value in enumerate((self.pad_slot, 0, -1, 1)):
             graphs.meta[row].fill_(value)
         cfg = self.model.config
-        runs: dict[int, Callable[[], None]] = {}
+        runs: dict[int, Callable[[], torch.Tensor]] = {}
         for bs in graphs.sizes:
             graphs.num_splits[bs] = pick_num_splits(bs, cfg.num_kv_heads,
                                                     self.config.max_model_len, self.num_sms)
 
-            def run(bs: int = bs) -> None:
-                graphs.logits[bs] = self._forward_decode(graphs.step(bs))
+            def run(bs: int = bs) -> torch.Tensor:
+                return self._forward_decode(graphs.step(bs))
 
             runs[bs] = run
         return runs
 
-    def _capture(self, graphs: DecodeGraphs, runs: dict[int, Callable[[], None]],
+    def _capture(self, graphs: DecodeGraphs, runs: dict[int, Callable[[], torch.Tensor]],
                  pool: _PoolHandle) -> None:
         """Capture one decode graph per batch size (`_decode_runs`), largest first (they share
         one pool)."""
         t0 = time.perf_counter()
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for bs in reversed(graphs.sizes):
-                graphs.graphs[bs] = self._record(runs[bs], pool)
+                graphs.graphs[bs], graphs.logits[bs] = self._record(runs[bs], pool)
         self.stream.synchronize()
         graphs.capture_s = time.perf_counter() - t0
         log.info("cuda_graphs_captured", batch_sizes=graphs.sizes,
@@ -481,21 +482,22 @@ class CUDAExecutor:
         t0 = time.perf_counter()
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for t in reversed(graphs.sizes):
-                graphs.graphs[t] = self._record(runs[t], pool)
+                graphs.graphs[t], _ = self._record(runs[t], pool)
         self.stream.synchronize()
         graphs.capture_s = time.perf_counter() - t0
         log.info("extend_graphs_captured", tokens=graphs.sizes, rows=graphs.rows,
                  seconds=round(graphs.capture_s, 2))
 
-    def _record(self, run: Callable[[], None], pool: _PoolHandle) -> torch.cuda.CUDAGraph:
+    def _record(self, run: Callable[[], _T], pool: _PoolHandle) -> tuple[torch.cuda.CUDAGraph, _T]:
         """run() once eagerly (buffers made on first use and cuBLAS's choices are made outside
         the capture; the kernels were built ahead, `_build_ahead`), then captured as a graph in
-        `pool`, on the executor's stream."""
+        `pool`, on the executor's stream. Returns the graph and what the captured run returned
+        (its output buffers, which each replay rewrites)."""
         run()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-            run()
-        return graph
+            out = run()
+        return graph, out
 
     def _forward_extend(self, graphs: ExtendGraphs, t: int) -> None:
         step, sample_index = graphs.step(t, self.token_buffer, self.pad_slot)
