@@ -42,7 +42,7 @@ for p in "$@"; do
              tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
              tests/test_kernels_gemv.py tests/test_split_sums.py tests/test_kernels_greedy.py \
-             tests/test_kernels_embed.py \
+             tests/test_kernels_embed.py tests/test_kernels_jit.py \
              >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"; tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;
     kbench) phase kbench 200 python3 -c "
 from arle_kernels.gemv import bench_gemv; bench_gemv()
