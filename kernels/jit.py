@@ -109,8 +109,8 @@ def compile_ahead(workers: int | None = None, processes: bool = True) -> Iterato
     submits them; with `processes` (Linux; ARLE_BUILD_PROCESSES=0 turns it off) each variant
     missing from Triton's disk cache is compiled, with its launcher, by a worker process forked
     at the first such build (`_Builds`), and a thread of this process then loads it from that
-    cache: the engine's cold start-up took 1.3-1.9 s less on the H200
-    (docs/benchmarks/gpu-2026-11-30q.md).
+    cache: the engine's cold start-up took 0.4-1.9 s less on the H200, the pass's submissions
+    spreading over 1.2-1.8 s instead of 2.6-4.6 (docs/benchmarks/gpu-2026-11-30q.md).
     NOTE: no kernel inside runs, so nothing it would write is written: pass through it only
     work whose results are thrown away, and nothing that reads a kernel's output on the host
     to decide what to launch next (decode and extend steps never do: they are captured in CUDA
