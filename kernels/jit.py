@@ -349,5 +349,5 @@ def pdl_launch(pdl: bool) -> dict[str, Any]:
     return _PDL_ON if pdl else _PDL_OFF
 
 
-__all__ = ["BuildsAhead", "compile_ahead", "gdc_launch_dependents", "gdc_wait", "hopper_gpu", "jit_varying",
-           "pdl_enabled", "pdl_launch", "set_pdl", "watch_compiles"]
+__all__ = ["BuildsAhead", "compile_ahead", "gdc_launch_dependents", "gdc_wait", "hopper_gpu",
+           "jit_varying", "pdl_enabled", "pdl_launch", "set_pdl", "watch_compiles"]
