@@ -203,3 +203,22 @@ def test_cli_reports_a_bad_model_in_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert str(bad / "config.json") in lines[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_gpu_load_through_pinned_buffers_matches_the_checkpoint(good_dir, monkeypatch):
+    """Onto a GPU the weights go through two pinned buffers, in chunks. With chunks far smaller
+    than the tensors (each spans many; the two buffers take turns), every parameter equals the
+    CPU load's bit for bit, converted to bf16 on the GPU there and on the CPU here."""
+    from arle.model import loader
+
+    monkeypatch.setattr(loader._HostToDevice, "CHUNK", 4096)
+    gpu = load_model(good_dir, "bfloat16", "cuda")
+    cpu = load_model(good_dir, "bfloat16", "cpu")
+    names = [name for name, _ in cpu.model.named_parameters()]
+    assert names == [name for name, _ in gpu.model.named_parameters()]
+    for (name, on_gpu), on_cpu in zip(gpu.model.named_parameters(), cpu.model.parameters(),
+                                      strict=True):
+        assert on_gpu.is_cuda and on_gpu.dtype == torch.bfloat16
+        assert torch.equal(on_gpu.cpu(), on_cpu), name

@@ -81,7 +81,7 @@ def load_model(path: str | Path, dtype: str = "auto",
                                    "or a .gguf file")
     with _default_dtype(torch_dtype), dev:
         model = DecoderLM(config)
-    _load_weights(model, tensors, path)
+    _load_weights(model, tensors, path, _HostToDevice(dev) if dev.type == "cuda" else None)
     model.ops = ops_for(dev)
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.eval()
@@ -153,8 +153,45 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Pa
             raise ModelLoadError(file, f"truncated or corrupt safetensors file ({e})") from None
 
 
+class _HostToDevice:
+    """Host tensors onto the GPU through two pinned staging buffers, in chunks: while the GPU
+    copies one buffer in, torch's CPU threads fill the other from the checkpoint's memory map.
+
+    Why: a plain `copy_` from the map is a pageable copy, which the driver stages on one
+    thread. A Qwen3-4B checkpoint (8.0 GB, in the page cache) reached the H200 in 1.0-1.2 s so,
+    and in 0.34 s through these buffers (docs/benchmarks/gpu-2026-11-30r.md)."""
+
+    CHUNK = 64 << 20  # bytes a buffer holds
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers = [torch.empty(self.CHUNK, dtype=torch.uint8, pin_memory=True)
+                        for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy in
+        self.turn = 0
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+        src = tensor.contiguous().reshape(-1).view(torch.uint8)
+        dst = out.reshape(-1).view(torch.uint8)
+        for start in range(0, src.numel(), self.CHUNK):
+            n = min(self.CHUNK, src.numel() - start)
+            i, self.turn = self.turn, self.turn ^ 1
+            done = self.copied[i]
+            if done is not None:
+                done.synchronize()  # NOTE: the buffer is refilled only once the GPU has read it
+            self.buffers[i][:n].copy_(src[start:start + n])
+            dst[start:start + n].copy_(self.buffers[i][:n], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self.copied[i] = done
+        return out
+
+
 def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, torch.Tensor, Path]],
-                  origin: Path) -> None:
+                  origin: Path, to_device: _HostToDevice | None = None) -> None:
+    """Each checkpoint tensor into its parameter (through its `weight_loader`), brought onto
+    the parameter's device by `to_device` first where given (and converted there)."""
     targets = model.weight_targets()
     loaded: set[str] = set()
     for name, tensor, source in tensors:
@@ -167,6 +204,8 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, torch.Tensor, P
         param, shard = targets[name]
         try:
             loader = getattr(param, "weight_loader", load_whole)
+            if to_device is not None:
+                tensor = to_device(tensor)
             loader(param, tensor.to(param.dtype), shard)
         except ValueError as e:
             raise ModelLoadError(source, f"tensor {name!r}: {e}") from None
