@@ -3,7 +3,7 @@
 - `jit_varying`: @triton.jit for kernels some of whose arguments change from step to step.
 - `watch_compiles`: a callback for every kernel variant Triton builds (serving watches with it).
 - `compile_ahead`: launches turned into compiles in worker processes (start-up builds its
-  variants side by side).
+  variants side by side); `start_cache_key` readies what every build needs first.
 - `pdl_enabled` / `pdl_launch`: programmatic dependent launch (PDL, Hopper and later).
 
 PDL: a kernel launched with it may start while the kernel before it in the stream is still
@@ -30,6 +30,7 @@ import inspect
 import multiprocessing
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -83,6 +84,35 @@ def watch_compiles(on_build: Callable[[str], None]) -> Callable[[], None] | None
     return stop
 
 
+_cache_key: threading.Thread | None = None
+
+
+def start_cache_key() -> None:
+    """Start computing Triton's own cache key on a thread of its own: call it before loading
+    a model, so that the key is ready when start-up builds (or loads) its first variant.
+
+    Why: every variant's place in Triton's disk cache starts with a hash of Triton itself
+    (`triton_key`), its sources and its ~400 MB libtriton, computed once per process at the
+    first build: ~0.3 s on the H200's host, on the way of every start-up, warm or cold. The
+    hash runs without the GIL, beside the weights' load. NOTE: `triton_key` is cached per
+    process (`functools.lru_cache`); `compile_ahead` waits for this thread, and any build
+    before it would only compute the key a second time."""
+    global _cache_key
+    if _cache_key is not None or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # a Triton without it: its builds find their own way
+        return
+
+    def compute() -> None:
+        with contextlib.suppress(Exception):  # a failure surfaces at the build that needs it
+            triton_key()
+
+    _cache_key = threading.Thread(target=compute, name="arle-triton-key", daemon=True)
+    _cache_key.start()
+
+
 @dataclasses.dataclass
 class BuildsAhead:
     """What `compile_ahead` yields: whether it builds ahead (`on`), and once it has left, how
@@ -124,6 +154,8 @@ def compile_ahead(workers: int | None = None, processes: bool = True) -> Iterato
     else:
         available = os.environ.get("TRITON_INTERPRET") != "1"
     stats = BuildsAhead(on=available)
+    if _cache_key is not None:
+        _cache_key.join()
     if not available:
         yield stats
         return
@@ -350,4 +382,5 @@ def pdl_launch(pdl: bool) -> dict[str, Any]:
 
 
 __all__ = ["BuildsAhead", "compile_ahead", "gdc_launch_dependents", "gdc_wait", "hopper_gpu",
-           "jit_varying", "pdl_enabled", "pdl_launch", "set_pdl", "watch_compiles"]
+           "jit_varying", "pdl_enabled", "pdl_launch", "set_pdl", "start_cache_key",
+           "watch_compiles"]

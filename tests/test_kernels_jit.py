@@ -105,6 +105,27 @@ def interp_check_compile_ahead_is_inert() -> None:
     torch.testing.assert_close(out, gemv_ref(x, w), atol=1e-4, rtol=1e-4)
 
 
+def test_start_cache_key_readies_tritons_key_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """start_cache_key computes Triton's own cache key on a thread, once per process: the
+    builds after it find the key in triton_key's cache."""
+    from triton.runtime.cache import triton_key
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(jit, "_cache_key", None)
+    triton_key.cache_clear()
+    jit.start_cache_key()
+    thread = jit._cache_key
+    assert thread is not None and thread.name == "arle-triton-key"
+    thread.join()
+    assert triton_key.cache_info().currsize == 1
+    jit.start_cache_key()  # a second call starts nothing
+    assert jit._cache_key is thread
+    monkeypatch.setattr(jit, "_cache_key", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    jit.start_cache_key()  # the interpreter builds nothing
+    assert jit._cache_key is None
+
+
 def test_compile_ahead_under_the_interpreter() -> None:
     run_interpreter_check("test_kernels_jit", "interp_check_compile_ahead_is_inert")
 

@@ -106,6 +106,10 @@ class AsyncEngine:
         elif device == "cuda" and not torch.cuda.is_available():
             raise ArleError("--device cuda: no CUDA GPU is visible to torch "
                             f"(torch {torch.__version__}); use --device cpu")
+        if device.startswith("cuda"):
+            from arle_kernels.jit import start_cache_key
+
+            start_cache_key()  # beside the weights' load (see there)
         loaded = load_model(resolve_model_path(config.model), config.dtype, device)
         return cls.from_loaded(config, loaded)
 
