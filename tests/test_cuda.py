@@ -337,3 +337,40 @@ async def test_start_up_builds_its_variants_ahead(tmp_path: Path, make_engine: A
         stop()
     assert any("_decode_split_kernel" in k for k in ahead), ahead
     assert not late, f"{len(late)} variants built after the build pass: {late[:3]}"
+
+
+async def test_eager_decode_above_the_graphs_builds_nothing(tmp_path: Path,
+                                                            make_engine: Any) -> None:
+    """With graphs for 1-2 rows only (`--cuda-graph-max-bs 2`), decode steps of 3-32 rows run
+    eagerly: start-up builds their decode-attention variants (each split count they pick, with
+    and without the preload), so no batch size builds one mid-serving. No warm-up pass runs
+    here, so only start-up can have built them; 6 KV heads, which no other test uses, so no
+    test before this one in the process did."""
+    from arle_kernels.jit import watch_compiles
+
+    write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", **{
+        **GPU_SHAPE, "hidden_size": 256, "num_attention_heads": 12, "num_key_value_heads": 6,
+        "head_dim": 32}), seed=6)
+    engine = make_engine(load_model(tmp_path, "bfloat16", "cuda"), max_running_requests=32,
+                         cuda_graph=True, cuda_graph_max_bs=2)
+    ex = engine.executor
+    cfg = ex.model.config
+    k, v, ks, vs = ex.kv.layer(0)
+    built: list[str] = []
+    stop = watch_compiles(built.append)
+    if stop is None:
+        pytest.skip("this Triton has no jit_cache_hook to watch builds with")
+    splits = set()
+    try:
+        for b in range(3, 33):
+            splits.add(ex._num_splits(b))
+            q = torch.zeros(b, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+            ex.model.ops.decode_attention(
+                q, k, v, torch.zeros(b, 1, dtype=torch.int32, device="cuda"),
+                torch.ones(b, dtype=torch.int32, device="cuda"), 1.0, ex._num_splits(b),
+                k_scale=ks, v_scale=vs)
+        torch.cuda.synchronize()
+    finally:
+        stop()
+    assert len(splits) > 1, splits  # several variants to build, not one
+    assert not built, f"{len(built)} variants built for eager decode steps: {built[:3]}"

@@ -288,7 +288,9 @@ class CUDAExecutor:
                 decode_runs = self._decode_runs(self.graphs)
             if self.extend_graphs is not None:
                 extend_runs = self._extend_runs(self.extend_graphs)
-            eager = () if self.graphs is not None else (self._build_eager_variants,)
+            eager_above = self._eager_decode_above()
+            eager = (() if eager_above is None
+                     else (functools.partial(self._build_eager_variants, eager_above),))
             built = self._build_ahead(profile, *decode_runs.values(), *extend_runs.values(),
                                       *eager, self._build_sampler_variants)
             # NOTE: the graphs' static buffers are not the profile step's: the reserve has them
@@ -327,8 +329,8 @@ class CUDAExecutor:
             self._capture(self.graphs, decode_runs, pool)
             if self.extend_graphs is not None:
                 self._capture_extend(self.extend_graphs, extend_runs, pool)
-        else:
-            self._build_eager_variants()
+        if eager_above is not None:
+            self._build_eager_variants(eager_above)
         self._build_sampler_variants()
         #: What start-up measured, for `arle warmup` and the model info.
         self.startup_info = {
@@ -504,10 +506,22 @@ class CUDAExecutor:
         hidden = self.model(step.input_ids, PagedAttention(self.kv, step, self.rotary, self.model))
         graphs.logits.copy_(self.model.logits(hidden[sample_index]))
 
-    def _build_eager_variants(self) -> None:
-        """Without graphs, build now (not mid-serving, where a compile stalls every request)
-        the kernel variants eager steps pick by their size, which the warm-up passes may not
-        all reach: the decode kernel's split counts (1..32 by batch size, a power of two, each
+    def _eager_decode_above(self) -> int | None:
+        """Decode steps of more rows than this run eagerly: 0 without graphs, the largest
+        graph's batch where the graphs stop short of the most running requests
+        (`--cuda-graph-max-bs`), None where a graph takes every decode step."""
+        g = self.graphs
+        if g is None:
+            return 0
+        return g.max_bs if g.max_bs < self.num_slots - 1 else None
+
+    def _build_eager_variants(self, above: int = 0) -> None:
+        """For decode steps of more than `above` rows, which run eagerly (`_eager_decode_above`),
+        build now (not mid-serving, where a compile stalls every request) the kernel variants
+        eager steps pick by their size, which the warm-up passes may not all reach (with
+        graphs up to 2 rows, before this ran above them too, a GPU test of staggered arrivals
+        once saw decode attention and its merge built mid-serving):
+        the decode kernel's split counts (1..32 by batch size, a power of two, each
         its own merge-kernel variant, and one more at one row) with and without its first
         block loaded before the PDL wait (up to PRELOAD_MAX_BATCH rows), and the GEMVs' row
         classes (`row_classes`: 1, 2: FMA; 3..16 and, with TMA, 17..32: tensor cores, every
@@ -519,7 +533,7 @@ class CUDAExecutor:
         rows_for = {(pick_num_splits(b, cfg.num_kv_heads, self.config.max_model_len,
                                      self.num_sms), b <= PRELOAD_MAX_BATCH,
                      b <= MERGE_O_WITH_LSE_MAX_BATCH): b
-                    for b in range(self.num_slots, 0, -1)}
+                    for b in range(self.num_slots, above, -1)}
         k, v, ks, vs = self.kv.layer(0)
         dtype = self.model.embed_tokens.weight.dtype
         layer = cast(DecoderLayer, self.model.layers[0])
