@@ -19,6 +19,7 @@ from conftest import run
 from model_dirs import hf_config, write_model_dir
 
 from arle.model.loader import LoadedModel, load_model
+from arle_kernels.ops import ops_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -338,6 +339,36 @@ async def test_start_up_builds_its_variants_ahead(tmp_path: Path, make_engine: A
     assert any("_decode_split_kernel" in k for k in ahead), ahead
     assert not late, f"{len(late)} variants built after the build pass: {late[:3]}"
 
+
+async def test_start_up_reads_the_rotary_table_within_it(tmp_path: Path, make_engine: Any,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """A step's prefill chunk may be longer than the model's context: here 16384 tokens
+    against 4096. Start-up's profile step (one chunk of that many) still gives the rope kernel,
+    which reads the rotary table unchecked, only positions within the table. (Seen before: an
+    illegal memory access at start-up, depending on what lay past the table.)"""
+    import dataclasses
+
+    import arle.executor.cuda as cuda_executor
+
+    seen: list[tuple[int, int]] = []  # (largest position, table length) of each eager call
+
+    def checked(device: torch.device) -> Any:
+        ops = ops_for(device)
+
+        def rope(qkv: Any, positions: torch.Tensor, cos_sin: torch.Tensor, *args: Any,
+                 **kwargs: Any) -> Any:
+            if not torch.cuda.is_current_stream_capturing():
+                seen.append((int(positions.max()), cos_sin.shape[0]))
+            return ops.qk_norm_rope_store_kv(qkv, positions, cos_sin, *args, **kwargs)
+        return dataclasses.replace(ops, qk_norm_rope_store_kv=rope)
+
+    monkeypatch.setattr(cuda_executor, "ops_for", checked)
+    write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", **GPU_SHAPE), seed=7)
+    make_engine(load_model(tmp_path, "bfloat16", "cuda"), max_batched_tokens=16384,
+                cuda_graph=False)
+    assert max(p for p, _ in seen) >= 4000, seen  # the long chunk was among them
+    assert all(p < length for p, length in seen), [s for s in seen if s[0] >= s[1]][:3]
 
 async def test_eager_decode_above_the_graphs_builds_nothing(tmp_path: Path,
                                                             make_engine: Any) -> None:

@@ -385,9 +385,12 @@ class CUDAExecutor:
         cfg = self.model.config
         n = self.config.max_batched_tokens
         ids = torch.randint(0, cfg.vocab_size, (n,), dtype=torch.int32, device=self.device)
-        pos = torch.arange(n, dtype=torch.int32, device=self.device)
+        slots = torch.arange(n, dtype=torch.int32, device=self.device)
+        # NOTE: a chunk may be longer than the model's context (max_batched_tokens above
+        # max_model_len); the rope kernel reads the rotary table at each position unchecked
+        pos = slots % self.rotary.shape[0]
         table = torch.arange(self.kv.k.shape[1], dtype=torch.int32, device=self.device)[None]
-        step = DeviceStep(ids, pos, pos, torch.tensor([n], dtype=torch.int32, device=self.device),
+        step = DeviceStep(ids, pos, slots, torch.tensor([n], dtype=torch.int32, device=self.device),
                           torch.tensor([0, n], dtype=torch.int32, device=self.device), table,
                           num_decode=0, max_q_len=n, num_splits=1)
         rows = min(self.num_slots, n)
