@@ -95,9 +95,9 @@ def start_cache_key() -> None:
     (`triton_key`), its sources and its library (416 MB in Triton 3.6), computed once per
     process at the first build: 0.4-0.6 s on the H200's host, on the way of every start-up,
     warm or cold (docs/benchmarks/gpu-2026-11-30r.md). The hash runs without the GIL, beside
-    the weights' load. NOTE: `triton_key` is cached per
-    process (`functools.lru_cache`); `compile_ahead` waits for this thread, and any build
-    before it would only compute the key a second time."""
+    the weights' load. NOTE: `triton_key` is cached per process (`functools.lru_cache`);
+    `compile_ahead` waits for this thread, and any build before it would only compute the key
+    a second time."""
     global _cache_key
     if _cache_key is not None or os.environ.get("TRITON_INTERPRET") == "1":
         return
