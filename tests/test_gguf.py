@@ -14,7 +14,7 @@ from helpers import require_smollm2_gguf
 
 from arle.errors import ModelLoadError
 from arle.model.config import ModelConfig
-from arle.model.gguf_io import GGUFModel, read_gguf
+from arle.model.gguf_io import _TORCH_DEQUANT, GGUFModel, _Header, read_gguf
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +141,81 @@ def test_copy_without_trailing_bytes_is_truncated(tmp_path: Path) -> None:
         f.truncate(src.stat().st_size - 100)
     with pytest.raises(ModelLoadError, match=r"truncated|corrupt"):
         read_gguf(path)
+
+
+def _header(path: Path) -> tuple[dict[str, Any], list[Any]]:
+    import mmap
+
+    with path.open("rb") as f:
+        return _Header(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)).read()
+
+
+def test_header_reads_what_the_gguf_package_writes(tmp_path: Path) -> None:
+    """Our header parser against the `gguf` package's writer: every value type, arrays of
+    numbers, strings and arrays, a non-default alignment, and each tensor's bytes where the
+    package put them."""
+    gguf = pytest.importorskip("gguf")
+    t = gguf.GGUFValueType
+    path = tmp_path / "kv.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_custom_alignment(64)
+    scalars = {"u8": (200, t.UINT8), "i8": (-5, t.INT8), "u16": (60000, t.UINT16),
+               "i16": (-300, t.INT16), "u32": (4_000_000_000, t.UINT32), "i32": (-7, t.INT32),
+               "f32": (0.5, t.FLOAT32), "yes": (True, t.BOOL), "no": (False, t.BOOL),
+               "u64": (2**40, t.UINT64), "i64": (-(2**40), t.INT64), "f64": (0.1, t.FLOAT64),
+               "text": ("héllo\n", t.STRING)}
+    for key, (value, kind) in scalars.items():
+        w.add_key_value(f"x.{key}", value, kind)
+    w.add_array("x.ints", [1, -2, 3])
+    w.add_array("x.floats", [0.25, -1.5])
+    w.add_array("x.words", ["a", "", "ünï"])
+    w.add_array("x.nested", [[1, 2], [3]])
+    rng = np.random.default_rng(0)
+    tensors = {"a": rng.standard_normal((3, 5)).astype(np.float32),
+               "b": rng.standard_normal(7).astype(np.float16)}
+    for name, x in tensors.items():
+        w.add_tensor(name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    fields, entries = _header(path)
+    for key, (value, _) in scalars.items():
+        assert fields[f"x.{key}"] == value, key
+    assert fields["general.alignment"] == 64 and fields["general.architecture"] == "llama"
+    assert fields["x.ints"] == [1, -2, 3] and fields["x.floats"] == [0.25, -1.5]
+    assert fields["x.words"] == ["a", "", "ünï"] and fields["x.nested"] == [[1, 2], [3]]
+    data = path.read_bytes()
+    for e, (name, x) in zip(entries, tensors.items(), strict=True):
+        assert (e.name, e.shape, e.n_bytes) == (name, x.shape, x.nbytes)
+        assert e.offset % 64 == 0
+        assert np.array_equal(np.frombuffer(data, x.dtype, x.size, e.offset).reshape(x.shape), x)
+
+
+def test_header_names_a_version_it_does_not_read(tmp_path: Path) -> None:
+    src = _write_gguf(tmp_path / "v.gguf", "llama", {"token_embd.weight": np.zeros(4, np.float32)})
+    data = bytearray(src.read_bytes())
+    data[4:8] = (7).to_bytes(4, "little")
+    src.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="corrupt GGUF file: GGUF version 7"):
+        read_gguf(src)
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_torch_dequantizers_match_the_gguf_package(name: str) -> None:
+    """Each block format we dequantize in torch gives the `gguf` package's float32 values to
+    the bit (the same arithmetic, in the same order), on values quantized by that package."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+
+    qtype = gguf.GGMLQuantizationType[name]
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((6, 64)) * rng.uniform(0.01, 10, (6, 1))).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block
+    packed = np.ascontiguousarray(quantize(x, qtype)).view(np.uint8)
+    ours = _TORCH_DEQUANT[qtype](torch.from_numpy(packed.copy().reshape(-1))).reshape(x.shape)
+    theirs = dequantize(packed.reshape(6, -1), qtype).reshape(x.shape)
+    assert ours.dtype == torch.float32
+    assert np.array_equal(ours.numpy(), theirs, equal_nan=True)
+    assert not np.array_equal(theirs, np.zeros_like(theirs))

@@ -3,22 +3,28 @@
 The rest of arle only knows Hugging Face names and shapes, so everything GGUF-specific ends here:
 metadata keys become a config.json dict, tensor names become HF names, quantized blocks are
 dequantized, and the q/k row order llama.cpp's converter changed for its RoPE is put back.
+
+The header is parsed here (`_Header`), not by the `gguf` package's reader: that one builds a
+numpy view of every part of every field, and the default model's ~100k tokenizer strings took
+it 3.2 s of every start-up (0.1 s here). The `gguf` package still names the types and sizes,
+and dequantizes the block formats that have no torch version here (`_TORCH_DEQUANT`).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
-from collections.abc import Iterator
+import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.gguf_reader import ReaderField, ReaderTensor
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from arle.errors import ModelLoadError
 from arle.model.tokenizer import Tokenizer
@@ -52,12 +58,29 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 @dataclass(frozen=True)
+class _Tensor:
+    """A tensor's entry in the header: where its bytes lie in the file and what they hold."""
+
+    name: str
+    dims: tuple[int, ...]  # ggml's order: innermost first
+    qtype: GGMLQuantizationType
+    offset: int  # from the start of the file
+    n_bytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """torch's (and HF's) order: outermost first."""
+        return tuple(reversed(self.dims))
+
+
+@dataclass(frozen=True)
 class GGUFModel:
     path: Path
     #: An HF config.json dict (what `ModelConfig.from_hf` reads).
     config: dict[str, Any]
     tokenizer: Tokenizer
-    _reader: GGUFReader = field(repr=False)
+    _data: mmap.mmap = field(repr=False)
+    _tensors: list[_Tensor] = field(repr=False)
     #: GGUF tensor name -> HF name, in file order.
     _names: dict[str, str] = field(repr=False)
 
@@ -72,7 +95,7 @@ class GGUFModel:
             # NOTE: only llama GGUFs are permuted; llama.cpp's qwen converters keep HF's order.
             permute_heads = {"self_attn.q_proj": self.config["num_attention_heads"],
                              "self_attn.k_proj": self.config["num_key_value_heads"]}
-        for t in self._reader.tensors:
+        for t in self._tensors:
             hf_name = self._names[t.name]
             w = self._dequantize(t)
             heads = next((n for k, n in permute_heads.items() if f".{k}." in hf_name), None)
@@ -80,17 +103,59 @@ class GGUFModel:
                 w = _unpermute_rope_rows(w, heads)
             yield hf_name, w
 
-    def _dequantize(self, t: ReaderTensor) -> torch.Tensor:
-        shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dims innermost first
+    def _dequantize(self, t: _Tensor) -> torch.Tensor:
+        # NOTE: a copy of the bytes: the tensor owns its memory, the mapping stays read-only
+        raw = np.frombuffer(self._data, np.uint8, t.n_bytes, t.offset)
+        fast = _TORCH_DEQUANT.get(t.qtype)
+        if fast is not None:
+            return fast(torch.from_numpy(raw.copy())).reshape(t.shape).contiguous()
         try:
-            arr = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
+            arr = dequantize(raw.reshape(quant_shape_to_byte_shape(t.shape, t.qtype)), t.qtype)
         except NotImplementedError:
             raise ModelLoadError(
-                self.path, f"tensor {t.name}: unsupported quantization {t.tensor_type.name}"
+                self.path, f"tensor {t.name}: unsupported quantization {t.qtype.name}"
             ) from None
-        # F32 comes back as a view of the read-only memmap: copy it, torch wants writable memory.
-        arr = np.require(arr.reshape(shape), dtype=np.float32, requirements=["C", "W", "O"])
+        arr = np.require(arr.reshape(t.shape), dtype=np.float32, requirements=["C", "W", "O"])
         return torch.from_numpy(arr)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    """Blocks of 32: an fp16 scale d, 32 int8 q; x = q * d."""
+    blocks = b.view(-1, 34)
+    d = blocks[:, :2].view(torch.float16).float()
+    return blocks[:, 2:].view(torch.int8).float() * d
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes a block -> 32 values 0..15: the low nibbles are the block's first 16."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    """Blocks of 32: an fp16 scale d, 16 bytes of nibbles q; x = d * (q - 8)."""
+    blocks = b.view(-1, 18)
+    d = blocks[:, :2].view(torch.float16).float()
+    return d * (_nibbles(blocks[:, 2:]) - 8)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    """Blocks of 32: fp16 d and m, 16 bytes of nibbles q; x = d * q + m (two roundings)."""
+    blocks = b.view(-1, 20)
+    d = blocks[:, :2].view(torch.float16).float()
+    m = blocks[:, 2:4].view(torch.float16).float()
+    return (d * _nibbles(blocks[:, 4:])).add_(m)
+
+
+#: Formats dequantized in torch, over the whole tensor at once, with the `gguf` package's
+#: arithmetic (its results to the bit: tests/test_gguf.py); the others go through that package.
+_TORCH_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    GGMLQuantizationType.F32: lambda b: b.view(torch.float32),
+    GGMLQuantizationType.F16: lambda b: b.view(torch.float16).float(),
+    GGMLQuantizationType.BF16: lambda b: b.view(torch.bfloat16).float(),
+    GGMLQuantizationType.Q8_0: _q8_0,
+    GGMLQuantizationType.Q4_0: _q4_0,
+    GGMLQuantizationType.Q4_1: _q4_1,
+}
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
@@ -100,18 +165,19 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
         raise ModelLoadError(path, "no such file")
     with path.open("rb") as f:
         magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(path, f"not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        if magic != b"GGUF":
+            raise ModelLoadError(path, f"not a GGUF file (starts with {magic!r}, expected "
+                                       "b'GGUF')")
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        reader = GGUFReader(path)
-        fields = {name: _field_value(f) for name, f in reader.fields.items()}
-    except Exception as e:  # the reader fails on short files with whatever numpy raises
+        fields, tensors = _Header(data).read()
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise ModelLoadError(path, f"truncated or corrupt GGUF file: {e}") from None
-    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    if end > path.stat().st_size:
+    end = max((t.offset + t.n_bytes for t in tensors), default=0)
+    if end > len(data):
         raise ModelLoadError(
             path, f"truncated or corrupt GGUF file: tensor data needs {end} bytes, "
-            f"the file has {path.stat().st_size}"
+            f"the file has {len(data)}"
         )
 
     arch = fields.get("general.architecture")
@@ -119,10 +185,91 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
         raise ModelLoadError(
             path, f"unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})"
         )
-    names = {t.name: _hf_name(t.name, path) for t in reader.tensors}
+    names = {t.name: _hf_name(t.name, path) for t in tensors}
     tokenizer = Tokenizer.from_gguf_metadata(fields, path)
-    config = _hf_config(fields, arch, reader.tensors, tokenizer, path)
-    return GGUFModel(path=path, config=config, tokenizer=tokenizer, _reader=reader, _names=names)
+    config = _hf_config(fields, arch, tensors, tokenizer, path)
+    return GGUFModel(path=path, config=config, tokenizer=tokenizer, _data=data,
+                     _tensors=tensors, _names=names)
+
+
+#: struct formats of the scalar value types (little-endian, as GGUF is)
+_SCALARS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+            GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+            GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+            GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
+_U64 = struct.Struct("<Q")
+
+
+class _Header:
+    """A cursor over a GGUF file's header (versions 2 and 3): the metadata as plain Python
+    (str, int, float, bool, or lists of those) and the tensors' entries. Raises struct.error,
+    ValueError or UnicodeDecodeError where the bytes run out or make no sense."""
+
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data, self.pos = data, 4  # past the magic
+
+    def read(self) -> tuple[dict[str, Any], list[_Tensor]]:
+        version = self._scalar("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (supported: 2 and 3)")
+        n_tensors, n_fields = self._scalar("<Q"), self._scalar("<Q")
+        fields = {}
+        for _ in range(n_fields):
+            key = self._string()
+            fields[key] = self._value(GGUFValueType(self._scalar("<I")))
+        entries = []
+        for _ in range(n_tensors):
+            name = self._string()
+            dims = tuple(self._scalar("<Q") for _ in range(self._scalar("<I")))
+            entries.append((name, dims, GGMLQuantizationType(self._scalar("<I")),
+                            self._scalar("<Q")))
+        align = int(fields.get("general.alignment", 32))
+        start = -(-self.pos // align) * align  # the data section, after the header
+        tensors = []
+        for name, dims, qtype, offset in entries:
+            block, size = GGML_QUANT_SIZES[qtype]
+            n = int(np.prod(dims, dtype=np.int64))
+            if n % block:
+                raise ValueError(f"tensor {name}: {n} values in blocks of {block}")
+            tensors.append(_Tensor(name, dims, qtype, start + offset, n // block * size))
+        if len({t.name for t in tensors}) != len(tensors):
+            raise ValueError("a tensor name appears twice")
+        return fields, tensors
+
+    def _scalar(self, fmt: str) -> Any:
+        (v,) = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return v
+
+    def _string(self) -> str:
+        return self._strings(1)[0]
+
+    def _strings(self, n: int) -> list[str]:
+        data, pos, out = self.data, self.pos, []
+        for _ in range(n):
+            (size,) = _U64.unpack_from(data, pos)
+            pos += 8
+            out.append(data[pos:pos + size].decode("utf-8"))
+            pos += size
+        if pos > len(data):
+            raise ValueError("a string runs past the end of the file")
+        self.pos = pos
+        return out
+
+    def _value(self, kind: GGUFValueType) -> Any:
+        if kind == GGUFValueType.STRING:
+            return self._string()
+        if kind != GGUFValueType.ARRAY:
+            return self._scalar(_SCALARS[kind])
+        item, n = GGUFValueType(self._scalar("<I")), self._scalar("<Q")
+        if item == GGUFValueType.STRING:
+            return self._strings(n)
+        if item == GGUFValueType.ARRAY:
+            return [self._value(item) for _ in range(n)]
+        dtype = np.dtype(_SCALARS[item].replace("?", "b1"))
+        values = np.frombuffer(self.data, dtype, n, self.pos)  # raises past the end
+        self.pos += n * dtype.itemsize
+        return values.tolist()
 
 
 def _hf_name(name: str, path: Path) -> str:
@@ -139,7 +286,7 @@ def _hf_name(name: str, path: Path) -> str:
     raise ModelLoadError(path, f"unknown tensor name {name!r}")
 
 
-def _hf_config(fields: dict[str, Any], arch: str, tensors: list[ReaderTensor],
+def _hf_config(fields: dict[str, Any], arch: str, tensors: list[_Tensor],
                tokenizer: Tokenizer, path: Path) -> dict[str, Any]:
     def get(key: str, default: Any = None, required: bool = False) -> Any:
         v = fields.get(f"{arch}.{key}", default)
@@ -156,7 +303,7 @@ def _hf_config(fields: dict[str, Any], arch: str, tensors: list[ReaderTensor],
     hidden = int(get("embedding_length", required=True))
     heads = int(get("attention.head_count", required=True))
     embed = by_name.get("token_embd.weight")
-    vocab = (int(embed.shape[1]) if embed is not None
+    vocab = (int(embed.dims[1]) if embed is not None
              else int(get("vocab_size") or tokenizer.vocab_size))
     hf_arch, model_type = ARCHITECTURES[arch]
     eos = sorted(tokenizer.eos_token_ids)
@@ -199,21 +346,6 @@ def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     rows = w.shape[0]
     half = rows // heads // 2
     return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
-
-
-def _field_value(f: ReaderField) -> Any:
-    """A metadata value as plain Python (str, int, float, bool, or a list of those)."""
-    if not f.types:
-        return None
-    if f.types[0] == GGUFValueType.ARRAY:
-        if len(f.types) > 2:
-            return None  # arrays of arrays: no key we read has them
-        if f.types[-1] == GGUFValueType.STRING:
-            return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-        return np.concatenate([f.parts[i] for i in f.data]).tolist() if f.data else []
-    if f.types[0] == GGUFValueType.STRING:
-        return bytes(f.parts[f.data[0]]).decode("utf-8")
-    return f.parts[f.data[0]][0].item()
 
 
 def _f32(x: Any) -> float:
