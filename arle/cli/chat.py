@@ -24,7 +24,7 @@ def _chat_opt(*decls: str, help: str, **kw: Any) -> Any:
 
 
 
-@arle_command(engine=True, resolve_model=False)
+@arle_command(engine=True, resolve_model=False, one_request=True)
 def chat(
     url: Annotated[str | None, _chat_opt(
         "--url", metavar="URL",

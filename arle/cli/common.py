@@ -115,7 +115,8 @@ _ENGINE_PARAMS = [
         _D.max_model_len),
     _option("max_running_requests", Annotated[int | None, _engine_opt(
         "--max-running-requests", min=1,
-        help=f"Most requests decoding at once ({_by_device('max_running_requests')}).")],
+        help=f"Most requests decoding at once ({_by_device('max_running_requests')}; 1 for "
+             "`arle complete` and `arle chat`, which run one at a time).")],
         _D.max_running_requests),
     _option("max_batched_tokens", Annotated[int | None, _engine_opt(
         "--max-batched-tokens", min=1,
@@ -232,12 +233,14 @@ def report_errors(debug: bool) -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
-def arle_command(*, engine: bool = False, resolve_model: bool = True
+def arle_command(*, engine: bool = False, resolve_model: bool = True, one_request: bool = False
                  ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Decorate a command: add `--log-format`/`--debug` (and the engine options when `engine`),
     configure logging, report errors. With `engine`, the command takes `config: EngineConfig`;
     `resolve_model=False` leaves the model path to be resolved when an engine is built (for a
-    command that may not build one, like `chat --url`)."""
+    command that may not build one, like `chat --url`). `one_request`: the command runs one
+    request at a time, so its engine takes one running request unless the flag says otherwise
+    (on CUDA: one decode graph, no extend graphs, a second less to start: docs/benchmarks)."""
 
     def decorate(fn: Callable[..., None]) -> Callable[..., None]:
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
@@ -262,6 +265,8 @@ def arle_command(*, engine: bool = False, resolve_model: bool = True
                 level = "debug" if debug else "info" if fmt == "json" else "warning"
                 configure_logging(fmt, level)
                 if engine:
+                    if one_request and engine_flags["max_running_requests"] is None:
+                        engine_flags["max_running_requests"] = 1
                     kwargs["config"] = build_engine_config(**engine_flags,
                                                            resolve_model=resolve_model)
                 fn(**kwargs)

@@ -40,7 +40,7 @@ class _Result:
     last: Delta | None = None
 
 
-@arle_command(engine=True)
+@arle_command(engine=True, one_request=True)
 def complete(
     prompt: Annotated[str, typer.Argument(
         help="The prompt; '-' reads it from stdin.", show_default=False)],

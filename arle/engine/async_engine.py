@@ -170,12 +170,16 @@ class AsyncEngine:
         assert config.max_batched_tokens is not None and config.max_running_requests is not None
         graph_bs = (config.cuda_graph_max_bs or config.max_running_requests
                     if config.cuda_graph else 0)
+        # NOTE: with one running request a prefill step comes once a request, not beside every
+        # arrival: its graphs would cost more start-up than their replays save
+        extend_tokens = (CUDAExecutorConfig.extend_graph_max_tokens
+                         if config.max_running_requests > 1 else 0)
         return CUDAExecutor(loaded.model, CUDAExecutorConfig(
             page_size=config.page_size, num_slots=num_slots,
             max_batched_tokens=config.max_batched_tokens, max_model_len=max_len,
             kv_dtype=kv_dtype, mem_fraction_static=config.mem_fraction_static,
             kv_cache_tokens=config.kv_cache_tokens, cuda_graph_max_bs=graph_bs,
-            seed=config.seed))
+            extend_graph_max_tokens=extend_tokens, seed=config.seed))
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation_config, then the caller's non-None values."""
