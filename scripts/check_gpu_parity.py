@@ -1,12 +1,15 @@
 """Teacher-forced logits of arle (bf16, Triton path) against transformers on the same weights.
 
-    python scripts/check_gpu_parity.py MODEL_DIR --out parity.json [--prompts 4 --len 512]
+    python scripts/check_gpu_parity.py MODEL --out parity.json [--prompts 4 --len 512]
 
-Reference: transformers in float32. For scale, transformers' own bf16 run is compared with the
-same reference: arle is right when its error is of the same size as transformers' bf16 error.
-Also reports FP8 (e4m3) KV against bf16 KV (the quality check of --kv-cache-dtype fp8_e4m3).
-Prefill in one chunk, in chunks of 64 (extend over a cached prefix), and token by token (the
-decode kernel) over the last `--decode-len` positions.
+MODEL: a Hugging Face directory (random weights: random token ids as prompts, `--prompts` of
+`--len` tokens) or a GGUF file (transformers dequantizes it as arle does; trained weights:
+English prompts, chat-templated questions and plain text, `TEXTS`). Reference: transformers
+in float32. For scale, transformers' own bf16 run is compared with the same reference: arle
+is right when its error is of the same size as transformers' bf16 error. Also reports FP8
+(e4m3) KV against bf16 KV (the quality check of --kv-cache-dtype fp8_e4m3). Prefill in one
+chunk, in chunks of 64 (extend over a cached prefix), and token by token (the decode kernel)
+over the last `--decode-len` positions.
 """
 
 from __future__ import annotations
@@ -24,7 +27,63 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arle.executor.paged import teacher_forced_logits
-from arle.model.loader import load_model
+from arle.model.loader import LoadedModel, load_model
+
+#: Questions (chat-templated) and plain text, for a model with trained weights.
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea, with rhymes, in four lines, and explain the metaphor "
+    "used in each line.",
+    "Explain how a hash table works and when it is a poor choice.",
+)
+TEXTS = (
+    "The history of the bicycle begins in the early nineteenth century, when inventors in "
+    "Germany and France built wooden machines that riders pushed along with their feet. Pedals "
+    "came later, fixed to the front wheel, and the wheel grew larger so that one turn of the "
+    "pedals carried the rider further. The result, the penny-farthing, was fast but dangerous: "
+    "a rider sat high above the road and fell forward at the smallest obstacle. The safety "
+    "bicycle of the 1880s solved this with two wheels of equal size and a chain that drove the "
+    "rear wheel, and within a decade it had become a common sight in the cities of Europe.",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
+    "    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n"
+    "        else:\n            out.append(b[j])\n            j += 1\n"
+    "    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n\n\n"
+    "def test_merge_sorted():\n    assert merge_sorted([1, 3, 5], [2, 4]) == [1, 2, 3, 4, 5]\n",
+    "Photosynthesis is the process by which green plants turn light into chemical energy. In "
+    "the chloroplasts, chlorophyll absorbs mostly red and blue light, and the energy splits "
+    "water molecules, releasing oxygen. The hydrogen and the energy captured are then used to "
+    "turn carbon dioxide from the air into sugars, which the plant uses to grow. Nearly all "
+    "the oxygen in the atmosphere, and most of the food that animals eat, comes from this "
+    "process, which is why forests and oceans matter so much to the climate.",
+)
+
+
+def text_prompts(loaded: LoadedModel) -> list[list[int]]:
+    """`QUESTIONS` in the model's chat template, then `TEXTS`, then the texts twice over as
+    one (~800 tokens: the decode kernel splits its context), as token ids."""
+    tok = loaded.tokenizer
+    return ([tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+             for q in QUESTIONS] + [tok.encode(t) for t in (*TEXTS, "\n\n".join(TEXTS * 2))])
+
+
+def hf_model(model: str | Path, dtype: torch.dtype) -> Any:
+    """transformers' model of the same weights (a directory, or a GGUF that it dequantizes),
+    on the GPU."""
+    import transformers
+
+    path = Path(model)
+    auto: Any = transformers.AutoModelForCausalLM  # its stubs mistype from_pretrained
+    if path.suffix == ".gguf":
+        hf = auto.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        hf = auto.from_pretrained(str(path), dtype=dtype)
+    return hf.cuda().eval()
+
+
+def hf_logits(hf: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [hf(torch.tensor([ids], device="cuda")).logits[0].float() for ids in prompts]
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -54,25 +113,26 @@ def main() -> None:
     p.add_argument("--len", type=int, default=512)
     p.add_argument("--decode-len", type=int, default=64)
     args = p.parse_args()
-    import transformers
 
     t0 = time.perf_counter()
-    ours = load_model(args.model, "bfloat16", "cuda").model
-    vocab = min(ours.config.vocab_size, 100_000)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(vocab) for _ in range(args.len)] for _ in range(args.prompts)]
+    loaded = load_model(args.model, "bfloat16", "cuda")
+    ours = loaded.model
+    if Path(args.model).suffix == ".gguf":
+        prompts = text_prompts(loaded)
+    else:
+        vocab = min(ours.config.vocab_size, 100_000)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(vocab) for _ in range(args.len)] for _ in range(args.prompts)]
     results: dict[str, list[dict[str, float]]] = {}
 
     def add(name: str, m: dict[str, float]) -> None:
         results.setdefault(name, []).append(m)
 
-    refs = []
-    auto: Any = transformers.AutoModelForCausalLM  # its stubs mistype from_pretrained
+    refs: list[torch.Tensor] = []
+    hf_bf16: list[torch.Tensor] = []
     for dtype in (torch.float32, torch.bfloat16):
-        hf = auto.from_pretrained(args.model, dtype=dtype)
-        hf = hf.cuda().eval()
-        with torch.no_grad():
-            outs = [hf(torch.tensor([ids], device="cuda")).logits[0].float() for ids in prompts]
+        hf = hf_model(args.model, dtype)
+        outs = hf_logits(hf, prompts)
         del hf
         torch.cuda.empty_cache()
         if dtype == torch.float32:
@@ -81,8 +141,8 @@ def main() -> None:
             for o, r in zip(outs, refs, strict=True):
                 add("transformers_bf16_vs_fp32", compare(o, r))
             hf_bf16 = outs
-    n = args.decode_len
     for ids, ref, hb in zip(prompts, refs, hf_bf16, strict=True):
+        n = min(args.decode_len, len(ids))
         whole = teacher_forced_logits(ours, ids)
         add("arle_bf16_vs_transformers_fp32", compare(whole, ref))
         add("arle_bf16_vs_transformers_bf16", compare(whole, hb))
@@ -95,8 +155,9 @@ def main() -> None:
         add("arle_fp8kv_vs_arle_bf16kv", compare(fp8, whole))
         add("arle_fp8kv_vs_transformers_fp32", compare(fp8, ref))
     summary = {k: _mean(v) for k, v in results.items()}
-    out: dict[str, Any] = {"model": args.model, "prompts": args.prompts, "len": args.len,
-                           "decode_len": n, "seconds": time.perf_counter() - t0,
+    out: dict[str, Any] = {"model": args.model, "prompts": len(prompts),
+                           "prompt_lens": [len(ids) for ids in prompts],
+                           "decode_len": args.decode_len, "seconds": time.perf_counter() - t0,
                            "gpu": torch.cuda.get_device_name(), "summary": summary,
                            "per_prompt": results}
     Path(args.out).write_text(json.dumps(out, indent=1))

