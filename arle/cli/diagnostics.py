@@ -64,7 +64,8 @@ def warmup(
     serve_defaults: Annotated[bool, typer.Option(
         "--serve-defaults/--engine-defaults",
         help="Settings as `arle serve` takes them (on a GPU, its smaller step budget, and so "
-             "its memory plan and graphs), or as complete, chat and offline runs take them.")
+             "its memory plan and graphs), or the engine's own, as offline runs take them "
+             "(complete and chat take those too, with one running request).")
     ] = True,
     *,
     config: EngineConfig,
