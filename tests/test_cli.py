@@ -402,6 +402,18 @@ def test_serving_defaults() -> None:
             == engine.for_device("cuda").chunked_prefill_size)
 
 
+@pytest.mark.parametrize("command, flags, running", [
+    (["complete", "Hi"], [], 1), (["complete", "Hi"], ["--max-running-requests", "8"], 8),
+    (["chat"], [], 1)])
+def test_one_request_commands_run_one_request(fake_engine: Path, command: list[str],
+                                              flags: list[str], running: int) -> None:
+    """`complete` and `chat` run one request at a time: their engine takes one running request
+    (on CUDA one decode graph, no extend graphs) unless the flag says otherwise."""
+    result = _invoke(*command, "-m", str(fake_engine), *flags, input="Hi\n")
+    assert result.exit_code == 0, result.output
+    assert FakeEngine.instances[0].config.max_running_requests == running
+
+
 @pytest.mark.parametrize("flags, budget", [([], 1024), (["--max-batched-tokens", "4096"], 4096)])
 def test_serve_builds_a_serving_config(fake_engine: Path, monkeypatch: pytest.MonkeyPatch,
                                        flags: list[str], budget: int) -> None:

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 import torch
 from conftest import assert_all_pages_back, run, run_many, text_of, tokens_of
 
+from arle.config import EngineConfig
+from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import GenerateRequest, SamplingParams
 from arle.errors import InvalidRequestError, OverloadedError
 from arle.executor.base import StepOutput
+from arle.model.loader import LoadedModel
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -308,3 +312,20 @@ async def test_idle_engine_uses_no_cpu(tiny, make_engine):
     t0 = time.process_time()
     await asyncio.sleep(0.5)
     assert time.process_time() - t0 < 0.1  # a busy-wait would burn ~0.5 s
+
+
+@pytest.mark.parametrize("running, extend_tokens", [(1, 0), (8, 2048)])
+def test_one_running_request_takes_no_extend_graphs(tiny: LoadedModel,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    running: int, extend_tokens: int) -> None:
+    """The CUDA executor's config from the engine's: with one running request (`arle complete`,
+    `arle chat`) one decode graph and no extend graphs (a prefill step comes once a request);
+    with more, the extend graphs' ladder. Checked on the CPU: the config, not the executor."""
+    import arle.executor.cuda as cuda_executor
+
+    seen: list[Any] = []
+    monkeypatch.setattr(cuda_executor, "CUDAExecutor", lambda model, config: seen.append(config))
+    config = EngineConfig(max_running_requests=running).for_device("cuda")
+    AsyncEngine._cuda_executor(config, tiny, 256, running + 1)
+    assert seen[0].extend_graph_max_tokens == extend_tokens
+    assert seen[0].cuda_graph_max_bs == running
