@@ -219,3 +219,32 @@ def test_torch_dequantizers_match_the_gguf_package(name: str) -> None:
     assert ours.dtype == torch.float32
     assert np.array_equal(ours.numpy(), theirs, equal_nan=True)
     assert not np.array_equal(theirs, np.zeros_like(theirs))
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q5_1"])
+def test_tensors_read_in_their_shape_whichever_dequantizes(tmp_path: Path, name: str) -> None:
+    """A quantized tensor written by the `gguf` package comes back in its shape with the
+    package's values, by a torch dequantizer (Q4_1) or by the package's own (Q5_0, Q5_1)."""
+    import mmap
+
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+
+    qtype = gguf.GGMLQuantizationType[name]
+    x = np.random.default_rng(2).standard_normal((3, 96)).astype(np.float32)
+    packed = quantize(x, qtype)
+    path = tmp_path / "q.gguf"
+    w = gguf.GGUFWriter(str(path), arch="qwen3")
+    w.add_tensor("token_embd.weight", packed, raw_dtype=qtype)  # packed: [rows, bytes]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with path.open("rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    _, tensors = _Header(data).read()
+    model = GGUFModel(path, {"model_type": "qwen3"}, None,  # type: ignore[arg-type]
+                      _data=data, _tensors=tensors, _names={"token_embd.weight": "embed"})
+    [(hf_name, got)] = list(model.iter_tensors())
+    assert hf_name == "embed" and got.shape == x.shape and got.dtype == torch.float32
+    assert np.array_equal(got.numpy(), dequantize(packed, qtype))
