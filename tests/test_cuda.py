@@ -409,6 +409,59 @@ async def test_eager_decode_above_the_graphs_builds_nothing(tmp_path: Path,
     assert not built, f"{len(built)} variants built for eager decode steps: {built[:3]}"
 
 
+
+def _forget_loaded_variants() -> None:
+    """Drop the kernel variants this process holds in memory (not Triton's disk cache): the
+    next use of each loads it again, which `watch_compiles` sees, whatever earlier tests ran."""
+    import sys
+
+    import triton
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("arle_kernels"):
+            for obj in vars(module).values():
+                if isinstance(obj, triton.runtime.JITFunction):
+                    obj.device_caches.clear()
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["prefills_ahead", "without_them"])
+async def test_one_request_engine_builds_nothing_after_start_up(
+        tmp_path: Path, make_engine: Any, monkeypatch: pytest.MonkeyPatch, ahead: bool) -> None:
+    """`arle complete` and `arle chat` run one request at a time: one decode graph, no extend
+    graphs, no warm-up pass, so every prefill runs eagerly. Prompts of every row class and
+    longer, a cached prefix, greedy and sampled, then build (or load) no kernel variant: each
+    would stall the request (seen on the H200 from a cold cache: 1 s before the first token).
+    Without start-up's short prefills (`_eager_prefill_runs`) they do: what the test sees."""
+    import arle.executor.cuda as cuda_executor
+    from arle_kernels.jit import watch_compiles
+
+    if not ahead:
+        monkeypatch.setattr(cuda_executor.CUDAExecutor, "_eager_prefill_runs", lambda self: [])
+    write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", **GPU_SHAPE), seed=8)
+    loaded = load_model(tmp_path, "bfloat16", "cuda")
+    _forget_loaded_variants()
+    engine = make_engine(loaded, max_running_requests=1)
+    ex = engine.executor
+    assert ex.extend_graphs is None and ex.graphs is not None and ex.graphs.sizes == [1]
+    built: list[str] = []
+    stop = watch_compiles(built.append)
+    if stop is None:
+        pytest.skip("this Triton has no jit_cache_hook to watch builds with")
+    try:
+        for n in (1, 2, 5, 16, 20, 32, 40, 100, 333):
+            await run(engine, _prompt(n, 60 + n), max_tokens=3, ignore_eos=True)
+        prompt = _prompt(100, 7)
+        for extra in ([], _prompt(21, 8)):  # then 96 of its tokens cached
+            await run(engine, prompt + extra, max_tokens=3, ignore_eos=True)
+        await run(engine, _prompt(30, 9), max_tokens=4, temperature=0.8, top_p=0.9, seed=1)
+    finally:
+        stop()
+    if ahead:
+        assert not built, f"{len(built)} variants built after start-up: {built[:3]}"
+    else:
+        assert built
+    engine.cache.check()
+
 # ---- the default model: trained weights (SmolLM2-135M-Instruct, Q4_1 GGUF) -----------------
 # NOTE: what a user runs first (`make run` on a GPU machine takes the GPU), with shapes the
 # random Qwen3 models above lack (Llama: no q/k norm, head dim 64, 3 query heads per KV head,

@@ -278,7 +278,8 @@ class CUDAExecutor:
             # NOTE: until the pool is sized (after the profile), the profile's scratch cache
             # stands in for it: the builds below depend on its layout, not on its page count
             self.kv = self._scratch_cache()
-            profile = self._profile_step()
+            profile = self._prefill_step(config.max_batched_tokens, _PROFILE_PARAMS,
+                                         min(self.num_slots, config.max_batched_tokens))
             buffers = torch.cuda.memory_allocated(self.device)
             self._make_graph_buffers()
             buffers = torch.cuda.memory_allocated(self.device) - buffers
@@ -291,11 +292,15 @@ class CUDAExecutor:
             eager_above = self._eager_decode_above()
             eager = (() if eager_above is None
                      else (functools.partial(self._build_eager_variants, eager_above),))
-            built = self._build_ahead(profile, *decode_runs.values(), *extend_runs.values(),
-                                      *eager, self._build_sampler_variants)
+            prefills = self._eager_prefill_runs()
+            built = self._build_ahead(profile, *prefills, *decode_runs.values(),
+                                      *extend_runs.values(), *eager,
+                                      self._build_sampler_variants)
             # NOTE: the graphs' static buffers are not the profile step's: the reserve has them
             peak = self._peak_memory(profile) - buffers
-            del self.kv, profile
+            for run in prefills:  # for real, on the scratch cache
+                run()
+            del self.kv, profile, prefills
             torch.cuda.empty_cache()
             profile_s = time.perf_counter() - t0 - built["seconds"]
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -378,12 +383,12 @@ class CUDAExecutor:
         return KVCache.allocate(cfg.num_layers, pages, self.page_size, cfg.num_kv_heads,
                                 cfg.head_dim, self.config.kv_dtype, self.device)
 
-    def _profile_step(self) -> Callable[[], None]:
-        """The largest step (a full prefill chunk, every slot sampling) on `self.kv` (the
-        scratch cache, every page in its page table): what the memory plan measures
-        (`_peak_memory`)."""
+    def _prefill_step(self, n: int, params: SamplingParams, rows: int) -> Callable[[], None]:
+        """One prefill chunk of n tokens at positions 0..n-1, on `self.kv` (the scratch cache,
+        every page in its page table), `rows` of its tokens sampling with `params`. At
+        `max_batched_tokens`, every slot sampling with _PROFILE_PARAMS: the largest step, what
+        the memory plan measures (`_peak_memory`)."""
         cfg = self.model.config
-        n = self.config.max_batched_tokens
         ids = torch.randint(0, cfg.vocab_size, (n,), dtype=torch.int32, device=self.device)
         slots = torch.arange(n, dtype=torch.int32, device=self.device)
         # NOTE: a chunk may be longer than the model's context (max_batched_tokens above
@@ -393,14 +398,25 @@ class CUDAExecutor:
         step = DeviceStep(ids, pos, slots, torch.tensor([n], dtype=torch.int32, device=self.device),
                           torch.tensor([0, n], dtype=torch.int32, device=self.device), table,
                           num_decode=0, max_q_len=n, num_splits=1)
-        rows = min(self.num_slots, n)
-        batch = SamplingBatch.build([_PROFILE_PARAMS] * rows, [0] * rows, self.device)
+        batch = SamplingBatch.build([params] * rows, [0] * rows, self.device)
 
         def run() -> None:
             with torch.inference_mode():
                 hidden = self.model(ids, PagedAttention(self.kv, step, self.rotary, self.model))
                 sample(self.model.logits(hidden[:rows]), batch, generator=self.generator)
         return run
+
+    def _eager_prefill_runs(self) -> list[Callable[[], None]]:
+        """Without extend graphs (one running request), prefill steps run eagerly at any
+        length: one short prefill per variant class their kernels compile by row count (the
+        GEMVs' `row_classes` above one row, which also gives the glue kernels a count that is
+        neither 1 nor a multiple of 16; longer chunks take cuBLAS and the profile step's
+        variants), one row sampling greedily, so no prompt builds one mid-request (seen on
+        the H200 from a cold cache: a 1 s compile before the first token)."""
+        if self.extend_graphs is not None:
+            return []
+        greedy = SamplingParams(temperature=0.0)
+        return [self._prefill_step(n, greedy, 1) for n in row_classes()[1:]]
 
     def _peak_memory(self, run: Callable[[], None]) -> int:
         """The peak of allocated memory while run() runs (what is allocated now included)."""
