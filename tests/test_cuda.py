@@ -541,6 +541,7 @@ def test_make_run_answers_on_the_gpu() -> None:
     import subprocess
     import sys
 
+    require_smollm2_gguf()
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))

@@ -66,6 +66,7 @@ from arle_kernels.decode_attention import (
     pick_num_splits,
 )
 from arle_kernels.extend_attention import block_tokens
+from arle_kernels.fused import exponential_noise
 from arle_kernels.gemv import row_classes
 from arle_kernels.jit import compile_ahead
 from arle_kernels.ops import ops_for
@@ -583,15 +584,18 @@ class CUDAExecutor:
         self.stream.synchronize()
 
     def _build_sampler_variants(self) -> None:
-        """The greedy pick's kernels (kernels/greedy.py), built now for the logits steps give
-        it: the decode graphs' (the model's dtype) and the other steps' (fp32). Into the token
-        buffer's spare entry."""
+        """The sampler's kernels, built now: the greedy pick's (kernels/greedy.py) for the
+        logits steps give it, the decode graphs' (the model's dtype) and the other steps'
+        (fp32), into the token buffer's spare entry; and the seeded rows' noise (a request
+        with a `seed`: no start-up step has one; a GPU test saw it built mid-request)."""
         vocab = self.model.config.vocab_size
         slots = torch.full((1,), self.pad_slot, dtype=torch.int32, device=self.device)
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for dtype in {self.model.embed_tokens.weight.dtype, torch.float32}:
                 logits = torch.zeros(1, vocab, dtype=dtype, device=self.device)
                 self.model.ops.greedy_pick(logits, slots, self.token_buffer)
+            zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+            exponential_noise(zero, zero, vocab)
         self.stream.synchronize()
 
     def _forward_decode(self, step: DeviceStep) -> torch.Tensor:
