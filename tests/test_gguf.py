@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import mmap
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,11 +107,16 @@ def test_truncated_file(tmp_path: Path, size: int) -> None:
     assert str(path) in str(e.value)
 
 
-def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:
+def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], *,
+                raw_dtype: Any = None, metadata: Callable[[Any], None] | None = None) -> Path:
+    """A GGUF written by the `gguf` package: `metadata(writer)` adds keys first; quantized
+    tensors come as [rows, bytes] with their `raw_dtype`."""
     gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(path), arch=arch)
+    if metadata is not None:
+        metadata(w)
     for name, t in tensors.items():
-        w.add_tensor(name, t)
+        w.add_tensor(name, t, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -143,11 +150,9 @@ def test_copy_without_trailing_bytes_is_truncated(tmp_path: Path) -> None:
         read_gguf(path)
 
 
-def _header(path: Path) -> tuple[dict[str, Any], list[Any]]:
-    import mmap
-
+def _mapped(path: Path) -> mmap.mmap:
     with path.open("rb") as f:
-        return _Header(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)).read()
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 def test_header_reads_what_the_gguf_package_writes(tmp_path: Path) -> None:
@@ -156,31 +161,27 @@ def test_header_reads_what_the_gguf_package_writes(tmp_path: Path) -> None:
     package put them."""
     gguf = pytest.importorskip("gguf")
     t = gguf.GGUFValueType
-    path = tmp_path / "kv.gguf"
-    w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_custom_alignment(64)
     scalars = {"u8": (200, t.UINT8), "i8": (-5, t.INT8), "u16": (60000, t.UINT16),
                "i16": (-300, t.INT16), "u32": (4_000_000_000, t.UINT32), "i32": (-7, t.INT32),
                "f32": (0.5, t.FLOAT32), "yes": (True, t.BOOL), "no": (False, t.BOOL),
                "u64": (2**40, t.UINT64), "i64": (-(2**40), t.INT64), "f64": (0.1, t.FLOAT64),
                "text": ("héllo\n", t.STRING)}
-    for key, (value, kind) in scalars.items():
-        w.add_key_value(f"x.{key}", value, kind)
-    w.add_array("x.ints", [1, -2, 3])
-    w.add_array("x.floats", [0.25, -1.5])
-    w.add_array("x.words", ["a", "", "ünï"])
-    w.add_array("x.nested", [[1, 2], [3]])
+
+    def metadata(w: Any) -> None:
+        w.add_custom_alignment(64)
+        for key, (value, kind) in scalars.items():
+            w.add_key_value(f"x.{key}", value, kind)
+        w.add_array("x.ints", [1, -2, 3])
+        w.add_array("x.floats", [0.25, -1.5])
+        w.add_array("x.words", ["a", "", "ünï"])
+        w.add_array("x.nested", [[1, 2], [3]])
+
     rng = np.random.default_rng(0)
     tensors = {"a": rng.standard_normal((3, 5)).astype(np.float32),
                "b": rng.standard_normal(7).astype(np.float16)}
-    for name, x in tensors.items():
-        w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _write_gguf(tmp_path / "kv.gguf", "llama", tensors, metadata=metadata)
 
-    fields, entries = _header(path)
+    fields, entries = _Header(_mapped(path)).read()
     for key, (value, _) in scalars.items():
         assert fields[f"x.{key}"] == value, key
     assert fields["general.alignment"] == 64 and fields["general.architecture"] == "llama"
@@ -225,23 +226,15 @@ def test_torch_dequantizers_match_the_gguf_package(name: str) -> None:
 def test_tensors_read_in_their_shape_whichever_dequantizes(tmp_path: Path, name: str) -> None:
     """A quantized tensor written by the `gguf` package comes back in its shape with the
     package's values, by a torch dequantizer (Q4_1) or by the package's own (Q5_0, Q5_1)."""
-    import mmap
-
     gguf = pytest.importorskip("gguf")
     from gguf.quants import dequantize, quantize
 
     qtype = gguf.GGMLQuantizationType[name]
     x = np.random.default_rng(2).standard_normal((3, 96)).astype(np.float32)
     packed = quantize(x, qtype)
-    path = tmp_path / "q.gguf"
-    w = gguf.GGUFWriter(str(path), arch="qwen3")
-    w.add_tensor("token_embd.weight", packed, raw_dtype=qtype)  # packed: [rows, bytes]
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with path.open("rb") as f:
-        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    path = _write_gguf(tmp_path / "q.gguf", "qwen3", {"token_embd.weight": packed},
+                       raw_dtype=qtype)
+    data = _mapped(path)
     _, tensors = _Header(data).read()
     model = GGUFModel(path, {"model_type": "qwen3"}, None,  # type: ignore[arg-type]
                       _data=data, _tensors=tensors, _names={"token_embd.weight": "embed"})
