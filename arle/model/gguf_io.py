@@ -12,6 +12,7 @@ and dequantizes the block formats that have no torch version here (`_TORCH_DEQUA
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -228,7 +229,7 @@ class _Header:
         tensors = []
         for name, dims, qtype, offset in entries:
             block, size = GGML_QUANT_SIZES[qtype]
-            n = int(np.prod(dims, dtype=np.int64))
+            n = math.prod(dims)  # exact: bad dims make a size the file check then refuses
             if n % block:
                 raise ValueError(f"tensor {name}: {n} values in blocks of {block}")
             tensors.append(_Tensor(name, dims, qtype, start + offset, n // block * size))
