@@ -408,12 +408,13 @@ class CUDAExecutor:
         return run
 
     def _eager_prefill_runs(self) -> list[Callable[[], None]]:
-        """Without extend graphs (one running request), prefill steps run eagerly at any
-        length: one short prefill per variant class their kernels compile by row count (the
-        GEMVs' `row_classes` above one row, which also gives the glue kernels a count that is
-        neither 1 nor a multiple of 16; longer chunks take cuBLAS and the profile step's
-        variants), one row sampling greedily, so no prompt builds one mid-request (seen on
-        the H200 from a cold cache: a 1 s compile before the first token)."""
+        """Without extend graphs (one running request, or no graphs), prefill steps run
+        eagerly at any length: one short prefill per variant class their kernels compile by
+        row count (the GEMVs' `row_classes` above one row, which also give the glue kernels a
+        count that is neither 1 nor a multiple of 16; longer chunks take cuBLAS and the
+        profile step's variants), one row sampling greedily. So no prompt builds a variant
+        mid-request (seen on the H200 from a cold cache: a 1 s compile before the first
+        token)."""
         if self.extend_graphs is not None:
             return []
         greedy = SamplingParams(temperature=0.0)
