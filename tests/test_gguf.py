@@ -108,11 +108,12 @@ def test_truncated_file(tmp_path: Path, size: int) -> None:
 
 
 def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], *,
-                raw_dtype: Any = None, metadata: Callable[[Any], None] | None = None) -> Path:
+                raw_dtype: Any = None, metadata: Callable[[Any], None] | None = None,
+                **writer: Any) -> Path:
     """A GGUF written by the `gguf` package: `metadata(writer)` adds keys first; quantized
-    tensors come as [rows, bytes] with their `raw_dtype`."""
+    tensors come as [rows, bytes] with their `raw_dtype`; `writer`: GGUFWriter's options."""
     gguf = pytest.importorskip("gguf")
-    w = gguf.GGUFWriter(str(path), arch=arch)
+    w = gguf.GGUFWriter(str(path), arch=arch, **writer)
     if metadata is not None:
         metadata(w)
     for name, t in tensors.items():
@@ -192,6 +193,14 @@ def test_header_reads_what_the_gguf_package_writes(tmp_path: Path) -> None:
         assert (e.name, e.shape, e.n_bytes) == (name, x.shape, x.nbytes)
         assert e.offset % 64 == 0
         assert np.array_equal(np.frombuffer(data, x.dtype, x.size, e.offset).reshape(x.shape), x)
+
+
+def test_a_big_endian_file_is_named_so(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = _write_gguf(tmp_path / "be.gguf", "llama", {"token_embd.weight": np.zeros(4, np.float32)},
+                       endianess=gguf.GGUFEndian.BIG)
+    with pytest.raises(ModelLoadError, match="corrupt GGUF file: a big-endian GGUF"):
+        read_gguf(path)
 
 
 def test_header_names_a_version_it_does_not_read(tmp_path: Path) -> None:

@@ -212,7 +212,10 @@ class _Header:
     def read(self) -> tuple[dict[str, Any], list[_Tensor]]:
         version = self._scalar("<I")
         if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} (supported: 2 and 3)")
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            raise ValueError("a big-endian GGUF (not supported: convert it little-endian)"
+                             if swapped in (2, 3) else
+                             f"GGUF version {version} (supported: 2 and 3)")
         n_tensors, n_fields = self._scalar("<Q"), self._scalar("<Q")
         fields = {}
         for _ in range(n_fields):
