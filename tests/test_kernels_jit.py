@@ -5,7 +5,9 @@ where it cannot build ahead (the interpreter) they run as usual."""
 
 from __future__ import annotations
 
+import importlib
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import triton
 import triton.language as tl
 from helpers import run_interpreter_check
 
+import arle_kernels
 import arle_kernels.jit as jit
 from arle_kernels import decode_attention, extend_attention
 from arle_kernels.gemv import GemvConfig, _launch, gemv_ref
@@ -88,6 +91,43 @@ def test_a_build_reaches_a_worker_as_plain_data(tmp_path: Path,
     local = ASTSource(local_kernel, {"x_ptr": "*fp32"}, {}, {})
     assert jit._compile_inputs(triton_like(local, None, Options(), None)) is None
     assert jit._compile_inputs(lambda: None) is None
+
+
+@triton.jit
+def _fma_kernel(x_ptr, y_ptr, z_ptr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    offs = tl.arange(0, BLOCK)
+    x, y = tl.load(x_ptr + offs), tl.load(y_ptr + offs)
+    tl.store(z_ptr + offs, x * y + y)
+
+
+def test_kernels_compile_with_fma_contraction(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing arle_kernels pins Triton's FP fusion on, where the user set nothing: with the
+    default Triton announces for 3.10 (off, simulated here), a * b + c compiles (for sm_90, no
+    GPU needed) to a mul and an add; after the import, to one fma."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    knob = vars(type(getattr(getattr(triton, "knobs", None), "language", None))).get(
+        "default_fp_fusion")
+    if knob is None or not hasattr(knob, "default"):
+        pytest.skip("this Triton has no default_fp_fusion knob")
+    monkeypatch.setattr(knob, "default", False)  # Triton 3.10's announced default
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    src = ASTSource(_fma_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": "*fp32",
+                                  "BLOCK": "constexpr"}, {(3,): 128}, {})
+
+    def ptx() -> str:
+        return str(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+
+    with warnings.catch_warnings():  # Triton's warning that the default is about to change
+        warnings.simplefilter("ignore")
+        assert "fma.rn.f32" not in ptx(), "the simulated default did not take"
+    importlib.reload(arle_kernels)
+    assert "fma.rn.f32" in ptx()
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")  # the user's choice stands
+    importlib.reload(arle_kernels)
+    assert "fma.rn.f32" not in ptx()
 
 
 def _odd_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
