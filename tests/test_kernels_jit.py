@@ -107,8 +107,8 @@ def test_kernels_compile_with_fma_contraction(tmp_path: Path,
     GPU needed) to a mul and an add; after the import, to one fma."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    knob = vars(type(getattr(getattr(triton, "knobs", None), "language", None))).get(
-        "default_fp_fusion")
+    language = getattr(getattr(triton, "knobs", None), "language", None)
+    knob = type(language).__dict__.get("default_fp_fusion")  # the descriptor, not its value
     if knob is None or not hasattr(knob, "default"):
         pytest.skip("this Triton has no default_fp_fusion knob")
     monkeypatch.setattr(knob, "default", False)  # Triton 3.10's announced default
