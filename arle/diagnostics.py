@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import arle
+from arle import env
 from arle.errors import ArleError, ModelLoadError
 from arle.logging import get_logger
 from arle.paths import cache_dir, chat_history_path, triton_cache_dir
@@ -84,7 +85,7 @@ def gpu_info() -> tuple[list[dict[str, Any]], str | None]:
     if torch.version.cuda is None:
         return [], f"this torch ({torch.__version__}) is a CPU-only build"
     if not torch.cuda.is_available():
-        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hidden = env.cuda_visible_devices()
         why = ("CUDA_VISIBLE_DEVICES hides every GPU" if hidden is not None and not hidden.strip()
                else "torch.cuda.is_available() is False (no GPU, or no working driver)")
         return [], why

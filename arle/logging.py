@@ -12,7 +12,6 @@ The stream is looked up at write time, not at configure time, so a swapped `sys.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 from typing import Any, Literal, cast
@@ -20,6 +19,8 @@ from typing import Any, Literal, cast
 import orjson
 import structlog
 from structlog.typing import FilteringBoundLogger, Processor
+
+from arle import env
 
 LogFormat = Literal["console", "json"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("console", "json")
@@ -94,7 +95,7 @@ def _level_number(level: str | int) -> int:
 
 def resolve_log_format(fmt: str | None) -> LogFormat:
     """`fmt`, else `ARLE_LOG_FORMAT`, else "console"."""
-    value = fmt or os.environ.get("ARLE_LOG_FORMAT") or "console"
+    value = fmt or env.log_format() or "console"
     if value not in LOG_FORMATS:
         raise ValueError(f"unknown log format {value!r}; use one of {', '.join(LOG_FORMATS)}")
     return cast(LogFormat, value)

@@ -10,20 +10,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from arle import env
+
 
 def _xdg(var: str, fallback: str) -> Path:
     # NOTE: the spec says a relative value is invalid and must be ignored.
-    value = os.environ.get(var, "")
+    value = env.get(var) or ""
     base = Path(value) if value and os.path.isabs(value) else Path.home() / fallback
     return base / "arle"
 
 
 def data_dir() -> Path:
-    return _xdg("XDG_DATA_HOME", ".local/share")
+    return _xdg(env.XDG_DATA_HOME, ".local/share")
 
 
 def cache_dir() -> Path:
-    return _xdg("XDG_CACHE_HOME", ".cache")
+    return _xdg(env.XDG_CACHE_HOME, ".cache")
 
 
 def chat_history_path() -> Path:
@@ -33,5 +35,5 @@ def chat_history_path() -> Path:
 
 def triton_cache_dir() -> Path:
     """Where Triton writes compiled kernels (its own default unless TRITON_CACHE_DIR is set)."""
-    value = os.environ.get("TRITON_CACHE_DIR")
+    value = env.triton_cache_dir()
     return Path(value) if value else Path.home() / ".triton" / "cache"

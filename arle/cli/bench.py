@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import orjson
 import typer
 
+from arle import env
 from arle.cli.common import arle_command
 from arle.errors import ArleError
 
@@ -32,7 +33,7 @@ def bench(
     model: Annotated[str | None, typer.Option(
         "--model", help="Model name to send (default: the first of /v1/models).")] = None,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar="ARLE_API_KEY", help="Bearer key for the server.")] = None,
+        "--api-key", envvar=env.ARLE_API_KEY, help="Bearer key for the server.")] = None,
     dataset: Annotated[str, _opt(
         "--dataset", help="The workload; only 'random' for now.")] = "random",
     num_prompts: Annotated[int, _opt("--num-prompts", min=1, help="Requests to send.")] = 100,

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
+from arle import env
 from arle.cli.common import arle_command, panel_option, sampling_option
 from arle.config import EngineConfig
 
@@ -31,7 +32,7 @@ def chat(
         help="Chat with a running server (e.g. http://127.0.0.1:8000) instead of loading the "
              "model here.")] = None,
     api_key: Annotated[str | None, _chat_opt(
-        "--api-key", envvar="ARLE_API_KEY", help="Bearer token for --url.")] = None,
+        "--api-key", envvar=env.ARLE_API_KEY, help="Bearer token for --url.")] = None,
     system: Annotated[str | None, _chat_opt(
         "--system", help="The system message (default: the chat template's).")] = None,
     load: Annotated[Path | None, _chat_opt(

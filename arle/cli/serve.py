@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from arle import env
 from arle.cli.common import arle_command
 from arle.config import EngineConfig
 from arle.errors import ArleError
@@ -46,7 +47,7 @@ def serve(
     ] = "127.0.0.1",
     port: Annotated[int, _server_opt("--port", min=0, max=65535, help="TCP port.")] = 8000,
     api_key: Annotated[str | None, _server_opt(
-        "--api-key", envvar="ARLE_API_KEY", show_envvar=True,
+        "--api-key", envvar=env.ARLE_API_KEY, show_envvar=True,
         help="Require 'Authorization: Bearer KEY' on /v1/* (default: no key).")] = None,
     served_model_name: Annotated[str | None, _server_opt(
         "--served-model-name",

