@@ -1,4 +1,7 @@
-"""One typed config for an engine. Front ends build it from their flags; nothing else does."""
+"""One typed config for an engine, and the command-line flags that set it (ENGINE_OPTIONS).
+
+Front ends build it from their flags; nothing else does.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +18,9 @@ DEVICE_DEFAULTS = {
     "max_batched_tokens": (2048, 16384),
     "chunked_prefill_size": (512, 8192),
 }
-#: What a server (`serving`) takes instead. Fewer prompt tokens a step on a GPU: requests that
-#: arrive together then get their first tokens in turn, not all after one long step. On the
-#: H200 (Qwen3-4B, 512-token prompts, new ones each run) a 1024-token budget against 16384, at
-#: concurrency 8 in one call: TTFT 43 ms against 56, 2239 against 2191 output tok/s, TPOT 3.25
-#: against 3.23 ms; at 16 and 64 (other calls) TTFT 67 / 310 ms against 137 / 387. But the
-#: offline run, all work queued at once, lost 18% of its throughput at 1024 (same call), so
-#: only `arle serve` takes it (docs/benchmarks/gpu-2026-11-30.md).
+#: What a server (`serving`) takes instead: a small per-step prompt budget on CUDA, so requests
+#: that arrive together get their first tokens in turn instead of all after one long step.
+#: Offline runs, all their work queued at once, keep the wide steps (more throughput).
 SERVING_DEFAULTS = {
     "max_batched_tokens": (2048, 1024),
 }
@@ -40,12 +39,12 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     #: Longest prompt + output a request may have; None: the model's context length.
     max_model_len: int | None = None
-    #: Most requests decoding at once (None: 64 on CPU, 256 on CUDA).
+    #: Most requests decoding at once (None: DEVICE_DEFAULTS).
     max_running_requests: int | None = None
-    #: Token budget of one step, prefill chunk tokens + one per decode row (None: 2048 / 16384;
-    #: serving: 2048 / 1024).
+    #: Token budget of one step, prefill chunk tokens + one per decode row (None: DEVICE_DEFAULTS;
+    #: serving: SERVING_DEFAULTS).
     max_batched_tokens: int | None = None
-    #: Longest prefill chunk of one request in one step (None: 512 / 8192).
+    #: Longest prefill chunk of one request in one step (None: DEVICE_DEFAULTS).
     chunked_prefill_size: int | None = None
     #: Bound of the waiting queue; over it `generate` raises OverloadedError.
     max_waiting_requests: int = 256
@@ -87,3 +86,70 @@ class EngineConfig:
         filled = {name: values[col] for name, values in defaults.items()
                   if getattr(self, name) is None}
         return replace(self, device=device, **filled)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One EngineConfig field as a command-line flag; its type and default are the field's."""
+
+    field: str
+    flag: str
+    help: str
+    aliases: tuple[str, ...] = ()
+    metavar: str | None = None
+    min: float | None = None
+    max: float | None = None
+    #: The flag turns a boolean field off: `--no-prefix-cache` is enable_prefix_cache=False.
+    inverted: bool = False
+
+    @property
+    def param(self) -> str:
+        """The flag as a Python name: `--no-prefix-cache` -> no_prefix_cache."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+def _by_device(name: str) -> str:
+    """The help text's default of a device-dependent field."""
+    cpu, cuda = DEVICE_DEFAULTS[name]
+    return f"default: {cpu} on CPU, {cuda} on CUDA"
+
+
+#: The engine flags of `arle complete`, `chat`, `serve` and `warmup`, in --help order. The other
+#: fields have no engine flag: `arle serve` sets max_waiting_requests (its --max-waiting) and
+#: serving; page_size, kv_cache_memory_gb and seed keep their defaults.
+ENGINE_OPTIONS: tuple[EngineOption, ...] = (
+    EngineOption("model", "--model", aliases=("-m",), metavar="PATH",
+                 help="A Hugging Face model directory or a .gguf file "
+                      "(default: $ARLE_MODEL, else the SmolLM2-135M package)."),
+    EngineOption("dtype", "--dtype",
+                 help="Weight and activation dtype; auto: the model's (float32 on CPU)."),
+    EngineOption("device", "--device", help="auto: cuda if available, else cpu."),
+    EngineOption("max_model_len", "--max-model-len", min=1,
+                 help="Longest prompt + output of a request (default: the model's context "
+                      "length)."),
+    EngineOption("max_running_requests", "--max-running-requests", min=1,
+                 help=f"Most requests decoding at once ({_by_device('max_running_requests')}; "
+                      "1 for `arle complete` and `arle chat`, which run one at a time)."),
+    EngineOption("max_batched_tokens", "--max-batched-tokens", min=1,
+                 help=f"Token budget of one engine step ({_by_device('max_batched_tokens')}; "
+                      f"{SERVING_DEFAULTS['max_batched_tokens'][1]} for `arle serve` on CUDA)."),
+    EngineOption("chunked_prefill_size", "--chunked-prefill-size", min=1,
+                 help="Longest prefill chunk of one request per step "
+                      f"({_by_device('chunked_prefill_size')})."),
+    EngineOption("kv_cache_tokens", "--kv-cache-tokens", min=1,
+                 help="KV cache size in tokens (default: sized from memory)."),
+    EngineOption("enable_prefix_cache", "--no-prefix-cache", inverted=True,
+                 help="Do not reuse the KV cache of shared prompt prefixes."),
+    EngineOption("overlap", "--disable-overlap", inverted=True,
+                 help="Schedule the next step only after the current one ran."),
+    EngineOption("num_threads", "--threads", min=1,
+                 help="CPU threads for torch (default: torch's)."),
+    EngineOption("mem_fraction_static", "--mem-fraction-static", min=0.05, max=0.99,
+                 help="CUDA: share of GPU memory for weights, activations and the KV pool."),
+    EngineOption("kv_cache_dtype", "--kv-cache-dtype",
+                 help="CUDA: KV cache format (auto: the model dtype)."),
+    EngineOption("cuda_graph", "--disable-cuda-graph", inverted=True,
+                 help="CUDA: run decode steps eagerly (no graph replay)."),
+    EngineOption("cuda_graph_max_bs", "--cuda-graph-max-bs", min=1,
+                 help="CUDA: largest decode batch captured (default: --max-running-requests)."),
+)
