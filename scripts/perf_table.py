@@ -1,0 +1,488 @@
+#!/usr/bin/env python3
+"""Write docs/performance.md's figures, and README.md's table of a few, from docs/results/.
+
+    python scripts/perf_table.py            # rewrite the parts between each page's markers
+    python scripts/perf_table.py --check    # exit 1 if either page differs from that
+    python scripts/perf_table.py --provenance h200/hf_qwen3-4b.json 2026-11-30 cc9f46a
+
+Every figure is declared once, below: SOURCES says which command wrote each file of
+docs/results/, FIGURES which value of which file each table cell shows (a dotted path into the
+JSON; `name[key=value]` picks the one list item with that key). A file's date and commit are its
+own "date" and "commit". Files whose writer records neither (check_gpu_parity.py's,
+bench_hf.py's) take them from docs/results/provenance.json, whose entry also holds the file's
+sha256: a new file with an old entry is an error, never an old date. `--provenance` writes one.
+
+To update the figures: replace the files (same names), then run this script. Standard library
+only: it must run where torch is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import hashlib
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+DOC = ROOT / "docs" / "performance.md"
+README = ROOT / "README.md"
+PROVENANCE = RESULTS / "provenance.json"
+BEGIN = "<!-- figures:begin (scripts/perf_table.py writes this part) -->"
+END = "<!-- figures:end -->"
+README_BEGIN = "<!-- perf:begin (scripts/perf_table.py writes this table) -->"
+README_END = "<!-- perf:end -->"
+
+#: issue 5's targets on the H200 (Qwen3-4B), for "What bounds the open targets"
+TARGET_FLOOR_RATIO = 1.15
+TARGET_C8_TOK_S = 2500.0
+TARGET_C8_TPOT_MS = 3.0
+
+
+@dataclass(frozen=True)
+class Field:
+    """One value of one file: `fmt` formats it (after `scale`)."""
+
+    file: str  # under docs/results/
+    path: str
+    fmt: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Quotient:
+    """num / den * scale: a value computed from two fields (a floor from bytes and bandwidth)."""
+
+    num: Field
+    den: Field
+    fmt: str
+    scale: float = 1.0
+
+
+Value = Field | Quotient
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One table row. The ratio column is arle's first value over the baseline's first.
+    `readme`: the row's workload in README.md's table (empty: not there)."""
+
+    machine: str
+    workload: str
+    model: str
+    arle: tuple[Value, ...]
+    baseline_name: str = ""
+    baseline: tuple[Value, ...] = ()
+    sep: str = ", "
+    readme: str = ""
+
+
+@dataclass(frozen=True)
+class Source:
+    file: str  # under docs/results/
+    command: str
+
+
+@dataclass(frozen=True)
+class Machine:
+    key: str  # the folder under docs/results/
+    title: str
+    short: str  # README.md's hardware column
+    about: tuple[Field, ...]  # a line of versions under the title
+    setup: tuple[str, ...]  # commands to run once before the sources' commands
+
+
+MACHINES = (
+    Machine("h200", "One NVIDIA H200", "1 H200",
+            (Field("h200/decode_qwen3-4b.json", "torch", "torch {}"),
+             Field("h200/hf_qwen3-4b.json", "environment.transformers", "transformers {}")),
+            ("export ARLE_COMMIT=$(git rev-parse --short HEAD)  # bench_gpu.py stamps its JSON",
+             "for m in qwen3-4b qwen3-8b qwen3-0.6b; do",
+             "  python3 scripts/make_random_model.py $m /tmp/models/$m  # random weights",
+             "done",
+             "GGUF=$(python3 -c 'from arle.model.default import default_model_path as p; "
+             "print(p())')")),
+    Machine("cpu", "The 2-core CPU machine", "2-core CPU",
+            (Field("cpu/bench_cpu.json", "machine.cpus", "{} CPUs"),
+             Field("cpu/bench_cpu.json", "machine.cpu_capability", "{}"),
+             Field("cpu/bench_cpu.json", "machine.torch", "torch {}"),
+             Field("cpu/bench_cpu.json", "machine.torch_threads", "{} threads"),
+             Field("cpu/bench_cpu.json", "dtype", "{}")),
+            ()),
+)
+
+_SERVE = "python3 scripts/bench_gpu.py serve /tmp/models/qwen3-4b"
+SOURCES = (
+    Source("h200/ceilings.json", "python3 scripts/bench_gpu.py ceilings "
+           "--out docs/results/h200/ceilings.json"),
+    Source("h200/decode_qwen3-4b.json", "python3 scripts/bench_gpu.py decode /tmp/models/qwen3-4b "
+           "--out docs/results/h200/decode_qwen3-4b.json"),
+    Source("h200/decode_qwen3-8b.json", "python3 scripts/bench_gpu.py decode /tmp/models/qwen3-8b "
+           "--out docs/results/h200/decode_qwen3-8b.json"),
+    Source("h200/prefill_qwen3-4b.json", "python3 scripts/bench_gpu.py prefill "
+           "/tmp/models/qwen3-4b --out docs/results/h200/prefill_qwen3-4b.json"),
+    Source("h200/parity_qwen3-4b.json", "python3 scripts/check_gpu_parity.py "
+           "/tmp/models/qwen3-4b --prompts 2 --len 512 "
+           "--out docs/results/h200/parity_qwen3-4b.json"),
+    Source("h200/parity_smollm2.json", "python3 scripts/check_gpu_parity.py \"$GGUF\" "
+           "--out docs/results/h200/parity_smollm2.json"),
+    Source("h200/serve_qwen3-4b.json", "rm -rf ~/.triton/cache  # time to ready from a cold "
+           f"Triton cache\n{_SERVE} --out docs/results/h200/serve_qwen3-4b.json"),
+    Source("h200/serve_qwen3-4b_default.json", f"{_SERVE} --concurrency 1 8 --num-prompts 32 "
+           "--out docs/results/h200/serve_qwen3-4b_default.json"),
+    Source("h200/serve_qwen3-4b_disable-overlap.json", f"{_SERVE} --concurrency 1 8 "
+           "--num-prompts 32 --serve-args=\"--disable-overlap\" "
+           "--out docs/results/h200/serve_qwen3-4b_disable-overlap.json"),
+    Source("h200/serve_qwen3-4b_disable-cuda-graph.json", f"{_SERVE} --concurrency 1 8 "
+           "--num-prompts 32 --serve-args=\"--disable-cuda-graph\" "
+           "--out docs/results/h200/serve_qwen3-4b_disable-cuda-graph.json"),
+    Source("h200/hf_qwen3-4b.json", "python3 scripts/bench_hf.py /tmp/models/qwen3-4b --batch 1 8 "
+           "--modes eager static --repeats 1 --out docs/results/h200/hf_qwen3-4b.json"),
+    Source("h200/offline_qwen3-0.6b.json", "python3 scripts/bench_gpu.py offline "
+           "/tmp/models/qwen3-0.6b --out docs/results/h200/offline_qwen3-0.6b.json"),
+    Source("h200/serve_smollm2.json", "python3 scripts/bench_gpu.py serve \"$GGUF\" "
+           "--concurrency 1 8 64 --num-prompts 64 --out docs/results/h200/serve_smollm2.json"),
+    Source("cpu/bench_cpu.json", "python3 scripts/bench_cpu.py "
+           "--out docs/results/cpu/bench_cpu.json"),
+)
+
+_Q4 = "Qwen3-4B"
+_SMOL = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+_DEC4, _DEC8 = "h200/decode_qwen3-4b.json", "h200/decode_qwen3-8b.json"
+_CEIL = "h200/ceilings.json"
+_S4, _SD = "h200/serve_qwen3-4b.json", "h200/serve_qwen3-4b_default.json"
+_NO_OVERLAP = "h200/serve_qwen3-4b_disable-overlap.json"
+_NO_GRAPH = "h200/serve_qwen3-4b_disable-cuda-graph.json"
+_HF = "h200/hf_qwen3-4b.json"
+_CPU = "cpu/bench_cpu.json"
+
+
+def _floor(decode: str) -> Quotient:
+    """A decode step's floor: the weights' bytes / the read bandwidth of `x.sum()`, in ms."""
+    return Quotient(Field(decode, "weight_bytes", ""), Field(_CEIL, "read_TBps", ""),
+                    "{:.3f} ms", 1e-9)
+
+
+def _parity(file: str, name: str) -> tuple[Field, ...]:
+    s = f"summary.{name}"
+    return (Field(file, f"{s}.rel", "rel {:.4f}"), Field(file, f"{s}.kl_mean", "KL {:.2e}"),
+            Field(file, f"{s}.top1", "top-1 {:.1%}"))
+
+
+def _serve(file: str, c: int) -> tuple[Field, ...]:
+    r = f"runs.{c}"
+    return (Field(file, f"{r}.output_throughput", "{:.0f} tok/s"),
+            Field(file, f"{r}.mean_tpot_ms", "TPOT {:.3f} ms"),
+            Field(file, f"{r}.mean_ttft_ms", "TTFT {:.1f} ms"))
+
+
+def _tok_s(file: str, c: int) -> tuple[Field]:
+    return (Field(file, f"runs.{c}.output_throughput", "{:.0f} tok/s"),)
+
+
+_RANDOM = "512 in / 128 out"
+FIGURES = (
+    Figure("h200", "decode, batch 1: TPOT", _Q4,
+           (Field(_DEC4, "batch1.mean_tpot_ms", "{:.3f} ms"),), "weight-read floor",
+           (_floor(_DEC4),), readme="Qwen3-4B decode, batch 1: time per token"),
+    Figure("h200", "decode, batch 1: TPOT", "Qwen3-8B",
+           (Field(_DEC8, "batch1.mean_tpot_ms", "{:.3f} ms"),), "weight-read floor",
+           (_floor(_DEC8),)),
+    Figure("h200", f"{_RANDOM}, batch 1: output tok/s (arle: `arle serve`, c = 1)", _Q4,
+           _tok_s(_SD, 1), "transformers `generate`, static cache, compiled",
+           (Field(_HF, "results[mode=static,batch=1].output_tok_s", "{:.1f} tok/s"),),
+           readme=f"Qwen3-4B, {_RANDOM}, one request at a time"),
+    Figure("h200", f"{_RANDOM}, batch 8: output tok/s (arle: `arle serve`, c = 8)", _Q4,
+           _tok_s(_SD, 8), "transformers `generate`, static cache, compiled",
+           (Field(_HF, "results[mode=static,batch=8].output_tok_s", "{:.1f} tok/s"),),
+           readme=f"Qwen3-4B, {_RANDOM}, 8 at a time"),
+    Figure("h200", "logits against transformers fp32, 2 x 512 random tokens", _Q4,
+           _parity("h200/parity_qwen3-4b.json", "arle_bf16_vs_transformers_fp32"),
+           "transformers bf16",
+           _parity("h200/parity_qwen3-4b.json", "transformers_bf16_vs_fp32")),
+    Figure("h200", "logits against transformers fp32, 7 English prompts", _SMOL,
+           _parity("h200/parity_smollm2.json", "arle_bf16_vs_transformers_fp32"),
+           "transformers bf16",
+           _parity("h200/parity_smollm2.json", "transformers_bf16_vs_fp32"),
+           readme="the default model's logits against transformers fp32"),
+    Figure("h200", "prefill, one 4096-token prompt: TTFT", _Q4,
+           (Field("h200/prefill_qwen3-4b.json", "ttft_ms", "{:.1f} ms"),
+            Field("h200/prefill_qwen3-4b.json", "achieved_TFLOPs", "{:.0f} TFLOP/s")),
+           "GEMM-rate floor (FLOPs / bf16 GEMM rate)",
+           (Quotient(Field("h200/prefill_qwen3-4b.json", "flops", ""),
+                     Field(_CEIL, "bf16_gemm_TFLOPs", ""), "{:.1f} ms", 1e-9),)),
+    Figure("h200", f"`arle serve` + `arle bench`, {_RANDOM}, c = 1", _Q4, _serve(_S4, 1)),
+    Figure("h200", f"`arle serve` + `arle bench`, {_RANDOM}, c = 8", _Q4, _serve(_S4, 8)),
+    Figure("h200", f"`arle serve` + `arle bench`, {_RANDOM}, c = 64", _Q4, _serve(_S4, 64)),
+    Figure("h200", "`arle serve`: time to ready, cold Triton cache", _Q4,
+           (Field(_S4, "time_to_ready_s", "{:.2f} s"),)),
+    Figure("h200", f"overlapped scheduling, {_RANDOM}, c = 1", _Q4, _tok_s(_SD, 1),
+           "`--disable-overlap`", _tok_s(_NO_OVERLAP, 1)),
+    Figure("h200", f"overlapped scheduling, {_RANDOM}, c = 8", _Q4, _tok_s(_SD, 8),
+           "`--disable-overlap`", _tok_s(_NO_OVERLAP, 8)),
+    Figure("h200", f"CUDA graphs, {_RANDOM}, c = 1", _Q4, _tok_s(_SD, 1),
+           "`--disable-cuda-graph`", _tok_s(_NO_GRAPH, 1)),
+    Figure("h200", f"CUDA graphs, {_RANDOM}, c = 8", _Q4, _tok_s(_SD, 8),
+           "`--disable-cuda-graph`", _tok_s(_NO_GRAPH, 8)),
+    Figure("h200", "offline, 256 requests of 100-1024 in / 100-1024 out", "Qwen3-0.6B",
+           (Field("h200/offline_qwen3-0.6b.json", "output_tok_s", "{:.0f} tok/s"),)),
+    Figure("h200", f"`arle serve` + `arle bench`, {_RANDOM}, c = 1 / 8 / 64: output tok/s",
+           _SMOL, (Field("h200/serve_smollm2.json", "runs.1.output_throughput", "{:.0f}"),
+                   Field("h200/serve_smollm2.json", "runs.8.output_throughput", "{:.0f}"),
+                   Field("h200/serve_smollm2.json", "runs.64.output_throughput", "{:.0f}")),
+           sep=" / "),
+    Figure("h200", "`arle serve`: time to ready", _SMOL,
+           (Field("h200/serve_smollm2.json", "time_to_ready_s", "{:.2f} s"),)),
+    Figure("cpu", "decode, batch 1, 32-token prompt + 128 tokens: tok/s", _SMOL,
+           (Field(_CPU, "summary.arle.decode_tok_s", "{:.1f} tok/s"),),
+           "transformers `generate`",
+           (Field(_CPU, "summary.transformers.decode_tok_s", "{:.1f} tok/s"),),
+           readme="the default model, decode, batch 1"),
+    Figure("cpu", "prefill, one 512-token prompt: tok/s", _SMOL,
+           (Field(_CPU, "summary.arle.prefill_tok_s", "{:.0f} tok/s"),),
+           "transformers `generate`",
+           (Field(_CPU, "summary.transformers.prefill_tok_s", "{:.0f} tok/s"),),
+           readme="the default model, prefill of 512 tokens"),
+    Figure("cpu", "decode, batch 1: tok/s", _SMOL,
+           (Field(_CPU, "summary.arle.decode_tok_s", "{:.1f} tok/s"),),
+           "weight-read floor (weights / `x.sum()` bandwidth)",
+           (Field(_CPU, "summary.decode_floor.floor_decode_tok_s", "{:.1f} tok/s"),)),
+)
+
+
+class Results:
+    """docs/results/'s files, read once, with each one's date and commit."""
+
+    def __init__(self, root: Path = RESULTS) -> None:
+        self.root = root
+        self.files: dict[str, Any] = {}
+        self.provenance: dict[str, dict[str, str]] = (
+            json.loads(PROVENANCE.read_text()) if PROVENANCE.exists() else {})
+
+    def load(self, name: str) -> Any:
+        if name not in self.files:
+            path = self.root / name
+            if not path.is_file():
+                raise SystemExit(f"perf_table: docs/results/{name} is missing "
+                                 f"(written by: {_command(name)})")
+            self.files[name] = json.loads(path.read_text())
+        return self.files[name]
+
+    def stamp(self, name: str) -> tuple[str, str]:
+        """(date, commit) of a file: its own, else its provenance entry if the hash matches."""
+        data = self.load(name)
+        if "date" in data and "commit" in data:
+            return str(data["date"])[:10], str(data["commit"] or "unknown")
+        entry = self.provenance.get(name)
+        if entry is None or entry.get("sha256") != sha256(self.root / name):
+            raise SystemExit(
+                f"perf_table: docs/results/{name} records no date or commit, and "
+                f"docs/results/provenance.json has no entry for this file's contents; add one: "
+                f"python scripts/perf_table.py --provenance {name} YYYY-MM-DD COMMIT")
+        return entry["date"], entry["commit"]
+
+    def get(self, field: Field) -> Any:
+        value: Any = self.load(field.file)
+        for part in field.path.split("."):
+            value = _step(value, part, field)
+        return value
+
+    def value(self, v: Value) -> float:
+        if isinstance(v, Quotient):
+            return float(self.get(v.num)) / float(self.get(v.den)) * v.scale
+        return float(self.get(v)) * v.scale
+
+    def show(self, v: Value) -> str:
+        if isinstance(v, Field) and v.scale == 1 and not isinstance(self.get(v), float):
+            return v.fmt.format(self.get(v))  # a string, or an int as it is
+        return v.fmt.format(self.value(v))
+
+
+def _step(value: Any, part: str, field: Field) -> Any:
+    m = re.fullmatch(r"([\w.-]*?)(?:\[(.+)\])?", part)
+    if m is None:
+        raise SystemExit(f"perf_table: bad path {field.path!r}")
+    key, select = m.groups()
+    try:
+        if key:
+            value = value[key]
+        if select:
+            want = dict(kv.split("=", 1) for kv in select.split(","))
+            hits = [x for x in value if all(str(x.get(k)) == w for k, w in want.items())]
+            if len(hits) != 1:
+                raise KeyError(f"{len(hits)} items match [{select}]")
+            value = hits[0]
+    except (KeyError, TypeError) as e:
+        raise SystemExit(f"perf_table: docs/results/{field.file} has no {field.path!r} "
+                         f"({e})") from None
+    return value
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _command(name: str) -> str:
+    return next((s.command for s in SOURCES if s.file == name), "no command declared")
+
+
+def _files(v: Value) -> list[str]:
+    return [v.num.file, v.den.file] if isinstance(v, Quotient) else [v.file]
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def machine_section(res: Results, machine: Machine) -> list[str]:
+    about = ", ".join(res.show(f) for f in machine.about)
+    lines = [f"## {machine.title}", "", f"{about}.", "",
+             "| workload | model | arle | baseline | arle / baseline | date | commit "
+             "| data |", "|---|---|---|---|---|---|---|---|"]
+    used: list[str] = []
+    for fig in (f for f in FIGURES if f.machine == machine.key):
+        files: list[str] = []
+        for v in (*fig.arle, *fig.baseline):
+            files += [f for f in _files(v) if f not in files]
+        used += [f for f in files if f not in used]
+        stamps = [res.stamp(f) for f in files]
+        dates = " / ".join(dict.fromkeys(d for d, _ in stamps))
+        commits = " / ".join(dict.fromkeys(c for _, c in stamps))
+        arle, base, ratio = _cells(res, fig)
+        data = ", ".join(f"[{Path(f).name}](results/{f})" for f in files)
+        lines.append("| " + " | ".join(_cell(c) for c in (
+            fig.workload, fig.model, arle, base, ratio, dates, commits, data)) + " |")
+    lines += ["", "Commands, from the repository root (the data column's files):", "", "```sh",
+              *machine.setup]
+    for name in (s.file for s in SOURCES if s.file in used):
+        lines += [f"# {Path(name).name}", _command(name)]
+    return [*lines, "```", ""]
+
+
+def bounds_section(res: Results) -> list[str]:
+    """The two open targets on the H200, in figures from the same files as the table."""
+    dec = res.load(_DEC4)
+    floor = res.value(_floor(_DEC4))
+    tpot = float(dec["batch1"]["mean_tpot_ms"])
+    crit = dec["kernels_bs1"]["critical"]
+    linear = sum(k["critical_us"] for k in crit if "gemv" in k["label"]) / 1e3
+    rest = sum(k["critical_us"] for k in crit if "gemv" not in k["label"]) / 1e3
+    target = TARGET_FLOOR_RATIO * floor
+    c8 = res.load(_S4)["runs"]["8"]
+    need = c8["total_output_tokens"] / TARGET_C8_TOK_S
+    gap = c8["duration"] - need
+    return [
+        "## What bounds the open targets", "",
+        f"**Batch-1 decode, Qwen3-4B** ([decode_qwen3-4b.json](results/{_DEC4})): TPOT "
+        f"{tpot:.3f} ms, {tpot / floor:.2f}x the {floor:.3f} ms weight-read floor; the target is "
+        f"{TARGET_FLOOR_RATIO:.2f}x, {target:.3f} ms. On the step's critical path "
+        f"(`kernels_bs1.critical`, one profiled graph replay) the linear layers take "
+        f"{linear:.3f} ms, {linear / floor:.2f}x the floor on their own; attention, norms, rope "
+        f"and the embedding take {rest:.3f} ms, where {TARGET_FLOOR_RATIO:.2f}x would leave them "
+        f"{target - linear:.3f} ms.", "",
+        f"**`arle serve` at concurrency 8, Qwen3-4B** ([serve_qwen3-4b.json](results/{_S4})): "
+        f"{c8['output_throughput']:.0f} tok/s against a target of {TARGET_C8_TOK_S:.0f}, TPOT "
+        f"{c8['mean_tpot_ms']:.3f} ms against {TARGET_C8_TPOT_MS:.0f} ms. The server ran "
+        f"{c8['server_steps']} steps in {c8['duration']:.3f} s with the GPU busy "
+        f"{c8['server_device_busy']:.1%} of it, so the host side does not bound it. "
+        f"{TARGET_C8_TOK_S:.0f} tok/s needs the run in {need:.3f} s: {gap * 1e3:.0f} ms less, "
+        f"~{gap / c8['server_steps'] * 1e6:.0f} us off each step; a batch-8 decode step's graph "
+        f"replays in {dec['graph_replay_bs8_ms']:.3f} ms.", ""]
+
+
+def _cells(res: Results, fig: Figure) -> tuple[str, str, str]:
+    """(arle, baseline, ratio) as table cells."""
+    arle = fig.sep.join(res.show(v) for v in fig.arle)
+    if not fig.baseline:
+        return arle, "—", "—"
+    base = f"{fig.baseline_name}: " + fig.sep.join(res.show(v) for v in fig.baseline)
+    return arle, base, f"{res.value(fig.arle[0]) / res.value(fig.baseline[0]):.2f}x"
+
+
+def render(res: Results) -> str:
+    lines = [BEGIN, ""]
+    for machine in MACHINES:
+        lines += machine_section(res, machine)
+    lines += bounds_section(res)
+    return "\n".join([*lines, END])
+
+
+def render_readme(res: Results) -> str:
+    """README.md's table: the figures marked `readme`, with no dates (docs/performance.md's)."""
+    short = {m.key: m.short for m in MACHINES}
+    lines = [README_BEGIN, "| workload | hardware | arle | baseline | arle / baseline |",
+             "|---|---|---|---|---|"]
+    for fig in (f for f in FIGURES if f.readme):
+        lines.append("| " + " | ".join(_cell(c) for c in (
+            fig.readme, short[fig.machine], *_cells(res, fig))) + " |")
+    return "\n".join([*lines, README_END])
+
+
+def updated(doc: str, block: str, begin: str = BEGIN, end_mark: str = END) -> str:
+    start, end = doc.find(begin), doc.find(end_mark)
+    if start < 0 or end < start:
+        raise SystemExit(f"perf_table: no markers {begin!r} ... {end_mark!r}")
+    return doc[:start] + block + doc[end + len(end_mark):]
+
+
+def undeclared(root: Path = RESULTS) -> list[str]:
+    """JSON files in docs/results/ that no source declares (provenance.json aside)."""
+    declared = {s.file for s in SOURCES} | {PROVENANCE.name}
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*.json")
+                  if p.relative_to(root).as_posix() not in declared)
+
+
+def add_provenance(name: str, date: str, commit: str) -> None:
+    if not re.fullmatch(r"\d{4}-\d\d-\d\d", date):
+        raise SystemExit("perf_table: the date is YYYY-MM-DD")
+    entries = json.loads(PROVENANCE.read_text()) if PROVENANCE.exists() else {}
+    entries[name] = {"date": date, "commit": commit, "sha256": sha256(RESULTS / name)}
+    PROVENANCE.write_text(json.dumps(dict(sorted(entries.items())), indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if docs/performance.md or README.md is not what this writes")
+    p.add_argument("--provenance", nargs=3, metavar=("FILE", "DATE", "COMMIT"),
+                   help="record the date and commit of a file under docs/results/ that lacks them")
+    args = p.parse_args(argv)
+    if args.provenance:
+        add_provenance(*args.provenance)
+    res = Results()
+    extra = undeclared()
+    if extra:
+        print(f"perf_table: not declared in SOURCES: {', '.join(extra)}", file=sys.stderr)
+        return 1
+    # NOTE: an entry whose file changed is reported where the file is used (Results.stamp)
+    stale = [n for n in res.provenance if not (RESULTS / n).is_file()
+             or ("date" in res.load(n) and "commit" in res.load(n))]
+    if stale:
+        print(f"perf_table: provenance.json entries for files that are gone or carry their own "
+              f"date and commit: {', '.join(stale)}", file=sys.stderr)
+        return 1
+    pages = ((DOC, updated(DOC.read_text(), render(res))),
+             (README, updated(README.read_text(), render_readme(res), README_BEGIN, README_END)))
+    stale_pages = [(path, new) for path, new in pages if new != path.read_text()]
+    for path, new in stale_pages:
+        name = path.relative_to(ROOT).as_posix()
+        if args.check:
+            sys.stdout.writelines(difflib.unified_diff(
+                path.read_text().splitlines(keepends=True), new.splitlines(keepends=True),
+                name, "what scripts/perf_table.py writes"))
+            print(f"perf_table: {name} is out of date: run python3 scripts/perf_table.py",
+                  file=sys.stderr)
+        else:
+            path.write_text(new)
+            print(f"wrote {name}")
+    return 1 if args.check and stale_pages else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
