@@ -47,16 +47,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from arle_kernels.attention import check_kv_scales, decode_gather_index
+from arle_kernels.attention import check_kv_scales
 from arle_kernels.jit import gdc_launch_dependents, gdc_wait, jit_varying, pdl_enabled, pdl_launch
 
 _LOG2E = 1.4426950408889634
-#: up to this many rows the split kernel loads its first block before `gdc_wait` (PRELOAD):
-#: 42-65 us off the batch-8 step of Qwen3-4B on the H200 (two calls); at 32 rows it held fewer
-#: programs per SM (76 registers against 64) and lost 110-210 us (docs/benchmarks/gpu-2026-11-29g)
+#: up to this many rows the split kernel loads its first block before `gdc_wait` (PRELOAD);
+#: at more rows its extra registers cost programs per SM, and that cost more than it hid
 PRELOAD_MAX_BATCH = 16
 #: up to this many rows the merge loads every split's o with its lse (`_merge_kernel`'s
-#: O_WITH_LSE)
+#: O_WITH_LSE): at one row the merge is a few programs' latency, and one round trip beats two
 MERGE_O_WITH_LSE_MAX_BATCH = 1
 
 
@@ -208,8 +207,7 @@ def _merge_kernel(
     """One (row, query head): out = sum_s w_s * o_s / sum_s w_s, w_s = exp(lse_s - max lse).
     Splits with lse = -inf weigh 0; a row with no tokens at all gets zeros.
     O_WITH_LSE: every split's o is loaded with lse (one round trip to memory, not two; an
-    empty split's o is zeros): 10 us off a Qwen3-4B batch-1 step (32 splits, 18 live), 2-7 us
-    more at batch 8 (docs/benchmarks/gpu-2026-11-30d, -30g), so batch 1 only."""
+    empty split's o is zeros), for few rows (`MERGE_O_WITH_LSE_MAX_BATCH`)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -260,12 +258,10 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def default_config(batch: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the split kernel.
 
-    NOTE: few configs (compile time is a published figure): 4 warps, 2 stages; 64-token blocks
+    NOTE: few configs (each is a compile at start-up): 4 warps, 2 stages; 64-token blocks
     (4 pages of 16), halved at D 256 to keep K+V tiles x 2 stages in shared memory and at
-    batch 1, where the splits are short and the step is latency. Decode steps of Qwen3-4B on
-    the H200 in the engine's graphs (docs/benchmarks/gpu-2026-11-30e.md), each against the
-    others in one call: 8 warps cost 30 us at batch 8 and 75-115 at 64; 32-token blocks
-    saved 44 us at batch 1 and cost 50 at batch 8; 3 stages cost 15-60."""
+    batch 1, where the splits are short and the step is latency. The best in decode steps of
+    the engine's graphs (`scripts/bench_kernels.py decode` times the others)."""
     return (32 if head_dim > 128 or batch == 1 else 64, 4, 2)
 
 
@@ -383,7 +379,12 @@ def _gather_index(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: i
             and torch.equal(last[0], page_table) and torch.equal(last[1], seq_lens)):
         return last[3]
     lens = seq_lens.long()
-    slots, valid = decode_gather_index(page_table.long(), lens.clamp(min=1), page_size)
+    # NOTE: a row of length 0 attends to one slot (a row all masked out would give NaN); its
+    # output is replaced by zeros
+    gathered = lens.clamp(min=1)
+    pos = torch.arange(int(gathered.max()), device=page_table.device)
+    slots = page_table.long()[:, pos // page_size] * page_size + pos % page_size
+    valid = pos[None, :] < gathered[:, None]
     empty = lens == 0
     result = (slots, valid, not bool(valid.all()), empty if bool(empty.any()) else None)
     _MEMO.last = (page_table.clone(), seq_lens.clone(), page_size, result)

@@ -32,15 +32,11 @@ Layout of the work, `_extend_kernel`, grid (cdiv(max_q_len, BLOCK_T), KVH, R):
 FP8 KV (torch.float8_e4m3fn) carries one fp32 scale per (token, KV head): dequantised = stored *
 scale. K goes to q's dtype unscaled (exact: e4m3 fits bf16/fp16) and its scales multiply the
 score columns in fp32 (S[:, n] *= k_scale[n]); V is dequantised in fp32 and rounded once to q's
-dtype (the tile is converted anyway before P @ V; scaling P by v_scale instead measured slower,
-166 vs 178 TFLOP/s, and would push small probabilities times small scales into fp16's
-subnormals).
+dtype (the tile is converted anyway before P @ V; scaling P by v_scale instead was slower, and
+would push small probabilities times small scales into fp16's subnormals).
 
-Measured on an H200 (triton 3.6, torch 2.11), Qwen3-4B heads (32/8, D 128), bf16, one row:
-4096 new tokens 324 TFLOP/s (torch SDPA flash on a dense copy: 274); 8192: 344 (SDPA 319);
-512 new tokens after a 3584 prefix: 291; FP8 KV at 4096: 238. Weak spot: a row of few new
-tokens after a long prefix gets only KVH programs (16 tokens after 4080: 99 us, memory-bound at
-~170 GB/s): such rows want a split-KV (decode-style) kernel.
+Weak spot: a row of few new tokens after a long prefix gets only KVH programs (memory-bound,
+far from the bandwidth): such rows want a split-KV (decode-style) kernel.
 
 Block sizes come from a small rule (`_pick_config`), one compiled variant per (dtype, D, G,
 rule branch): no autotuning, so compile time at server start stays small.
@@ -204,12 +200,10 @@ def _extend_kernel(
 
 
 def _pick_config(head_dim: int, group: int, is_fp8: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by a small rule, measured on an H200 with
-    triton 3.6 (one causal row of 4096 new tokens): D 128 bf16 (32/8 heads): BLOCK_M 64 with one
-    warpgroup beat BLOCK_M 128 with 8 warps at every length tried (324 vs 296 TFLOP/s at 4096,
-    344 vs 325 at 8192): twice the programs fill the SMs better and the diagonal is finer. D 64
-    within 4% of the best tried. FP8 KV: BLOCK_N 128 (its tiles are half the bytes), 238 vs 179
-    at BLOCK_N 64. D 256 (16/4 heads): BLOCK_M 128, 8 warps, 2 stages, 363 vs 317."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by a small rule, the best tried on long
+    causal rows: BLOCK_M 64 on one warpgroup (twice the programs of BLOCK_M 128 fill the SMs
+    better, and the diagonal is finer); FP8 KV: BLOCK_N 128 (its tiles are half the bytes);
+    D 256: BLOCK_M 128, 8 warps, 2 stages."""
     block_m = max(64, 1 << (group - 1).bit_length())  # at least one token per tile
     if head_dim > 128:
         return max(block_m, 128), 64, 8, 2

@@ -13,7 +13,6 @@ with the same signature (the CPU executor, and what the kernels are tested again
 - `qk_norm_rope_store_kv`: per-head RMSNorm of q and k (Qwen3; skipped for Llama), neox rotary
   (halves) in fp32 with fp32 cos/sin rounded once to the dtype, K/V stored at flat cache slots
   (FP8 caches: quantised per (token, KV head)), q returned.
-- `exponential_noise`: Exp(1) noise per (seed, offset) row, for seeded sampling on the device.
 
 `add_rms_norm`'s x and `qk_norm_rope_store_kv`'s qkv may also be a linear layer's `SplitSums`
 (kernels/split_sums.py): the kernel sums the slots, rounds as the linear would have, and
@@ -24,15 +23,12 @@ contraction, Triton's approximate exp; sqrt and division are IEEE): an intermedi
 the other way, rarely, which moves a bf16 result by an ulp of that intermediate (<= 2 ulps).
 
 Launches: one per op, one program per token row (two for `qk_norm_rope_store_kv`: q, and k/v;
-a 2-D grid over column blocks for the purely elementwise silu and noise). The wrappers read no
+a 2-D grid over column blocks for the purely elementwise silu). The wrappers read no
 device tensor on the host and size grids from shapes only, so all of them are safe to capture
 in a CUDA graph.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +46,6 @@ FP8_MIN_AMAX = 1e-6
 # A norm row up to this many elements is held in registers (one read); longer rows loop twice.
 _MAX_NORM_BLOCK = 8192
 _SILU_BLOCK = 1024
-_NOISE_BLOCK = 1024
-_MASK64 = (1 << 64) - 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,139 +543,3 @@ def qk_norm_rope_store_kv_ref(qkv: Tensor | SplitSums, positions: Tensor, cos_si
     _write_cache_ref(k_cache, k_scale, k, slots)
     _write_cache_ref(v_cache, v_scale, v, slots)
     return qk[:, :h].contiguous()
-
-
-# ---------------------------------------------------------------------------------------------
-# Exp(1) noise for seeded sampling
-# ---------------------------------------------------------------------------------------------
-
-@triton.jit
-def _exponential_noise_kernel(seed_ptr, offset_ptr, out_ptr, vocab, stride_out,
-                              BLOCK: tl.constexpr):
-    """Program (b, j): columns [j*BLOCK, (j+1)*BLOCK) of row b. Philox-4x32 keyed by the row's
-    64-bit seed, counter (column, offset low 32 bits, offset high 32 bits, 0): a function of
-    (seed, offset, column) only. E = -log(u), u uniform in (0, 1)."""
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    seed = tl.load(seed_ptr + b).to(tl.int64)
-    offset = tl.load(offset_ptr + b).to(tl.int64)
-    zero = cols.to(tl.uint32) * 0
-    off_lo = zero + (offset & 0xFFFFFFFF).to(tl.uint32)
-    off_hi = zero + ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    bits, _, _, _ = tl.philox(seed, cols.to(tl.uint32), off_lo, off_hi, zero)
-    u = tl.uint_to_uniform_float(bits)  # [0, 1 - 2^-24]
-    # NOTE: u == 0 (odds 2^-31) is lifted to 2^-32, so E stays finite (<= 22.2) and > 0
-    noise = -tl.log(tl.maximum(u, 2.3283064365386963e-10))
-    tl.store(out_ptr + b * stride_out + cols, noise.to(out_ptr.dtype.element_ty),
-             mask=cols < vocab)
-
-
-def exponential_noise(seeds: Tensor, offsets: Tensor, vocab: int,
-                      out_dtype: torch.dtype = torch.float32) -> Tensor:
-    """Per-row Exp(1) noise [B, vocab]: row b depends only on (seeds[b], offsets[b]) (int
-    tensors [B], on the device), not on b or the batch.
-
-    NOTE: not the same stream as `exponential_noise_ref` (Philox here, torch's generator there):
-    the same seed samples differently on the CPU and the GPU executors."""
-    assert seeds.shape == offsets.shape and seeds.dim() == 1
-    b = seeds.shape[0]
-    out = torch.empty(b, vocab, dtype=out_dtype, device=seeds.device)
-    if b == 0 or vocab == 0:
-        return out
-    grid = (b, triton.cdiv(vocab, _NOISE_BLOCK))
-    _exponential_noise_kernel[grid](seeds, offsets, out, vocab, out.stride(0),
-                                    BLOCK=_NOISE_BLOCK, num_warps=4)
-    return out
-
-
-def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def exponential_noise_ref(seeds: Tensor, offsets: Tensor, vocab: int,
-                          out_dtype: torch.dtype = torch.float32) -> Tensor:
-    """The CPU stream: one torch generator per row, seeded with
-    splitmix64(splitmix64(seed) + offset), drawing `exponential_` over the vocab (the draws the
-    CPU sampler makes for seeded rows), floored at float32's tiny so every value is > 0.
-    Reads seeds/offsets on the host."""
-    out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
-    for row, (seed, offset) in enumerate(zip(seeds.tolist(), offsets.tolist(), strict=True)):
-        gen = torch.Generator(device=seeds.device)
-        gen.manual_seed(_splitmix64((_splitmix64(seed & _MASK64) + offset) & _MASK64))
-        out[row] = torch.empty(vocab, device=seeds.device).exponential_(generator=gen)
-    return out.clamp_min_(torch.finfo(torch.float32).tiny).to(out_dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Micro-benchmark (GPU): `python -m arle_kernels.fused`
-# ---------------------------------------------------------------------------------------------
-
-def bench_fused(tokens: tuple[int, ...] = (1, 4096), batches: tuple[int, ...] = (1, 64),
-                device: str = "cuda", num_pages: int = 8192,
-                timer: Callable[[Callable[[], object]], float] | None = None
-                ) -> list[dict[str, object]]:
-    """Each kernel vs its torch ref at Qwen3-4B shapes (hidden 2560, 32/8 heads, head dim 128,
-    intermediate 9728, vocab 151936), bf16, bf16 and fp8 caches. Prints a table; returns rows.
-    GB/s counts the bytes the op must read and write once. NOTE: the qk and noise refs read
-    device tensors on the host (a sync each): that is part of what the kernels replace.
-    timer: fn -> ms, default triton.testing.do_bench (others only to smoke-test this code)."""
-    from triton.testing import do_bench
-
-    time_ms = timer or do_bench
-    dev, dt, eps = device, torch.bfloat16, 1e-6
-    hidden, h, kvh, d, inter, vocab = 2560, 32, 8, 128, 9728, 151936
-    page_size, max_pos = 16, 32768
-    gen = torch.Generator(device=dev).manual_seed(0)
-    cos_sin = torch.rand(max_pos, d, device=dev, generator=gen)
-    rows: list[dict[str, object]] = []
-
-    def record(op: str, t: int, nbytes: int, fn: Callable[[], object],
-               ref: Callable[[], object]) -> None:
-        ms, ms_ref = time_ms(fn), time_ms(ref)
-        rows.append({"op": op, "T": t, "triton_us": ms * 1e3, "torch_us": ms_ref * 1e3,
-                     "speedup": ms_ref / ms, "triton_GBps": nbytes / ms / 1e6})
-
-    def randn(*shape: int) -> Tensor:
-        return torch.randn(*shape, device=dev, dtype=dt, generator=gen)
-
-    for t in tokens:
-        x, res, gu = randn(t, hidden), randn(t, hidden), randn(t, 2 * inter)
-        w = randn(hidden).abs() + 0.5
-        e = x.element_size()
-        record("rms_norm", t, 2 * t * hidden * e,
-               partial(rms_norm, x, w, eps), partial(rms_norm_ref, x, w, eps))
-        record("add_rms_norm", t, 4 * t * hidden * e,
-               partial(add_rms_norm, x, res, w, eps), partial(add_rms_norm_ref, x, res, w, eps))
-        record("silu_and_mul", t, 3 * t * inter * e,
-               partial(silu_and_mul, gu), partial(silu_and_mul_ref, gu))
-        qkv = randn(t, (h + 2 * kvh) * d)
-        pos = torch.randint(0, max_pos, (t,), device=dev, generator=gen)
-        slots = torch.randperm(num_pages * page_size, device=dev, generator=gen)[:t]
-        qn, kn = randn(d).abs() + 0.5, randn(d).abs() + 0.5
-        for cache_dt in (dt, torch.float8_e4m3fn):
-            kc = torch.zeros(num_pages, page_size, kvh, d, device=dev, dtype=cache_dt)
-            vc = torch.zeros_like(kc)
-            fp8 = cache_dt == torch.float8_e4m3fn
-            ks = torch.zeros(kc.shape[:3], device=dev) if fp8 else None
-            vs = torch.zeros(kc.shape[:3], device=dev) if fp8 else None
-            args = (qkv, pos, cos_sin, qn, kn, eps, h, kvh, kc, vc, slots, ks, vs)
-            nbytes = t * ((2 * h + 2 * kvh) * d * e + 2 * kvh * d * kc.element_size())
-            record(f"qk_norm_rope_store_kv {'fp8' if fp8 else 'bf16'} kv", t, nbytes,
-                   partial(qk_norm_rope_store_kv, *args), partial(qk_norm_rope_store_kv_ref, *args))
-    for b in batches:
-        seeds, offs = torch.arange(b, device=dev), torch.full((b,), 7, device=dev)
-        record("exponential_noise", b, b * vocab * 4, partial(exponential_noise, seeds, offs, vocab),
-               partial(exponential_noise_ref, seeds, offs, vocab))
-
-    print(f"{'op':34} {'T':>5} {'triton us':>10} {'torch us':>10} {'x':>6} {'GB/s':>7}")
-    for r in rows:
-        print(f"{r['op']!s:34} {r['T']!s:>5} {r['triton_us']:10.2f} {r['torch_us']:10.2f} "
-              f"{r['speedup']:6.2f} {r['triton_GBps']:7.0f}")
-    return rows
-
-
-if __name__ == "__main__":
-    bench_fused()

@@ -24,26 +24,22 @@ Three kernels share that contract: `_gemv_kernel` (FMAs, 1-2 rows), and on tenso
   norm comes next (`_trigger_ahead`).
 - `gemv_silu_mul`: an MLP's gate_up projection with its activation in the epilogue. A program
   sums gate row n and up row n + N and stores silu(gate) * up (HF's roundings): one launch and
-  no [M, 2N] round trip (24.3 against 27.6 us for Qwen3-4B's gate_up + silu_and_mul, H200;
-  at 8 rows with TMA 28.5 against cuBLAS + silu_and_mul's 31.6).
+  no [M, 2N] round trip.
 
 - `gemv_split_sums`: y left as `SplitSums` (kernels/split_sums.py) where the tensor-core
   kernel splits K: pairs of splits add their fp32 tiles atomically into zeroed slots and the
   next kernel (the norm, the rope) sums them, so no `_split_reduce_kernel` launch (the
-  decoder's qkv, o_proj and down: 89 us off a 3.09 ms batch-8 step of Qwen3-4B, H200).
+  decoder's qkv, o_proj and down).
 
 One config per (M, N, K), picked by `_pick_config` (no autotune). The wrapper reads no device
 tensor on the host and sizes its grid from shapes only, so it is safe to capture in a CUDA graph.
 `use_gemv(m, n, k, glu)` is the rule for when to call it instead of F.linear (cuBLAS);
-`bench_gemv()` measures both (`python -c "from arle_kernels.gemv import bench_gemv;
-bench_gemv()"`), `sweep_mma()` the tensor-core kernels' tiles.
+`scripts/bench_kernels.py gemv` times both, `... sweep` the kernels' tiles.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -52,7 +48,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from arle_kernels.fused import silu_and_mul, silu_and_mul_ref, silu_mul
+from arle_kernels.fused import silu_and_mul_ref, silu_mul
 from arle_kernels.jit import (
     gdc_launch_dependents,
     gdc_wait,
@@ -66,7 +62,7 @@ from arle_kernels.split_sums import MAX_ROWS, SplitSums, slot_buffer
 #: rows up to this many run through the kernel (beyond it cuBLAS's GEMM is the right tool);
 #: split sums' slot buffers hold as many
 MAX_M = MAX_ROWS
-#: use_gemv's bound on M (from bench_gemv on the H200: see use_gemv)
+#: rows up to which the FMA kernel beats cuBLAS on every layer (see use_gemv)
 USE_GEMV_MAX_M = 2
 #: rows the cp.async tensor-core kernel is taken for (swept at 8 and 16); with TMA, up to MAX_M
 MMA_MAX_M = 16
@@ -329,16 +325,14 @@ def _split_reduce_kernel(p_ptr, b_ptr, y_ptr, N, splits, stride_ps, stride_pm, s
 _REDUCE_BLOCK = 1024
 #: shared memory the TMA kernel's stages may take (an H100/H200 SM has 227 KB for a program)
 _TMA_SMEM = 200 * 1024
-#: stages of the fused gate_up on TMA at 3..16 rows: 108 KB, so two programs share an SM and
-#: all of Qwen3-4B's 152 tiles are resident at once on 132 SMs (at 5 stages, 180 KB, the last
-#: 20 ran as a second wave). It pays only with `_late_trigger`: with the trigger first thing
-#: the step lost 135-160 us (docs/benchmarks/gpu-2026-11-30c.md, -30l.md)
+#: stages of the fused gate_up on TMA at 3..16 rows: at 108 KB two programs share an SM, so
+#: all of a gate_up's tiles run in one wave (with `_late_trigger`: a next kernel launched
+#: early would take that room)
 _GLU_STAGES_16_ROWS = 3
 
 
 def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
-    """One config per shape family, from sweeps on the H200 (CUDA-graph timings, Qwen3-4B's
-    shapes; see use_gemv for the numbers):
+    """One config per shape family (tuned on Qwen3-4B's shapes, in CUDA graphs, on an H200):
 
     - M = 1: one warp per output row, 4 runs of 8 per lane (BLOCK_K 1024): thousands of small
       programs keep every SM's memory pipe full, and the final sum is a warp shuffle; two
@@ -354,8 +348,8 @@ def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
     if m_pad > 2:
         return _mma_config(n, k, glu)
     if m_pad == 1:
-        # NOTE: two warps for the layers of fewer rows (qkv, o_proj, down): 23-24 us off a
-        # Qwen3-4B batch-1 step in two calls (docs/benchmarks/gpu-2026-11-30f, -30g)
+        # below 32768 rows (qkv, o_proj, down) there are fewer programs: two warps a row keep
+        # more loads in flight
         cfg = (GemvConfig(block_n=1, block_k=2048, num_warps=2) if not glu and n < 32768
                else GemvConfig(block_n=1, block_k=1024, num_warps=1))
     elif n >= 4096:
@@ -374,31 +368,21 @@ def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
 def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
     """The tensor-core kernel's tile for 3..32 rows (the same at every M).
 
-    On Hopper, `_gemv_tma_kernel` (from `sweep_mma(tma=True)` on the H200, M = 8, 11 tiles x
-    splits 1-16; the 6 smaller TMA_TILES and the sweep's own picks gained nothing more in the
-    engine; docs/benchmarks/gpu-2026-11-29g): 64 rows a program on one warpgroup, BLOCK_K
-    128, 4 TMA stages (6 for the fused gate_up, which fits 5; 3 at up to 16 rows:
-    `_tma_stages`), and K split in two or four
-    while the grid has fewer programs than SMs (qkv 192 programs, o_proj and down 160):
-    qkv / o_proj / gate_up + SiLU·up / down / lm_head 10.5 / 8.7 / 28.5 / 15.9 / 178.6 us
-    against cuBLAS's 10.3 / 10.5 / 31.6 (+ silu_and_mul) / 18.0 / 189.4, and a batch-8 step
-    of 3.12 ms against 3.39 with cuBLAS (same call).
-
-    Elsewhere (and for rows TMA cannot read) `_gemv_mma_kernel` (`sweep_mma`, M = 8 and 16;
-    docs/benchmarks/gpu-2026-11-29d): glu and a wide N (>= 32768, lm_head) 32 rows a program,
-    2 warps, BLOCK_K 256; otherwise 64 rows on one warpgroup, BLOCK_K 128, 3 cp.async stages,
-    K doubly split while the grid stays within 2 programs per SM.
+    On Hopper `_gemv_tma_kernel` (`_tma_config`): 64 rows a program on one warpgroup, BLOCK_K
+    128, 4 TMA stages (6 for the fused gate_up, as many as fit and 3 at up to 16 rows:
+    `_tma_stages`), K split while the grid has fewer programs than SMs.
+    Elsewhere (and for rows TMA cannot read) `_gemv_mma_kernel` (`_cp_async_config`): glu and
+    a wide N (>= 32768, lm_head) 32 rows a program, 2 warps, BLOCK_K 256; otherwise 64 rows on
+    one warpgroup, BLOCK_K 128, 3 cp.async stages, K split while the grid stays within 2
+    programs per SM. Both the best of tile sweeps at 8 and 16 rows.
     NOTE: a function of (N, K) only, never of M: a row's sum does not depend on the batch."""
     return _tma_config(n, k, glu) if tma_available() else _cp_async_config(n, k, glu)
 
 
 def _tma_config(n: int, k: int, glu: bool) -> GemvConfig:
-    """`_mma_config` on Hopper: the TMA kernel's tile and split (see there).
-
-    NOTE: at 8 rows on the H200 (docs/benchmarks/gpu-2026-11-30o.md) other splits of Qwen3-4B's
-    o_proj and down all lost: 3 (120 programs) +14 / +20 us a step; 5, 6 or 8 (at 3 stages)
-    gained down 5-9 us but cost the two norms 28-40 (three or four slots to sum); qkv in 4 at
-    3 stages saved 21 us and cost the rope 54."""
+    """`_mma_config` on Hopper: the TMA kernel's tile and split (see there). K is split in
+    powers of two (each split >= 8 chunks) only until the grid covers the SMs: a further split
+    saves the GEMV less than it costs the consumer that sums the slots (`SplitSums`)."""
     tiles = triton.cdiv(n // 2 if glu else n, 64)
     split = 1
     while not glu and tiles * split < _NUM_SMS and triton.cdiv(k, 128) >= 16 * split:
@@ -544,11 +528,7 @@ def _late_trigger(glu: bool, n: int, k: int) -> bool:
     """Whether `_gemv_tma_kernel` lets the next kernel launch only after its K loop (LATE): the
     fused gate_up and the layers that narrow (K > N: o_proj, down). The layers that widen
     (qkv, lm_head) let it launch first thing: after qkv come the rope and decode attention,
-    which loads its K/V before its PDL wait and gains from starting early (qkv late cost the
-    three kernels after it ~98 us a Qwen3-4B batch-8 step; this rule is 33-35 us faster).
-    Measured on the H200 (docs/benchmarks/gpu-2026-11-30l.md), with `_tma_stages`' 3-stage
-    gate_up: batch-8 graph 2.93-2.95 -> 2.87-2.88 ms, TPOT 2.95-2.97 -> 2.90-2.91 ms; with
-    the trigger first thing in every layer the 3-stage gate_up cost 135-160 us."""
+    which loads its K/V before its PDL wait and gains from starting early."""
     return glu or k > n
 
 
@@ -560,9 +540,7 @@ def _trigger_ahead(late: bool, glu: bool, m_pad: int) -> int:
     """AHEAD of a late-trigger TMA GEMV: `_TRIGGER_AHEAD_16_ROWS` for o_proj and down at up to
     16 rows (a norm comes next: its launch is hidden under the last chunks), else 0 (after the
     loop). Not for the fused gate_up: down comes next, a TMA GEMV whose programs must land
-    once gate_up's have left (two chunks early cost down 4-38 us a Qwen3-4B batch-8 step, on
-    two hosts). At 32 rows it cost the batch-32 graph 70-90 us. On the H200
-    (docs/benchmarks/gpu-2026-11-30m.md) the two norms went 73 / 71 -> 62 / 58 us a step."""
+    once gate_up's have left. Not at 32 rows, where the early launch cost more than it hid."""
     return _TRIGGER_AHEAD_16_ROWS if late and not glu and m_pad <= 16 else 0
 
 
@@ -620,216 +598,14 @@ def use_gemv(m: int, n: int, k: int, glu: bool = False) -> bool:
     """Whether a linear layer of m rows and an [n, k] weight (glu: a gate_up with its
     activation) should use gemv over F.linear (cuBLAS).
 
-    Measured on the H200 (triton 3.6, bf16, per call back to back in a CUDA graph), Qwen3-4B's
-    qkv / o_proj / gate_up / down / lm_head: at M = 1 gemv takes 10.0 / 7.0 / 24.6 / 13.8 / 170
-    us against cuBLAS's 11.1 / 10.3 / 28.6 / 17.3 / 179 (a decode step's linears: 2.16 ms
-    against 2.60 ms); at M = 2 it wins on each shape with its M = 2 configs (step 2.4-2.5 ms
-    against 2.62).
-
-    At M = 3..16 on Hopper the TMA kernel takes every shape: alone it is level with cuBLAS on
-    qkv and faster on the rest (see _mma_config), and in the engine it chains to its
-    neighbours under PDL, which cuBLAS's kernels cannot: the batch-8 step took 3.12 ms against
-    3.39 (docs/benchmarks/gpu-2026-11-29g). Without TMA the cp.async kernel pays only for the
-    fused gate_up and wide weights (N >= 32768, lm_head): 3.418 ms a step against cuBLAS's
-    3.540; with o_proj and down too (split K) it was 3.693, slower (gpu-2026-11-29d).
-
-    At M = 17..32 on Hopper the TMA kernel again (x padded to 32 rows), with the same tiles:
-    the batch-32 step took 3.35-3.57 ms against cuBLAS's 3.91-4.03, and `arle serve` at
-    concurrency 32 gained 3-12% (three calls, docs/benchmarks/gpu-2026-11-30h). At 64 rows
-    (x padded to 64) the step was 0.1 ms slower than with cuBLAS, so MAX_M stays 32.
+    - 1..2 rows: always; the FMA kernel is faster than cuBLAS on every layer.
+    - 3..32 rows on Hopper: always; the TMA kernel is level with cuBLAS or faster, and unlike
+      cuBLAS's kernels it overlaps its neighbours under PDL. Past 32 rows cuBLAS's GEMM wins.
+    - 3..16 rows elsewhere: only the fused gate_up and wide weights (N >= 32768, lm_head); the
+      cp.async kernel loses where it must split K (o_proj, down).
     """
     if 1 <= m <= USE_GEMV_MAX_M:
         return True
     if MMA_MAX_M < m <= MAX_M:
         return tma_available()
     return USE_GEMV_MAX_M < m <= MMA_MAX_M and (glu or n >= 32768 or tma_available())
-
-
-# ---------------------------------------------------------------------------------------------
-# Benchmark (H200): gemv against F.linear (cuBLAS) on Qwen3-4B's decode shapes
-# ---------------------------------------------------------------------------------------------
-
-#: (N, K) of Qwen3-4B's linear layers, bf16
-BENCH_SHAPES: dict[str, tuple[int, int]] = {
-    "qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560),
-    "down": (2560, 9728), "lm_head": (151936, 2560),
-}
-
-
-def _time_us(fn: Callable[[Tensor, Tensor], object], x: Tensor, weights: list[Tensor],
-             graph: bool = True) -> float:
-    """Median microseconds of one fn(x, W), W rotating over `weights` (together several times
-    L2's 50 MB, so L2 serves none of them).
-
-    graph: as a decode step runs it, back to back in a CUDA graph (no CPU launch cost): a graph
-    of `calls` calls replayed 7 times. Otherwise eager, one call at a time, with triton's
-    do_bench (which clears L2 before each call; a small kernel then also pays its CPU launch).
-    """
-    from triton.testing import do_bench
-
-    turn = itertools.count()
-
-    def call() -> object:
-        return fn(x, weights[next(turn) % len(weights)])
-
-    if not graph:
-        return float(do_bench(call, warmup=10, rep=50, return_mode="median")) * 1e3
-    call()  # compile and warm up outside the capture
-    calls = max(32, 2 * len(weights))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            call()
-    times = []
-    for _ in range(8):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del g
-    return sorted(times[1:])[3]  # the median of the last 7 (the first warms up)
-
-
-def _rotating_weights(n: int, k: int, dtype: torch.dtype, gen: torch.Generator
-                      ) -> tuple[int, list[Tensor]]:
-    """One [n, k] weight's bytes, and enough random copies of it (~400 MB together) that a copy
-    comes back only after L2 (50 MB) has forgotten it."""
-    w_bytes = n * k * torch.finfo(dtype).bits // 8
-    copies = max(2, -(-400_000_000 // w_bytes))
-    return w_bytes, [(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).to(dtype)
-                     for _ in range(copies)]
-
-
-def bench_gemv(shapes: dict[str, tuple[int, int]] | None = None,
-               ms: tuple[int, ...] = (1, 2, 4, 8),
-               dtype: torch.dtype = torch.bfloat16) -> list[dict[str, object]]:
-    """Time gemv and F.linear (cuBLAS) for each shape and M; print a table and return its rows.
-
-    Times are medians per call: `graph` columns back to back in a CUDA graph (the decode
-    setting: what to decide on), `eager` with triton's do_bench (one call at a time, L2
-    cleared, the CPU launch included). GB/s = weight bytes / graph time. Needs a CUDA GPU."""
-    assert torch.cuda.is_available(), "bench_gemv needs a CUDA GPU"
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rows: list[dict[str, object]] = []
-    print(f"{'shape':8} {'M':>2} {'N':>6} {'K':>5} | graph us: {'gemv':>6} {'cuBLAS':>6} | "
-          f"GB/s: {'gemv':>5} {'cuBLAS':>6} | speedup | eager us: {'gemv':>6} {'cuBLAS':>6} | "
-          f"use config")
-    for name, (n, k) in (shapes or BENCH_SHAPES).items():
-        w_bytes, weights = _rotating_weights(n, k, dtype, gen)
-        for m in ms:
-            x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
-            g_us, c_us = _time_us(gemv, x, weights), _time_us(F.linear, x, weights)
-            g_eager = _time_us(gemv, x, weights, graph=False)
-            c_eager = _time_us(F.linear, x, weights, graph=False)
-            cfg = _pick_config(m, n, k)
-            row: dict[str, object] = {
-                "shape": name, "m": m, "n": n, "k": k, "gemv_us": g_us, "cublas_us": c_us,
-                "gemv_gbs": w_bytes / g_us / 1e3, "cublas_gbs": w_bytes / c_us / 1e3,
-                "speedup": c_us / g_us, "gemv_eager_us": g_eager, "cublas_eager_us": c_eager,
-                "use_gemv": use_gemv(m, n, k), "config": cfg}
-            rows.append(row)
-            print(f"{name:8} {m:>2} {n:>6} {k:>5} | {g_us:16.1f} {c_us:6.1f} | "
-                  f"{w_bytes / g_us / 1e3:11.0f} {w_bytes / c_us / 1e3:6.0f} | {c_us / g_us:7.2f} | "
-                  f"{g_eager:16.1f} {c_eager:6.1f} | {'yes' if row['use_gemv'] else 'no ':3} "
-                  f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.split_k}")
-        if name == "gate_up":  # the activation fused into the GEMV, against GEMV + silu_and_mul
-            for m in (1, 2):
-                x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
-                fused_us = _time_us(gemv_silu_mul, x, weights)
-                apart_us = _time_us(lambda a, w: silu_and_mul(gemv(a, w)), x, weights)
-                rows.append({"shape": "gate_up+silu", "m": m, "n": n, "k": k,
-                             "fused_us": fused_us, "gemv_then_silu_us": apart_us})
-                print(f"gate_up+silu M={m}: fused {fused_us:.1f} us, gemv then silu_and_mul "
-                      f"{apart_us:.1f} us")
-        del weights
-        torch.cuda.empty_cache()
-    return rows
-
-
-#: the tensor-core kernel's candidate tiles: (block_n, block_k, num_warps, num_stages)
-MMA_TILES: tuple[tuple[int, int, int, int], ...] = (
-    (16, 128, 1, 1), (16, 256, 1, 1), (16, 128, 1, 3), (32, 128, 1, 2), (32, 128, 2, 1),
-    (32, 256, 2, 1), (32, 256, 2, 2), (16, 256, 2, 1), (64, 128, 4, 3), (64, 64, 4, 4))
-
-
-#: the TMA kernel's candidate tiles (block_n >= 64: wgmma; below, mma.sync from shared memory)
-TMA_TILES: tuple[tuple[int, int, int, int], ...] = (
-    (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 2),
-    (64, 256, 4, 3), (64, 64, 4, 4), (64, 64, 4, 8), (128, 128, 4, 3), (128, 128, 8, 4),
-    (128, 64, 4, 6), (32, 128, 2, 4), (32, 128, 4, 4), (32, 256, 2, 3), (16, 128, 1, 4),
-    (16, 128, 1, 6), (16, 256, 1, 3))
-
-
-def _with_config(cfg: GemvConfig, glu: bool = False) -> Callable[[Tensor, Tensor], object]:
-    return lambda x, w: _launch(x, w, None, None, cfg, glu)
-
-
-def sweep_mma(shapes: dict[str, tuple[int, int]] | None = None, ms: tuple[int, ...] = (8,),
-              splits: tuple[int, ...] = (1, 2, 4, 8),
-              dtype: torch.dtype = torch.bfloat16, tma: bool = False,
-              tiles: tuple[tuple[int, int, int, int], ...] | None = None,
-              mma: bool = True) -> list[dict[str, object]]:
-    """Time the tensor-core kernel (`_gemv_mma_kernel`; tma: `_gemv_tma_kernel` over TMA_TILES)
-    over MMA_TILES (or `tiles`) x splits against cuBLAS and the kernel gemv picks, per shape and
-    M (CUDA-graph medians, as bench_gemv); gate_up also as the fused SiLU·up against cuBLAS +
-    silu_and_mul. mma=False times the FMA kernel (`_gemv_kernel`) over `tiles` instead (rows
-    "fma_tile"). Prints the best per shape; returns all."""
-    assert torch.cuda.is_available(), "sweep_mma needs a CUDA GPU"
-    tiles = tiles or (TMA_TILES if tma else MMA_TILES)
-    kind = "mma" if mma else "fma_tile"
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rows: list[dict[str, object]] = []
-
-    def timed(cfg: GemvConfig, x: Tensor, weights: list[Tensor], glu: bool) -> float | None:
-        try:
-            return _time_us(_with_config(cfg, glu), x, weights)
-        except Exception as e:  # a tile past the SM's resources: skip it
-            print(f"{cfg} glu={glu}: {type(e).__name__}", flush=True)
-            return None
-
-    for name, (n, k) in (shapes or BENCH_SHAPES).items():
-        w_bytes, weights = _rotating_weights(n, k, dtype, gen)
-        for m in ms:
-            x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
-            base = {"shape": name, "m": m, "n": n, "k": k}
-            cublas = _time_us(F.linear, x, weights)
-            picked = _time_us(gemv, x, weights)  # the kernel and config gemv picks at this M
-            rows.append({**base, "kernel": "cublas", "us": cublas})
-            rows.append({**base, "kernel": "picked", "us": picked})
-            best: tuple[float, str] = (float("inf"), "")
-            for (bn, bk, warps, stages), split in itertools.product(tiles, splits):
-                if split > 1 and triton.cdiv(k, bk) < 2 * split:
-                    continue
-                cfg = GemvConfig(bn, bk, warps, stages, split, mma=mma, tma=tma)
-                us = timed(cfg, x, weights, glu=False)
-                if us is None:
-                    continue
-                rows.append({**base, "kernel": kind, "us": us, "block_n": bn, "block_k": bk,
-                             "warps": warps, "stages": stages, "split": split})
-                best = min(best, (us, f"n{bn} k{bk} w{warps} st{stages} s{split}"))
-            print(f"{name:8} M={m:2} cuBLAS {cublas:6.1f} picked {picked:6.1f} | {kind} best "
-                  f"{best[0]:6.1f} ({w_bytes / best[0] / 1e3:5.0f} GB/s) {best[1]}", flush=True)
-            if name == "gate_up":  # the fused activation: split K is not allowed there
-                glu_us = [(us, bn, bk, warps, stages) for bn, bk, warps, stages in tiles
-                          if (us := timed(GemvConfig(bn, bk, warps, stages, 1, mma=mma, tma=tma),
-                                          x, weights, glu=True)) is not None]
-                rows += [{**base, "kernel": f"{kind}_glu", "us": us, "block_n": bn,
-                          "block_k": bk, "warps": warps, "stages": stages, "split": 1}
-                         for us, bn, bk, warps, stages in glu_us]
-                apart = _time_us(lambda a, w: silu_and_mul(F.linear(a, w)), x, weights)
-                fused = _time_us(gemv_silu_mul, x, weights)
-                rows.append({**base, "kernel": "cublas+silu", "us": apart})
-                rows.append({**base, "kernel": "picked_glu", "us": fused})
-                print(f"gate_up+silu M={m}: cuBLAS + silu_and_mul {apart:.1f}, picked "
-                      f"{fused:.1f}, {kind} glu best {min(glu_us)[0]:.1f}", flush=True)
-        del weights
-        torch.cuda.empty_cache()
-    return rows

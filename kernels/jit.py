@@ -38,6 +38,16 @@ from typing import Any
 import triton
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+# Every environment variable kernels/ reads, read once here (Triton, too, decides when a kernel
+# is defined whether it runs interpreted).
+#: the Triton interpreter (kernel tests on the CPU): nothing is compiled, no PDL, no TMA
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Debug switches, only for A/B benchmarks:
+#: ARLE_PDL=0: every kernel launches without programmatic dependent launch
+_PDL_SWITCH = os.environ.get("ARLE_PDL", "1") != "0"
+#: ARLE_BUILD_PROCESSES=0: `compile_ahead` builds on threads only (no worker processes)
+_BUILD_PROCESSES = os.environ.get("ARLE_BUILD_PROCESSES", "1") != "0"
+
 
 def jit_varying(*names: str) -> Callable[[Any], Any]:
     """@triton.jit with no specialisation on `names`' values.
@@ -92,14 +102,13 @@ def start_cache_key() -> None:
     a model, so that the key is ready when start-up builds (or loads) its first variant.
 
     Why: every variant's place in Triton's disk cache starts with a hash of Triton itself
-    (`triton_key`), its sources and its library (416 MB in Triton 3.6), computed once per
-    process at the first build: 0.4-0.6 s on the H200's host, on the way of every start-up,
-    warm or cold (docs/benchmarks/gpu-2026-11-30r.md). The hash runs without the GIL, beside
-    the weights' load. NOTE: `triton_key` is cached per process (`functools.lru_cache`);
-    `compile_ahead` waits for this thread, and any build before it would only compute the key
-    a second time."""
+    (`triton_key`: its sources and its library, hundreds of MB), computed once per process at
+    the first build, on the way of every start-up, warm or cold; the hash runs without the
+    GIL, beside the weights' load. NOTE: `triton_key` is cached per process
+    (`functools.lru_cache`); `compile_ahead` waits for this thread, and any build before it
+    would only compute the key a second time."""
     global _cache_key
-    if _cache_key is not None or os.environ.get("TRITON_INTERPRET") == "1":
+    if _cache_key is not None or _INTERPRET:
         return
     try:
         from triton.runtime.cache import triton_key
@@ -132,16 +141,13 @@ def compile_ahead(workers: int | None = None, processes: bool = True) -> Iterato
     whether it builds ahead: a Triton with async compiles (3.5+), not the interpreter;
     elsewhere launches run as usual.
 
-    Why: from a cold cache, start-up builds its variants one after another as each first runs
-    (Qwen3-4B with `arle serve`'s settings: 39, 0.1-1.4 s each, ~13 s on the H200's host).
-    Built side by side, the engine's start-up took 14-24 -> 9 s on threads
-    (docs/benchmarks/gpu-2026-11-30o.md). But a build takes the GIL back many times (Triton's
-    front end, between its MLIR passes), so threads wait on each other and on the pass that
-    submits them; with `processes` (Linux; ARLE_BUILD_PROCESSES=0 turns it off) each variant
-    missing from Triton's disk cache is compiled, with its launcher, by a worker process forked
-    at the first such build (`_Builds`), and a thread of this process then loads it from that
-    cache: the engine's cold start-up took 0.4-1.9 s less on the H200, the pass's submissions
-    spreading over 1.2-1.8 s instead of 2.6-4.6 (docs/benchmarks/gpu-2026-11-30q.md).
+    Why: from a cold cache, start-up would build its variants (dozens, up to a second or more
+    each) one after another as each first runs; side by side they take a fraction of that. A
+    build takes the GIL back many times (Triton's front end, between its MLIR passes), so
+    threads wait on each other: with `processes` (Linux; off under ARLE_BUILD_PROCESSES=0) each
+    variant missing from Triton's disk cache is compiled, with its launcher, by a worker process
+    forked at the first such build (`_Builds`), and a thread of this process then loads it from
+    that cache.
     NOTE: no kernel inside runs, so nothing it would write is written: pass through it only
     work whose results are thrown away, and nothing that reads a kernel's output on the host
     to decide what to launch next (decode and extend steps never do: they are captured in CUDA
@@ -153,7 +159,7 @@ def compile_ahead(workers: int | None = None, processes: bool = True) -> Iterato
     except ImportError:  # a Triton before async compiles
         available = False
     else:
-        available = os.environ.get("TRITON_INTERPRET") != "1"
+        available = not _INTERPRET
     stats = BuildsAhead(on=available)
     if _cache_key is not None:
         _cache_key.join()
@@ -176,8 +182,7 @@ def compile_ahead(workers: int | None = None, processes: bool = True) -> Iterato
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = workers or min(32, cpus or 1)
-    forks = (processes and "fork" in multiprocessing.get_all_start_methods()
-             and os.environ.get("ARLE_BUILD_PROCESSES", "1") != "0")
+    forks = processes and _BUILD_PROCESSES and "fork" in multiprocessing.get_all_start_methods()
     with (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="arle-compile")
           as threads, _Builds(threads, workers if forks else 0, stats) as builds,
           AsyncCompileMode(builds)):
@@ -336,7 +341,7 @@ _pdl: bool | None = None
 def hopper_gpu() -> bool:
     """An NVIDIA GPU of compute capability 9.0+ to compile for, not the interpreter: what PDL
     and the TMA GEMV (`arle_kernels.gemv.tma_available`) both need first."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _INTERPRET:
         return False
     import torch
 
@@ -345,7 +350,7 @@ def hopper_gpu() -> bool:
 
 
 def _pdl_supported() -> bool:
-    if os.environ.get("ARLE_PDL", "1") == "0" or not hopper_gpu():
+    if not _PDL_SWITCH or not hopper_gpu():
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -356,7 +361,7 @@ def _pdl_supported() -> bool:
 
 def pdl_enabled() -> bool:
     """Whether kernels launch with PDL: an NVIDIA GPU of compute capability 9.0+, a Triton that
-    has it, not the interpreter, and ARLE_PDL not "0" (the switch benchmarks compare with).
+    has it, not the interpreter, and not switched off (ARLE_PDL=0, for A/B benchmarks).
     Decided once per process (`set_pdl` overrides it)."""
     global _pdl
     if _pdl is None:

@@ -1,12 +1,17 @@
-"""The plain-torch paged attention (the reference later Triton kernels are checked against)
-against a dense, unpaged causal attention written out longhand."""
+"""The plain-torch paged attention (the CPU executor's, and what the Triton kernels are checked
+against) against a dense, unpaged causal attention written out longhand: a step's mixed batch,
+its decode rows through `decode_attention_ref` and its extend rows through
+`extend_attention_ref`."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
-from arle_kernels.attention import paged_attention_ref, write_kv
+from arle_kernels.decode_attention import decode_attention_ref
+from arle_kernels.extend_attention import extend_attention_ref
 
 
 def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -30,6 +35,7 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
     # rows: 3 decode rows, then extend rows of odd sizes crossing page boundaries
     seq_lens = [1, 17, 40, 5, 33, 64]
     q_lens = [1, 1, 1, 5, 20, 16]
+    nd = 3
     k_cache = torch.randn(num_pages, page_size, kv_heads, d, generator=gen)
     v_cache = torch.randn(num_pages, page_size, kv_heads, d, generator=gen)
     perm = torch.randperm(num_pages, generator=gen).tolist()  # scattered pages
@@ -38,22 +44,18 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
         n_pages = -(-length // page_size)
         pages, perm = perm[:n_pages], perm[n_pages:]
         tables.append(pages + [0] * (8 - n_pages))
-        full_k.append(k_cache[pages].flatten(0, 1)[:length].clone())
-        full_v.append(v_cache[pages].flatten(0, 1)[:length].clone())
-    # overwrite each row's new tokens through write_kv, as a step does
-    new_k = [torch.randn(n, kv_heads, d, generator=gen) for n in q_lens]
-    new_v = [torch.randn(n, kv_heads, d, generator=gen) for n in q_lens]
-    slots = []
-    for r, (length, n) in enumerate(zip(seq_lens, q_lens, strict=False)):
-        for p in range(length - n, length):
-            slots.append(tables[r][p // page_size] * page_size + p % page_size)
-        full_k[r][length - n:] = new_k[r]
-        full_v[r][length - n:] = new_v[r]
-    write_kv(k_cache, v_cache, torch.cat(new_k), torch.cat(new_v), torch.tensor(slots))
+        full_k.append(k_cache[pages].flatten(0, 1)[:length])
+        full_v.append(v_cache[pages].flatten(0, 1)[:length])
+    table = torch.tensor(tables, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
     q = torch.randn(sum(q_lens), heads, d, generator=gen)
     scale = d ** -0.5
-    out = paged_attention_ref(q, k_cache, v_cache, torch.tensor(tables), seq_lens, q_lens,
-                              num_decode_rows=3, scale=scale)
+    out = torch.cat([
+        decode_attention_ref(q[:nd], k_cache, v_cache, table[:nd], lens[:nd], scale, 1),
+        extend_attention_ref(q[nd:], k_cache, v_cache, table[nd:],
+                             torch.tensor([0, *itertools.accumulate(q_lens[nd:])],
+                                          dtype=torch.int32),
+                             lens[nd:], scale, max(q_lens[nd:]))])
     start = 0
     for r, n in enumerate(q_lens):
         ref = dense_causal(q[start:start + n], full_k[r], full_v[r], scale)

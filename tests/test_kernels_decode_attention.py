@@ -1,5 +1,5 @@
 """Paged split-KV decode attention (arle_kernels.decode_attention): the Triton kernel against its
-torch reference, and the reference against kernels/attention.py's SDPA reference.
+torch reference, and the reference against a dense attention written out longhand.
 
 GPU tests (skipped without CUDA) use realistic shapes; the interpreter check runs the same kernel
 on tiny CPU tensors under TRITON_INTERPRET=1, in a subprocess (the variable must be set before
@@ -13,14 +13,12 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
-from functools import partial
 
 import pytest
 import torch
 from helpers import capture, run_interpreter_check
+from test_attention_ref import dense_causal
 
-from arle_kernels.attention import decode_attention_ref as sdpa_decode_ref
-from arle_kernels.attention import decode_gather_index
 from arle_kernels.decode_attention import (
     decode_attention,
     decode_attention_ref,
@@ -131,9 +129,9 @@ def check_kernel(case: Case, num_splits: int, tol: float, loose_tol: float | Non
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1), (28, 4)])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_reference_matches_sdpa_reference(heads: int, kv_heads: int, fp8: bool) -> None:
-    """decode_attention_ref == kernels/attention.py's decode_attention_ref (SDPA over a gathered,
-    masked batch), in float64, on the dequantised cache for fp8."""
+def test_reference_matches_dense(heads: int, kv_heads: int, fp8: bool) -> None:
+    """decode_attention_ref == the longhand attention of each row's last token over its
+    gathered tokens, in float64, on the dequantised cache for fp8."""
     lens = [1, 15, 16, 17, 40, 100]
     case = make_case(heads + kv_heads, lens, heads, kv_heads, 32, torch.float64, fp8, "cpu",
                      poison=False)
@@ -143,11 +141,14 @@ def test_reference_matches_sdpa_reference(heads: int, kv_heads: int, fp8: bool) 
         k_deq, v_deq = k_deq * case.k_scale[..., None], v_deq * case.v_scale[..., None]
         # the quantisation really is lossy, and the dequantised values are near the originals
         assert 0 < (k_deq - case.k_plain).abs().max() < 0.1 * case.k_plain.abs().max()
-    slots, valid = decode_gather_index(case.page_table, case.seq_lens, PAGE)
-    want = sdpa_decode_ref(case.q, k_deq, v_deq, slots, valid, case.scale)
     got = decode_attention_ref(*case.args(), case.scale, 4, **case.scales())
     assert got.dtype == torch.float64
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    for row, length in enumerate(lens):
+        pos = torch.arange(length)
+        pages, offs = case.page_table[row, pos // PAGE].long(), pos % PAGE
+        want = dense_causal(case.q[row:row + 1], k_deq[pages, offs], v_deq[pages, offs],
+                            case.scale)
+        torch.testing.assert_close(got[row:row + 1], want, atol=1e-10, rtol=1e-10)
 
 
 def test_reference_zero_length_row_and_out() -> None:
@@ -188,7 +189,7 @@ def interp_check_decode_attention() -> None:
     # split beside empty ones (their o is zeros, their weight 0)
     for row_lens, splits in (([200], 4), ([40], 4), ([0], 2)):
         check_kernel(make_case(5, row_lens, 4, 2, 16, torch.float16, False, "cpu"), splits, 1e-3)
-    # other block sizes, as bench_decode's sweep tries them (16 = one page per step)
+    # other block sizes, as scripts/bench_kernels.py decode tries them (16 = one page a step)
     for config in ((16, 2, 1), (128, 4, 2)):
         check_kernel(case, 2, 1e-3, config=config)
     # pages longer than a block: a block's tokens share one page, at offsets that depend on
@@ -297,67 +298,3 @@ def test_gpu_cuda_graph_replay(fp8: bool) -> None:
         padding = (case.seq_lens == 0).nonzero().flatten().tolist()
         for row in padding:
             assert torch.equal(out[row], torch.zeros_like(out[row]))
-
-
-# ---- benchmark (GPU): the split kernel's configs, not a test ----------------------------------
-
-#: (BLOCK_N, num_warps, num_stages) tried by bench_decode, besides the default (default_config)
-DECODE_CONFIGS = [(64, 8, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3),
-                  (128, 4, 2), (16, 2, 4)]
-
-
-def _decode_on(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], case: Case,
-               out: torch.Tensor, splits: int, config: tuple[int, int, int]) -> torch.Tensor:
-    """decode_attention of `case`'s rows over the cache pair kv (one layer's)."""
-    return decode_attention(q, kv[0], kv[1], case.page_table, case.seq_lens, case.scale, splits,
-                            out=out, config=config)
-
-
-def bench_decode(batches: tuple[int, ...] = (1, 8, 32), contexts: tuple[int, ...] = (640, 4096),
-                 heads: int = 32, kv_heads: int = 8, d: int = 128) -> list[dict[str, object]]:
-    """Qwen3-4B's decode attention (one layer) as a decode step runs it: back to back in a CUDA
-    graph, each call on another layer's cache (together > 400 MB, so L2 holds none of them).
-    µs per call and KV read GB/s for the default config and DECODE_CONFIGS at split counts
-    around the one the engine's graphs use (pick_num_splits); prints each case's best. On the GPU:
-    `python -c "import sys; sys.path.insert(0, 'tests'); import test_kernels_decode_attention
-    as t; t.bench_decode()"`."""
-    from arle_kernels.decode_attention import default_config, pick_num_splits
-    from arle_kernels.gemv import _time_us
-
-    rows: list[dict[str, object]] = []
-    for ctx in contexts:
-        for batch in batches:
-            case = make_case(0, [ctx] * batch, heads, kv_heads, d, torch.bfloat16, False, "cuda",
-                             poison=False)
-            kv_bytes = 2 * batch * ctx * kv_heads * d * 2
-            layers = [(case.k_cache.clone(), case.v_cache.clone())
-                      for _ in range(max(2, -(-400_000_000 // kv_bytes)))]
-            default = pick_num_splits(batch, kv_heads, 40960)
-            default_cfg = default_config(batch, d)
-            configs = [default_cfg, *(c for c in DECODE_CONFIGS if c != default_cfg)]
-            out = torch.empty_like(case.q)
-            times = {}
-            for splits in sorted({max(1, default // 2), default, 2 * default, 4 * default}):
-                if splits > 64:
-                    continue
-                for cfg in configs:
-                    call = partial(_decode_on, case=case, out=out, splits=splits, config=cfg)
-                    try:
-                        us = _time_us(call, case.q, layers)
-                    except Exception as e:  # e.g. out of shared memory: report and go on
-                        print(f"ctx {ctx} batch {batch} splits {splits} {cfg}: "
-                              f"{type(e).__name__}", flush=True)
-                        continue
-                    times[(splits, cfg)] = us
-                    rows.append({"ctx": ctx, "batch": batch, "splits": splits,
-                                 "block_n": cfg[0], "warps": cfg[1], "stages": cfg[2],
-                                 "us": us, "gbs": kv_bytes / us / 1e3,
-                                 "default": splits == default and cfg == default_cfg})
-            best = min(times, key=lambda key: times[key])
-            base = times.get((default, default_cfg), float("nan"))
-            print(f"ctx {ctx:5} batch {batch:3}: default (splits {default}, "
-                  f"{default_cfg}) {base:6.1f} us | best splits {best[0]} {best[1]} "
-                  f"{times[best]:6.1f} us {kv_bytes / times[best] / 1e3:5.0f} GB/s", flush=True)
-            del layers
-            torch.cuda.empty_cache()
-    return rows

@@ -1,5 +1,5 @@
 """The Triton extend (prefill) attention against its plain-torch reference, and the reference
-against kernels/attention.py's per-row `extend_attention_ref` (an independent formula).
+against a dense causal attention written out longhand (an independent formula).
 
 GPU tests use realistic shapes (Qwen3 head counts, D 128, bf16 and fp8, a 4096-token prompt
 mixed with short rows and prefix hits); the interpreter check (`interp_check_extend_attention`)
@@ -7,9 +7,6 @@ runs tiny shapes in a subprocess with TRITON_INTERPRET=1. Every case scatters th
 with a random permutation and fills every cache slot no row owns (spare pages, the page-table
 padding's page 0, the tails of the rows' last pages) with NaN, so a read outside a row, or an
 unmasked one past seq_len, shows; outputs are NaN-poisoned before the launch.
-
-`bench_extend()` (run `python tests/test_kernels_extend_attention.py` on a GPU) times the kernel
-against torch SDPA (flash) on a dense copy.
 """
 
 from __future__ import annotations
@@ -20,8 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from helpers import run_interpreter_check
+from test_attention_ref import dense_causal
 
-from arle_kernels.attention import extend_attention_ref as row_extend_ref
 from arle_kernels.extend_attention import (
     _launch,
     block_tokens,
@@ -164,10 +161,10 @@ def test_plan_blocks() -> None:
         plan_blocks([33], [33], 16, 2)
 
 
-# --- CPU: the reference against kernels/attention.py's per-row formula ------------------------
+# --- CPU: the reference against the longhand formula ------------------------------------------
 
 @pytest.mark.parametrize("heads,kv_heads,fp8", [(4, 4, False), (8, 2, False), (6, 2, True)])
-def test_ref_matches_row_reference(heads: int, kv_heads: int, fp8: bool) -> None:
+def test_ref_matches_dense(heads: int, kv_heads: int, fp8: bool) -> None:
     rows = [(0, 5), (7, 9), (16, 17), (40, 1), (3, 30)]
     case = make_case(rows, heads, kv_heads, 32, torch.float32, "cpu", fp8=fp8, seed=heads)
     out = extend_attention_ref(*case.args(), **case.scales())
@@ -178,9 +175,10 @@ def test_ref_matches_row_reference(heads: int, kv_heads: int, fp8: bool) -> None
         v = v.float() * case.v_scale[..., None]
     cu = case.cu_q_lens.tolist()
     for r, seq_len in enumerate(case.seq_lens.tolist()):
-        want = row_extend_ref(case.q[cu[r]:cu[r + 1]], k, v, case.page_table[r], seq_len,
-                              case.scale)
-        torch.testing.assert_close(out[cu[r]:cu[r + 1]], want, atol=1e-5, rtol=1e-5)
+        pos = torch.arange(seq_len)
+        pages, offs = case.page_table[r, pos // PAGE].long(), pos % PAGE
+        want = dense_causal(case.q[cu[r]:cu[r + 1]], k[pages, offs], v[pages, offs], case.scale)
+        torch.testing.assert_close(out[cu[r]:cu[r + 1]].double(), want, atol=1e-5, rtol=1e-5)
 
 
 # --- interpreter (CPU, subprocess with TRITON_INTERPRET=1) ------------------------------------
@@ -260,54 +258,3 @@ def test_gpu_head_dim_256_and_fp16() -> None:
     check(case, run_kernel(case), rel_tol=1e-2, abs_tol=5e-2)
     case = make_case(rows, 16, 8, 128, torch.float16, "cuda", seed=12, cache_view=True)
     check(case, run_kernel(case), rel_tol=1e-3, abs_tol=1e-2)
-
-
-# --- benchmark (GPU, by hand) -------------------------------------------------------------------
-
-def bench_extend(seq_len: int = 4096, prefix: int = 0, heads: int = 32, kv_heads: int = 8,
-                 d: int = 128, fp8: bool = False,
-                 configs: list[tuple[int, int, int, int]] | None = None) -> None:
-    """TFLOP/s of one row of seq_len - prefix new tokens after a cached prefix (bf16), against
-    torch SDPA (flash backend, causal, dense K/V expanded to all heads) when prefix is 0.
-    configs: also time these (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
-    import triton.testing
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q_len = seq_len - prefix
-    case = make_case([(prefix, q_len)], heads, kv_heads, d, torch.bfloat16, "cuda", fp8=fp8)
-    flops = 4 * heads * d * (q_len * prefix + q_len * (q_len + 1) / 2)
-    out = torch.empty_like(case.q)
-
-    def report(name: str, ms: float) -> None:
-        print(f"{name:>34}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s")
-
-    print(f"seq_len {seq_len}, prefix {prefix}, heads {heads}/{kv_heads}, D {d}, fp8 {fp8}")
-    report("extend_attention", triton.testing.do_bench(
-        lambda: extend_attention(*case.args(), **case.scales(), out=out)))
-    report("extend_attention (CUDA graph)", triton.testing.do_bench_cudagraph(
-        lambda: extend_attention(*case.args(), **case.scales(), out=out)))
-    for cfg in configs or []:
-        try:
-            report(f"config {cfg}", triton.testing.do_bench(
-                lambda cfg=cfg: _launch(*case.args(), case.k_scale, case.v_scale, out, *cfg)))
-        except Exception as e:  # e.g. out of shared memory: report and go on
-            print(f"config {cfg}: {type(e).__name__}: {str(e)[:200]}")
-    if prefix == 0 and not fp8:
-        qd = case.q.transpose(0, 1)[None]  # [1, H, L, D]
-        pos = torch.arange(seq_len, device="cuda")
-        pages = case.page_table[0, pos // PAGE].long()
-        kd = case.k_cache[pages, pos % PAGE].transpose(0, 1)[None]
-        vd = case.v_cache[pages, pos % PAGE].transpose(0, 1)[None]
-        kd = kd.repeat_interleave(heads // kv_heads, 1).contiguous()
-        vd = vd.repeat_interleave(heads // kv_heads, 1).contiguous()
-        qd = qd.contiguous()
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            report("torch SDPA flash (dense)", triton.testing.do_bench(
-                lambda: torch.nn.functional.scaled_dot_product_attention(
-                    qd, kd, vd, is_causal=True, scale=case.scale)))
-
-
-if __name__ == "__main__":
-    bench_extend()
-    bench_extend(seq_len=4096, prefix=3584)
-    bench_extend(fp8=True)

@@ -1,4 +1,4 @@
-"""The fused glue ops (arle_kernels.fused).
+"""The fused glue ops (arle_kernels.fused) and the seeded-sampling noise (arle_kernels.noise).
 
 Three kinds of test:
 - CPU: the torch refs are the model's semantics, checked against independent longhand versions
@@ -24,8 +24,6 @@ from arle_kernels import fused
 from arle_kernels.fused import (
     add_rms_norm,
     add_rms_norm_ref,
-    exponential_noise,
-    exponential_noise_ref,
     qk_norm_rope_store_kv,
     qk_norm_rope_store_kv_ref,
     quantize_fp8_ref,
@@ -34,6 +32,7 @@ from arle_kernels.fused import (
     silu_and_mul,
     silu_and_mul_ref,
 )
+from arle_kernels.noise import exponential_noise, exponential_noise_ref
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FP8 = torch.float8_e4m3fn

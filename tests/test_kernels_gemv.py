@@ -21,7 +21,6 @@ from helpers import run_interpreter_check
 from arle_kernels import gemv as gemv_module
 from arle_kernels.gemv import (
     _TRIGGER_AHEAD_16_ROWS,
-    BENCH_SHAPES,
     GemvConfig,
     _cp_async_config,
     _late_trigger,
@@ -39,6 +38,11 @@ from arle_kernels.gemv import (
 from arle_kernels.jit import set_pdl
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+#: (N, K) of Qwen3-4B's linear layers
+SHAPES: dict[str, tuple[int, int]] = {
+    "qkv": (6144, 2560), "o_proj": (2560, 4096), "gate_up": (19456, 2560),
+    "down": (2560, 9728), "lm_head": (151936, 2560),
+}
 
 
 def make_inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
@@ -100,7 +104,7 @@ def test_use_gemv_rule(tma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     row counts a warm-up runs: one per kernel variant (FMA at 1, 2; each M_PAD of the MMA)."""
     monkeypatch.setattr(gemv_module, "tma_available", lambda: tma)
     top = gemv_module.MAX_M
-    for n, k in BENCH_SHAPES.values():
+    for n, k in SHAPES.values():
         assert use_gemv(1, n, k) and use_gemv(2, n, k)
         assert not any(use_gemv(m, n, k) for m in (0, top + 1, 2 * top))
         assert [use_gemv(m, n, k, glu) for m in (17, top) for glu in (False, True)] == [tma] * 4
@@ -110,21 +114,21 @@ def test_use_gemv_rule(tma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     assert pads == [16 << i for i in range(len(pads))]
     assert pads[-1] == (top if tma else 16)
     for m in (3, 8, 16):
-        assert use_gemv(m, *BENCH_SHAPES["lm_head"])
-        assert use_gemv(m, *BENCH_SHAPES["gate_up"], glu=True)
-        rest = [use_gemv(m, *BENCH_SHAPES[s]) for s in ("qkv", "o_proj", "down")]
+        assert use_gemv(m, *SHAPES["lm_head"])
+        assert use_gemv(m, *SHAPES["gate_up"], glu=True)
+        rest = [use_gemv(m, *SHAPES[s]) for s in ("qkv", "o_proj", "down")]
         assert rest == [tma] * 3
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
-@pytest.mark.parametrize("shape", list(BENCH_SHAPES))
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_pick_config(m: int, shape: str) -> None:
     """Configs the GPU layout argument holds for, at most one split per 2 BLOCK_K chunks
     (mma) or one (FMA), enough programs for 132 SMs. FMA kernel (M <= 2): BLOCK_K a multiple of
     8 x 32 x warps, at most 64 fp32 accumulator registers per thread (M_PAD x BLOCK_N x runs of
     8 per thread). Tensor-core kernel (M = 3..16): tiles of >= 16 rows, and one config for every
     M (a row's sum must not depend on the batch)."""
-    n, k = BENCH_SHAPES[shape]
+    n, k = SHAPES[shape]
     cfg = _pick_config(m, n, k)
     assert cfg.block_n & (cfg.block_n - 1) == 0
     assert -(-n // cfg.block_n) * cfg.split_k >= 132
@@ -155,14 +159,14 @@ def test_tma_stages() -> None:
         assert stages >= 2
         return stages * (cfg.block_n * (2 if glu else 1) + m_pad) * cfg.block_k * 2 + 1024
 
-    n, k = BENCH_SHAPES["gate_up"]
+    n, k = SHAPES["gate_up"]
     glu = _tma_config(n, k, True)
     assert 2 * smem(glu, True, 16) <= 227 * 1024 < 3 * smem(glu, True, 16)
     assert -(-(n // 2) // glu.block_n) <= 2 * 132
     assert smem(glu, True, 32) > 227 * 1024 // 2  # one program an SM, its most stages
     assert _tma_stages(glu, True, 32, 2) == gemv_module._TMA_SMEM // ((128 + 32) * 128 * 2)
     for shape in ("qkv", "o_proj", "down", "lm_head"):
-        cfg = _tma_config(*BENCH_SHAPES[shape], False)
+        cfg = _tma_config(*SHAPES[shape], False)
         assert _tma_stages(cfg, False, 16, 2) == _tma_stages(cfg, False, 32, 2) == cfg.num_stages
 
 
@@ -170,9 +174,9 @@ def test_late_trigger_layers() -> None:
     """Which of Qwen3-4B's layers let the next kernel launch only after their K loop on TMA:
     o_proj, down and the fused gate_up; not qkv (the rope and decode attention after it start
     early) nor lm_head."""
-    late = {shape: _late_trigger(False, *BENCH_SHAPES[shape])
+    late = {shape: _late_trigger(False, *SHAPES[shape])
             for shape in ("qkv", "o_proj", "down", "lm_head")}
-    n2, k = BENCH_SHAPES["gate_up"]
+    n2, k = SHAPES["gate_up"]
     assert late == {"qkv": False, "o_proj": True, "down": True, "lm_head": False}
     assert _late_trigger(True, n2 // 2, k)
 
@@ -182,7 +186,7 @@ def test_trigger_ahead_layers() -> None:
     at up to 16 rows: never in the fused gate_up (down's programs must land after its own),
     never at 32 rows, never where the trigger is first thing anyway."""
     for shape in ("qkv", "o_proj", "down", "lm_head"):
-        n, k = BENCH_SHAPES[shape]
+        n, k = SHAPES[shape]
         late = _late_trigger(False, n, k)
         assert _trigger_ahead(late, False, 16) == (2 if late else 0)
         assert _trigger_ahead(late, False, 32) == 0
@@ -289,9 +293,9 @@ def test_interpreter() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 24, 32])
-@pytest.mark.parametrize("shape", list(BENCH_SHAPES))
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_gpu_matches_reference(shape: str, m: int, bias: bool) -> None:
-    n, k = BENCH_SHAPES[shape]
+    n, k = SHAPES[shape]
     x, w, b = make_inputs(m, n, k, torch.bfloat16, "cuda", bias, seed=m)
     got = check(x, w, b, 1e-2)
     # and close to what cuBLAS gives (both bf16 outputs)
@@ -320,15 +324,15 @@ def test_gpu_odd_shapes(m: int) -> None:
 @pytest.mark.parametrize("m", [1, 2])
 def test_gpu_silu_mul(m: int) -> None:
     """Qwen3-4B's gate_up with the activation fused, and an odd size, against the reference."""
-    for n2, k in (BENCH_SHAPES["gate_up"], (2 * 1000, 2500)):
+    for n2, k in (SHAPES["gate_up"], (2 * 1000, 2500)):
         x, w, _ = make_inputs(m, n2, k, torch.bfloat16, "cuda", bias=False, seed=m)
         check_silu_mul(x, w, 1e-2)
 
 
 def used_tiles(config: Callable[[int, int, bool], GemvConfig]) -> list[tuple[int, ...]]:
-    """The tiles `config` picks for Qwen3-4B's shapes (sweep_mma times the other candidates)."""
+    """The tiles `config` picks for Qwen3-4B's shapes (scripts/bench_kernels.py sweep times others)."""
     return sorted({(c.block_n, c.block_k, c.num_warps, c.num_stages)
-                   for c in (config(n, k, glu) for n, k in BENCH_SHAPES.values()
+                   for c in (config(n, k, glu) for n, k in SHAPES.values()
                              for glu in (False, True))})
 
 
@@ -363,8 +367,8 @@ def test_gpu_tma_tiles(tile: tuple[int, int, int, int]) -> None:
 def check_mma_tile(tile: tuple[int, int, int, int], tma: bool, odd_dtype: torch.dtype,
                    odd_k: int = 2500) -> None:
     bn, bk, warps, stages = tile
-    for (n, k), dtype in ((BENCH_SHAPES["o_proj"], torch.bfloat16),
-                          (BENCH_SHAPES["down"], torch.bfloat16), ((1000, odd_k), odd_dtype)):
+    for (n, k), dtype in ((SHAPES["o_proj"], torch.bfloat16),
+                          (SHAPES["down"], torch.bfloat16), ((1000, odd_k), odd_dtype)):
         tol = 1e-2 if dtype != torch.float32 else 1e-5
         for split in (1, 4):
             cfg = GemvConfig(bn, bk, warps, stages, split, mma=True, tma=tma)
@@ -421,7 +425,7 @@ def test_gpu_pdl_same_bits() -> None:
 @pytest.mark.gpu
 def test_gpu_cuda_graph() -> None:
     """gemv captured in a CUDA graph (a split-K shape and a plain one) replays with new x."""
-    for n, k in ((40, 9728), BENCH_SHAPES["qkv"]):
+    for n, k in ((40, 9728), SHAPES["qkv"]):
         x, w, b = make_inputs(2, n, k, torch.bfloat16, "cuda", bias=True)
         gemv(x, w, b)  # compile outside the capture
         torch.cuda.synchronize()

@@ -150,7 +150,7 @@ def test_start_cache_key_readies_tritons_key_once(monkeypatch: pytest.MonkeyPatc
     builds after it find the key in triton_key's cache."""
     from triton.runtime.cache import triton_key
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(jit, "_INTERPRET", False)
     monkeypatch.setattr(jit, "_cache_key", None)
     triton_key.cache_clear()
     jit.start_cache_key()
@@ -161,7 +161,7 @@ def test_start_cache_key_readies_tritons_key_once(monkeypatch: pytest.MonkeyPatc
     jit.start_cache_key()  # a second call starts nothing
     assert jit._cache_key is thread
     monkeypatch.setattr(jit, "_cache_key", None)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(jit, "_INTERPRET", True)
     jit.start_cache_key()  # the interpreter builds nothing
     assert jit._cache_key is None
 

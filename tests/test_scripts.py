@@ -146,22 +146,10 @@ def test_bench_hf_runs(tiny_dir: Path, tmp_path: Path) -> None:
     assert "tok/s" in proc.stdout
 
 
-def test_kernel_regs_reports_a_decode_step(tmp_path: Path) -> None:
-    """scripts/kernel_regs.py compiles a decode step's Triton kernels for sm_90a on the CPU and
-    reports each variant's registers and programs per SM (`tiny`, batch 1: 32 splits, so the
-    merge runs too)."""
-    regs = load_script("kernel_regs")
-    if not Path(regs._ptxas()).exists():
-        pytest.skip("this Triton has no ptxas for sm_90")
-    out = tmp_path / "regs.json"
-    regs.main(["--model", "tiny", "--batch", "1", "--json", str(out)])
-    rows = json.loads(out.read_text())
-    assert {"_rms_norm_kernel", "_gemv_kernel", "_qk_norm_rope_store_kv_kernel",
-            "_decode_split_kernel", "_merge_kernel"} <= {r["kernel"] for r in rows}
-    for r in rows:
-        assert 0 < r["registers"] <= 255 and 1 <= r["programs_per_sm"] <= 32, r
-        assert "'PDL': True" in r["config"], r  # compiled as the H200 runs them
-
+def test_bench_kernels_help() -> None:
+    """scripts/bench_kernels.py imports and lists its benchmarks without a GPU."""
+    out = _run("scripts/bench_kernels.py", "--help").stdout
+    assert all(cmd in out for cmd in ("gemv", "sweep", "fused", "decode", "extend"))
 
 
 def test_bench_gpu_records_steps_in_launch_order() -> None:

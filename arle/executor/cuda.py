@@ -66,9 +66,9 @@ from arle_kernels.decode_attention import (
     pick_num_splits,
 )
 from arle_kernels.extend_attention import block_tokens
-from arle_kernels.fused import exponential_noise
 from arle_kernels.gemv import row_classes
 from arle_kernels.jit import compile_ahead
+from arle_kernels.noise import exponential_noise
 from arle_kernels.ops import ops_for
 
 log = get_logger("arle.executor.cuda")

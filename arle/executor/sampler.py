@@ -23,10 +23,9 @@ import torch
 from torch import Tensor
 
 from arle.engine.request import SamplingParams, TokenLogprob
-from arle_kernels.fused import exponential_noise
 from arle_kernels.greedy import GreedyPick, greedy_pick_ref
+from arle_kernels.noise import exponential_noise, mix_seed
 
-_MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 
 
@@ -300,31 +299,14 @@ def _fill_seeded_noise(q: Tensor, seeded_rows: tuple[tuple[int, int, int], ...])
     """Overwrite each seeded row's noise with Exp(1) draws that depend only on (seed, offset).
 
     A host loop with one generator per seeded row: fine on CPU, where seeded rows are few. On
-    CUDA `arle_kernels.fused.exponential_noise` draws them in one kernel (another stream: a seed
+    CUDA `arle_kernels.noise.exponential_noise` draws them in one kernel (another stream: a seed
     reproduces its tokens on the same kind of device).
     """
     vocab = q.shape[-1]
     for row, seed, offset in seeded_rows:
         gen = torch.Generator(device=q.device)
-        gen.manual_seed(_mix_seed(seed, offset))
+        gen.manual_seed(mix_seed(seed, offset))
         q[row] = torch.empty(vocab, dtype=q.dtype, device=q.device).exponential_(generator=gen)
-
-
-def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _mix_seed(seed: int, offset: int) -> int:
-    """A well-spread 64-bit generator seed per (seed, offset) draw.
-
-    NOTE: torch's CPU generator (mt19937) keeps only the low 32 bits of its seed; splitmix64's
-    low bits are as well mixed as its high ones, so that costs nothing but the 2^-32 chance
-    that two draws share noise.
-    """
-    return _splitmix64((_splitmix64(seed & _MASK64) + offset) & _MASK64)
 
 
 class PenaltyState:

@@ -1,0 +1,514 @@
+"""Micro-benchmarks of arle's Triton kernels on a GPU, one subcommand each, at Qwen3-4B's shapes.
+
+    python3 scripts/bench_kernels.py gemv [--out g.json]     # gemv against F.linear (cuBLAS)
+    python3 scripts/bench_kernels.py sweep --kernel tma      # the GEMV kernels' tiles x splits
+    python3 scripts/bench_kernels.py fused [--out f.json]    # the fused glue ops against their refs
+    python3 scripts/bench_kernels.py decode [--out d.json]   # decode attention's configs x splits
+    python3 scripts/bench_kernels.py extend [--out e.json]   # extend attention against SDPA flash
+
+Each prints a table; --out writes its rows as JSON. `gemv`, `sweep` and `decode` time calls as a
+decode step runs them: back to back in a CUDA graph, each on another copy of its weights (or KV
+cache), the copies together well past L2, so that every call reads from HBM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arle_kernels import extend_attention as extend
+from arle_kernels.decode_attention import decode_attention, default_config, pick_num_splits
+from arle_kernels.fused import (
+    add_rms_norm,
+    add_rms_norm_ref,
+    qk_norm_rope_store_kv,
+    qk_norm_rope_store_kv_ref,
+    quantize_fp8_ref,
+    rms_norm,
+    rms_norm_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
+from arle_kernels.gemv import GemvConfig, _launch, _pick_config, gemv, gemv_silu_mul, use_gemv
+from arle_kernels.jit import pdl_enabled
+from arle_kernels.noise import exponential_noise, exponential_noise_ref
+
+Row = dict[str, Any]
+T = TypeVar("T")
+
+# Qwen3-4B, bf16
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 2560, 32, 8, 128, 9728, 151936
+#: (N, K) of its linear layers
+LINEARS: dict[str, tuple[int, int]] = {
+    "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o_proj": (HIDDEN, HEADS * HEAD_DIM),
+    "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}
+PAGE = 16
+#: bytes of copies to rotate over: several times L2 (50 MB on an H200)
+ROTATE_BYTES = 400_000_000
+
+#: candidate tiles (block_n, block_k, num_warps, num_stages) of each GEMV kernel for `sweep`:
+#: the cp.async tensor-core kernel, the TMA one (block_n >= 64: wgmma; below, mma.sync), and
+#: the FMA kernel at a few rows
+TILES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
+    "mma": ((16, 128, 1, 1), (16, 256, 1, 1), (16, 128, 1, 3), (32, 128, 1, 2), (32, 128, 2, 1),
+            (32, 256, 2, 1), (32, 256, 2, 2), (16, 256, 2, 1), (64, 128, 4, 3), (64, 64, 4, 4)),
+    "tma": ((64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 2),
+            (64, 256, 4, 3), (64, 64, 4, 4), (64, 64, 4, 8), (128, 128, 4, 3), (128, 128, 8, 4),
+            (128, 64, 4, 6), (32, 128, 2, 4), (32, 128, 4, 4), (32, 256, 2, 3), (16, 128, 1, 4),
+            (16, 128, 1, 6), (16, 256, 1, 3)),
+    "fma": ((1, 256, 1, 1), (2, 256, 1, 1), (4, 256, 1, 1), (8, 256, 1, 1), (1, 512, 1, 1),
+            (2, 512, 1, 1), (4, 512, 1, 1), (2, 512, 2, 1), (4, 512, 2, 1), (2, 1024, 4, 1),
+            (4, 1024, 4, 1)),
+}
+#: (BLOCK_N, num_warps, num_stages) of decode attention's split kernel tried besides its default
+DECODE_CONFIGS = ((64, 8, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3),
+                  (128, 4, 2), (16, 2, 4))
+
+
+def _time_us(fn: Callable[[T], object], inputs: list[T], graph: bool = True) -> float:
+    """Median microseconds of one fn(input), the input rotating over `inputs`.
+
+    graph: back to back in a CUDA graph of `calls` calls (no CPU launch cost), replayed 8 times
+    (the first a warm-up). Otherwise eager, one call at a time, with triton's do_bench (which
+    clears L2 before each call; a small kernel then also pays its CPU launch)."""
+    from triton.testing import do_bench
+
+    turn = itertools.count()
+
+    def call() -> object:
+        return fn(inputs[next(turn) % len(inputs)])
+
+    if not graph:
+        return float(do_bench(call, warmup=10, rep=50, return_mode="median")) * 1e3
+    call()  # compile and warm up outside the capture
+    calls = max(32, 2 * len(inputs))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            call()
+    times = []
+    for _ in range(8):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del g
+    return sorted(times[1:])[3]
+
+
+def _copies(nbytes: int) -> int:
+    """How many copies of `nbytes` rotate past L2."""
+    return max(2, -(-ROTATE_BYTES // nbytes))
+
+
+def _weights(n: int, k: int, gen: torch.Generator) -> tuple[int, list[Tensor]]:
+    """One bf16 [n, k] weight's bytes, and random copies of it to rotate over."""
+    w_bytes = n * k * 2
+    return w_bytes, [(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5).bfloat16()
+                     for _ in range(_copies(w_bytes))]
+
+
+def _x(m: int, k: int, gen: torch.Generator) -> Tensor:
+    return torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+
+
+def _then_silu(linear: Callable[[Tensor, Tensor], Tensor], x: Tensor, w: Tensor) -> Tensor:
+    """A gate_up projection, then its activation in a kernel of its own."""
+    return silu_and_mul(linear(x, w))
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV
+# ---------------------------------------------------------------------------------------------
+
+def bench_gemv(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
+    """gemv and F.linear (cuBLAS) per shape and M: in a CUDA graph (what to decide on) and eager
+    (do_bench: one call at a time, L2 cleared, the CPU launch included); GB/s = weight bytes /
+    graph time. gate_up also with its activation fused, against gemv then silu_and_mul."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out: list[Row] = []
+    print(f"{'shape':8} {'M':>2} {'N':>6} {'K':>5} | graph us: {'gemv':>6} {'cuBLAS':>6} | "
+          f"GB/s: {'gemv':>5} {'cuBLAS':>6} | speedup | eager us: {'gemv':>6} {'cuBLAS':>6} | "
+          f"use config")
+    for name in shapes:
+        n, k = LINEARS[name]
+        w_bytes, weights = _weights(n, k, gen)
+        for m in rows:
+            x = _x(m, k, gen)
+            g_us = _time_us(partial(gemv, x), weights)
+            c_us = _time_us(partial(F.linear, x), weights)
+            g_eager = _time_us(partial(gemv, x), weights, graph=False)
+            c_eager = _time_us(partial(F.linear, x), weights, graph=False)
+            cfg = _pick_config(m, n, k)
+            use = use_gemv(m, n, k)
+            out.append({"shape": name, "m": m, "n": n, "k": k, "gemv_us": g_us, "cublas_us": c_us,
+                        "gemv_gbs": w_bytes / g_us / 1e3, "cublas_gbs": w_bytes / c_us / 1e3,
+                        "speedup": c_us / g_us, "gemv_eager_us": g_eager,
+                        "cublas_eager_us": c_eager, "use_gemv": use,
+                        "config": dataclasses.asdict(cfg)})
+            print(f"{name:8} {m:>2} {n:>6} {k:>5} | {g_us:16.1f} {c_us:6.1f} | "
+                  f"{w_bytes / g_us / 1e3:11.0f} {w_bytes / c_us / 1e3:6.0f} | "
+                  f"{c_us / g_us:7.2f} | {g_eager:16.1f} {c_eager:6.1f} | "
+                  f"{'yes' if use else 'no ':3} n{cfg.block_n} k{cfg.block_k} "
+                  f"w{cfg.num_warps} s{cfg.split_k}", flush=True)
+        if name == "gate_up":
+            for m in (1, 2):
+                x = _x(m, k, gen)
+                fused_us = _time_us(partial(gemv_silu_mul, x), weights)
+                apart_us = _time_us(partial(_then_silu, gemv, x), weights)
+                out.append({"shape": "gate_up+silu", "m": m, "n": n, "k": k,
+                            "fused_us": fused_us, "gemv_then_silu_us": apart_us})
+                print(f"gate_up+silu M={m}: fused {fused_us:.1f} us, gemv then silu_and_mul "
+                      f"{apart_us:.1f} us", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return out
+
+
+def sweep(kernel: str, rows: tuple[int, ...], splits: tuple[int, ...], shapes: list[str],
+          tiles: tuple[tuple[int, int, int, int], ...]) -> list[Row]:
+    """One GEMV kernel (`kernel`: tma, mma or fma) over tiles x splits, against cuBLAS and what
+    gemv picks, per shape and M (CUDA-graph medians); gate_up also as the fused SiLU·up (no
+    split) against cuBLAS + silu_and_mul. Prints the best per shape; returns all."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out: list[Row] = []
+
+    def timed(cfg: GemvConfig, x: Tensor, weights: list[Tensor], glu: bool) -> float | None:
+        try:
+            return _time_us(lambda w: _launch(x, w, None, None, cfg, glu), weights)
+        except Exception as e:  # a tile past the SM's resources: skip it
+            print(f"{cfg} glu={glu}: {type(e).__name__}", flush=True)
+            return None
+
+    def config(tile: tuple[int, int, int, int], split: int) -> GemvConfig:
+        return GemvConfig(*tile, split_k=split, mma=kernel != "fma", tma=kernel == "tma")
+
+    for name in shapes:
+        n, k = LINEARS[name]
+        w_bytes, weights = _weights(n, k, gen)
+        for m in rows:
+            x = _x(m, k, gen)
+            base = {"shape": name, "m": m, "n": n, "k": k}
+            cublas = _time_us(partial(F.linear, x), weights)
+            picked = _time_us(partial(gemv, x), weights)
+            out += [{**base, "kernel": "cublas", "us": cublas},
+                    {**base, "kernel": "picked", "us": picked}]
+            best: tuple[float, str] = (float("inf"), "")
+            for tile, split in itertools.product(tiles, splits):
+                if split > 1 and triton.cdiv(k, tile[1]) < 2 * split:
+                    continue
+                us = timed(config(tile, split), x, weights, glu=False)
+                if us is None:
+                    continue
+                bn, bk, warps, stages = tile
+                out.append({**base, "kernel": kernel, "us": us, "block_n": bn, "block_k": bk,
+                            "warps": warps, "stages": stages, "split": split})
+                best = min(best, (us, f"n{bn} k{bk} w{warps} st{stages} s{split}"))
+            print(f"{name:8} M={m:2} cuBLAS {cublas:6.1f} picked {picked:6.1f} | {kernel} best "
+                  f"{best[0]:6.1f} ({w_bytes / best[0] / 1e3:5.0f} GB/s) {best[1]}", flush=True)
+            if name == "gate_up":
+                glu = [(us, tile) for tile in tiles
+                       if (us := timed(config(tile, 1), x, weights, glu=True)) is not None]
+                out += [{**base, "kernel": f"{kernel}_glu", "us": us, "block_n": bn,
+                         "block_k": bk, "warps": warps, "stages": stages, "split": 1}
+                        for us, (bn, bk, warps, stages) in glu]
+                apart = _time_us(partial(_then_silu, F.linear, x), weights)
+                fused = _time_us(partial(gemv_silu_mul, x), weights)
+                out += [{**base, "kernel": "cublas+silu", "us": apart},
+                        {**base, "kernel": "picked_glu", "us": fused}]
+                print(f"gate_up+silu M={m}: cuBLAS + silu_and_mul {apart:.1f}, picked "
+                      f"{fused:.1f}, {kernel} glu best {min(glu)[0]:.1f}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused glue ops and the sampling noise
+# ---------------------------------------------------------------------------------------------
+
+def bench_fused(tokens: tuple[int, ...], batches: tuple[int, ...],
+                num_pages: int = 8192) -> list[Row]:
+    """Each op against its torch ref (do_bench, eager), bf16, bf16 and fp8 caches. GB/s counts
+    the bytes the op must read and write once. NOTE: the qk and noise refs read device tensors
+    on the host (a sync each): that is part of what the kernels replace."""
+    from triton.testing import do_bench
+
+    eps, max_pos = 1e-6, 32768
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cos_sin = torch.rand(max_pos, HEAD_DIM, device="cuda", generator=gen)
+    out: list[Row] = []
+
+    def record(op: str, t: int, nbytes: int, fn: Callable[[], object],
+               ref: Callable[[], object]) -> None:
+        ms, ms_ref = do_bench(fn), do_bench(ref)
+        out.append({"op": op, "T": t, "triton_us": ms * 1e3, "torch_us": ms_ref * 1e3,
+                    "speedup": ms_ref / ms, "triton_GBps": nbytes / ms / 1e6})
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    for t in tokens:
+        x, res, gu = randn(t, HIDDEN), randn(t, HIDDEN), randn(t, 2 * INTER)
+        w = randn(HIDDEN).abs() + 0.5
+        e = x.element_size()
+        record("rms_norm", t, 2 * t * HIDDEN * e,
+               partial(rms_norm, x, w, eps), partial(rms_norm_ref, x, w, eps))
+        record("add_rms_norm", t, 4 * t * HIDDEN * e,
+               partial(add_rms_norm, x, res, w, eps), partial(add_rms_norm_ref, x, res, w, eps))
+        record("silu_and_mul", t, 3 * t * INTER * e,
+               partial(silu_and_mul, gu), partial(silu_and_mul_ref, gu))
+        qkv = randn(t, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        pos = torch.randint(0, max_pos, (t,), device="cuda", generator=gen)
+        slots = torch.randperm(num_pages * PAGE, device="cuda", generator=gen)[:t]
+        qn, kn = randn(HEAD_DIM).abs() + 0.5, randn(HEAD_DIM).abs() + 0.5
+        for fp8 in (False, True):
+            kc = torch.zeros(num_pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda",
+                             dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+            vc = torch.zeros_like(kc)
+            ks = torch.zeros(kc.shape[:3], device="cuda") if fp8 else None
+            vs = torch.zeros(kc.shape[:3], device="cuda") if fp8 else None
+            args = (qkv, pos, cos_sin, qn, kn, eps, HEADS, KV_HEADS, kc, vc, slots, ks, vs)
+            nbytes = t * ((2 * HEADS + 2 * KV_HEADS) * HEAD_DIM * e
+                          + 2 * KV_HEADS * HEAD_DIM * kc.element_size())
+            record(f"qk_norm_rope_store_kv {'fp8' if fp8 else 'bf16'} kv", t, nbytes,
+                   partial(qk_norm_rope_store_kv, *args), partial(qk_norm_rope_store_kv_ref, *args))
+    for b in batches:
+        seeds, offs = torch.arange(b, device="cuda"), torch.full((b,), 7, device="cuda")
+        record("exponential_noise", b, b * VOCAB * 4, partial(exponential_noise, seeds, offs, VOCAB),
+               partial(exponential_noise_ref, seeds, offs, VOCAB))
+
+    print(f"{'op':34} {'T':>5} {'triton us':>10} {'torch us':>10} {'x':>6} {'GB/s':>7}")
+    for r in out:
+        print(f"{r['op']!s:34} {r['T']!s:>5} {r['triton_us']:10.2f} {r['torch_us']:10.2f} "
+              f"{r['speedup']:6.2f} {r['triton_GBps']:7.0f}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class PagedKV:
+    """A paged KV cache of one layer and the rows in it (`extend_attention`'s argument names)."""
+
+    k_cache: Tensor
+    v_cache: Tensor
+    k_scale: Tensor | None
+    v_scale: Tensor | None
+    page_table: Tensor  # [rows, max_pages] int32
+    seq_lens: Tensor  # [rows] int32
+
+
+def paged_kv(seq_lens: list[int], fp8: bool = False) -> PagedKV:
+    """Random bf16 K/V (FP8 with its scales) for rows of seq_lens tokens, in pages scattered by
+    a random permutation."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    need = [-(-n // PAGE) for n in seq_lens]
+    num_pages = sum(need) + 1
+    perm = torch.randperm(num_pages, generator=gen, device="cuda").int()
+    table = torch.zeros(len(seq_lens), max(need) + 1, dtype=torch.int32, device="cuda")
+    start = 0
+    for row, n in enumerate(need):
+        table[row, :n] = perm[start:start + n]
+        start += n
+    shape = (num_pages, PAGE, KV_HEADS, HEAD_DIM)
+    k = torch.randn(shape, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(shape, generator=gen, device="cuda").bfloat16()
+    k_scale = v_scale = None
+    if fp8:
+        (k, k_scale), (v, v_scale) = quantize_fp8_ref(k), quantize_fp8_ref(v)
+    return PagedKV(k, v, k_scale, v_scale, table,
+                   torch.tensor(seq_lens, dtype=torch.int32, device="cuda"))
+
+
+def _decode_on(q: Tensor, kv: PagedKV, out: Tensor, splits: int, cfg: tuple[int, int, int],
+               layer: tuple[Tensor, Tensor]) -> Tensor:
+    """decode_attention of kv's rows over the caches of `layer`."""
+    return decode_attention(q, *layer, kv.page_table, kv.seq_lens, HEAD_DIM ** -0.5, splits,
+                            out=out, config=cfg)
+
+
+def bench_decode(batches: tuple[int, ...], contexts: tuple[int, ...]) -> list[Row]:
+    """One layer's decode attention as a decode step runs it (CUDA graph, each call on another
+    copy of the cache): µs per call and KV read GB/s for the default config and DECODE_CONFIGS,
+    at split counts around the one the engine's graphs use. Prints each case's best."""
+    out: list[Row] = []
+    for ctx, batch in itertools.product(contexts, batches):
+        kv = paged_kv([ctx] * batch)
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda").bfloat16()
+        o = torch.empty_like(q)
+        kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
+        layers = [(kv.k_cache.clone(), kv.v_cache.clone()) for _ in range(_copies(kv_bytes))]
+        default = pick_num_splits(batch, KV_HEADS, 40960)  # the graphs' longest context
+        default_cfg = default_config(batch, HEAD_DIM)
+        configs = [default_cfg, *(c for c in DECODE_CONFIGS if c != default_cfg)]
+        times: dict[tuple[int, tuple[int, int, int]], float] = {}
+        for splits in sorted({max(1, default // 2), default, 2 * default, 4 * default}):
+            if splits > 64:
+                continue
+            for cfg in configs:
+                try:
+                    us = _time_us(partial(_decode_on, q, kv, o, splits, cfg), layers)
+                except Exception as e:  # e.g. out of shared memory: report and go on
+                    print(f"ctx {ctx} batch {batch} splits {splits} {cfg}: "
+                          f"{type(e).__name__}", flush=True)
+                    continue
+                times[(splits, cfg)] = us
+                out.append({"ctx": ctx, "batch": batch, "splits": splits, "block_n": cfg[0],
+                            "warps": cfg[1], "stages": cfg[2], "us": us,
+                            "gbs": kv_bytes / us / 1e3,
+                            "default": splits == default and cfg == default_cfg})
+        best = min(times, key=lambda key: times[key])
+        base = times.get((default, default_cfg), float("nan"))
+        print(f"ctx {ctx:5} batch {batch:3}: default (splits {default}, {default_cfg}) "
+              f"{base:6.1f} us | best splits {best[0]} {best[1]} {times[best]:6.1f} us "
+              f"{kv_bytes / times[best] / 1e3:5.0f} GB/s", flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_extend(seq_len: int, prefix: int, fp8: bool,
+                 configs: list[tuple[int, int, int, int]]) -> list[Row]:
+    """TFLOP/s of one row of seq_len - prefix new tokens after a cached prefix (do_bench, eager
+    and in a CUDA graph), against torch SDPA (flash backend, causal, dense K/V expanded to all
+    heads) when there is no prefix. configs: also time these (BLOCK_M, BLOCK_N, num_warps,
+    num_stages)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    q_len = seq_len - prefix
+    kv = paged_kv([seq_len], fp8)
+    q = (torch.randn(q_len, HEADS, HEAD_DIM, device="cuda") * 2).bfloat16()
+    cu_q_lens = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM ** -0.5
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, cu_q_lens, kv.seq_lens, scale, q_len)
+    flops = 4 * HEADS * HEAD_DIM * (q_len * prefix + q_len * (q_len + 1) / 2)
+    o = torch.empty_like(q)
+    base = {"seq_len": seq_len, "prefix": prefix, "kv": "fp8" if fp8 else "bf16"}
+    out: list[Row] = []
+
+    def report(name: str, ms: float) -> None:
+        out.append({**base, "kernel": name, "us": ms * 1e3, "tflops": flops / ms / 1e9})
+        print(f"{name:>34}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+
+    def run() -> Tensor:
+        return extend.extend_attention(*args, k_scale=kv.k_scale, v_scale=kv.v_scale, out=o)
+
+    print(f"seq_len {seq_len}, prefix {prefix}, heads {HEADS}/{KV_HEADS}, D {HEAD_DIM}, "
+          f"fp8 {fp8}")
+    report("extend_attention", do_bench(run))
+    report("extend_attention (CUDA graph)", do_bench_cudagraph(run))
+    for cfg in configs:
+        try:
+            report(f"config {cfg}", do_bench(
+                lambda cfg=cfg: extend._launch(*args, kv.k_scale, kv.v_scale, o, *cfg)))
+        except Exception as e:  # e.g. out of shared memory: report and go on
+            print(f"config {cfg}: {type(e).__name__}: {str(e)[:200]}")
+    if prefix == 0 and not fp8:
+        pos = torch.arange(seq_len, device="cuda")
+        pages, offs = kv.page_table[0, pos // PAGE].long(), pos % PAGE
+        group = HEADS // KV_HEADS
+        qd = q.transpose(0, 1)[None].contiguous()  # [1, H, L, D]
+        kd, vd = (c[pages, offs].transpose(0, 1)[None].repeat_interleave(group, 1).contiguous()
+                  for c in (kv.k_cache, kv.v_cache))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            report("torch SDPA flash (dense)", do_bench(
+                lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in s.split(","))
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    if args.cmd == "gemv":
+        return bench_gemv(tuple(args.rows), args.shapes)
+    if args.cmd == "sweep":
+        tiles = tuple(args.tiles) if args.tiles else TILES[args.kernel]
+        return sweep(args.kernel, tuple(args.rows), tuple(args.splits), args.shapes, tiles)
+    if args.cmd == "fused":
+        return bench_fused(tuple(args.tokens), tuple(args.batches))
+    if args.cmd == "decode":
+        return bench_decode(tuple(args.batches), tuple(args.contexts))
+    return [row for prefix in args.prefix for kv in args.kv
+            for row in bench_extend(args.seq_len, prefix, kv == "fp8", args.configs)]
+
+
+def _shapes_arg(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--shapes", nargs="+", choices=list(LINEARS), default=list(LINEARS),
+                   help="linear layers (default: all)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("gemv", help="gemv against F.linear (cuBLAS)")
+    c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="M")
+    _shapes_arg(c)
+    c = sub.add_parser("sweep", help="one GEMV kernel's tiles x splits")
+    c.add_argument("--kernel", choices=list(TILES), default="tma")
+    c.add_argument("--rows", type=int, nargs="+", default=[8], help="M")
+    c.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
+    _shapes_arg(c)
+    c.add_argument("--tiles", type=_ints, nargs="+",
+                   help="block_n,block_k,num_warps,num_stages ... (default: the kernel's TILES)")
+    c = sub.add_parser("fused", help="the fused glue ops and the noise against their refs")
+    c.add_argument("--tokens", type=int, nargs="+", default=[1, 4096])
+    c.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="noise rows")
+    c = sub.add_parser("decode", help="decode attention's configs x splits")
+    c.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    c.add_argument("--contexts", type=int, nargs="+", default=[640, 4096])
+    c = sub.add_parser("extend", help="extend attention against SDPA flash")
+    c.add_argument("--seq-len", type=int, default=4096)
+    c.add_argument("--prefix", type=int, nargs="+", default=[0, 3584],
+                   help="cached tokens before the new ones (one case each)")
+    c.add_argument("--kv", choices=["bf16", "fp8"], nargs="+", default=["bf16", "fp8"])
+    c.add_argument("--configs", type=_ints, nargs="+", default=[],
+                   help="also BLOCK_M,BLOCK_N,num_warps,num_stages ...")
+    for c in sub.choices.values():
+        c.add_argument("--out", help="write the rows as JSON to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    rows = run(args)
+    if args.out:
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "triton": triton.__version__, "commit": os.environ.get("ARLE_COMMIT"),
+                "pdl": pdl_enabled(), "args": vars(args)}
+        Path(args.out).write_text(json.dumps({**meta, "results": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
