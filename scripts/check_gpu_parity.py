@@ -26,8 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arle.executor.paged import teacher_forced_logits
+from arle.executor.paged import DeviceStep, KVCache, PagedAttention
+from arle.model.decoder import DecoderLM
 from arle.model.loader import LoadedModel, load_model
+from arle_kernels.decode_attention import pick_num_splits
 
 #: Questions (chat-templated) and plain text, for a model with trained weights.
 QUESTIONS = (
@@ -57,6 +59,41 @@ TEXTS = (
     "the oxygen in the atmosphere, and most of the food that animals eat, comes from this "
     "process, which is why forests and oceans matter so much to the climate.",
 )
+
+
+def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int = 16,
+                          chunk_size: int | None = None, kv_dtype: torch.dtype | None = None
+                          ) -> torch.Tensor:
+    """Logits [T, vocab] (float32) at every position of `token_ids`, through the engine's path
+    with the model's kernels (`model.ops`): prefilled in chunks of `chunk_size` (each chunk an
+    extend row over the cached prefix); chunk_size 1 runs every token through decode attention
+    instead. For parity checks against other implementations."""
+    cfg = model.config
+    device = next(model.parameters()).device
+    n = len(token_ids)
+    num_pages = -(-n // page_size)
+    kv = KVCache.allocate(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                          kv_dtype or next(model.parameters()).dtype, device)
+    # NOTE: pages in reverse order, so a wrong page-table lookup cannot pass by accident.
+    table = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32, device=device)[None]
+    rotary = model.rotary_table(n)
+    ids = torch.tensor(token_ids, dtype=torch.int32, device=device)
+    chunk = chunk_size or n
+    out = []
+    with torch.inference_mode():
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            pos = torch.arange(start, end, dtype=torch.int32, device=device)
+            slots = table[0, pos // page_size] * page_size + pos % page_size
+            decode = chunk == 1
+            step = DeviceStep(ids[start:end], pos, slots,
+                              torch.tensor([end], dtype=torch.int32, device=device),
+                              torch.tensor([0, end - start], dtype=torch.int32, device=device),
+                              table, num_decode=1 if decode else 0, max_q_len=end - start,
+                              num_splits=pick_num_splits(1, cfg.num_kv_heads, end))
+            out.append(model.logits(model(step.input_ids, PagedAttention(kv, step, rotary,
+                                                                          model))))
+    return torch.cat(out)
 
 
 def text_prompts(loaded: LoadedModel) -> list[list[int]]:

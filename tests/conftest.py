@@ -16,10 +16,10 @@ from helpers import require_smollm2_gguf
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import Delta, GenerateRequest, SamplingParams
-from arle.executor.cpu import torch_thread
 from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
 from arle.model.loader import LoadedModel, load_model
+from arle.threads import torch_thread
 
 
 @pytest.fixture(scope="session")

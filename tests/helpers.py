@@ -57,8 +57,9 @@ def smollm2_tokenizer() -> Tokenizer:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@functools.cache
 def load_script(name: str) -> ModuleType:
-    """scripts/NAME.py as a module (the scripts are not a package)."""
+    """scripts/NAME.py as a module (the scripts are not a package), loaded once."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -19,7 +19,6 @@ from conftest import run
 from helpers import load_script, require_smollm2_gguf
 from model_dirs import hf_config, write_model_dir
 
-from arle.executor.paged import teacher_forced_logits
 from arle.model.loader import LoadedModel, load_model
 from arle_kernels.ops import ops_for
 
@@ -27,6 +26,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 #: scripts/check_gpu_parity.py: its prompts, transformers' model and the comparison
 PARITY = load_script("check_gpu_parity")
+teacher_forced_logits = PARITY.teacher_forced_logits
 
 #: Realistic kernel shapes (head dim 128, GQA 4:1, qk-norm) in a model small enough to be quick.
 GPU_SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
@@ -109,8 +109,8 @@ def _same_up_to_near_ties(a: list[tuple[int, float]], b: list[tuple[int, float]]
     GEMMs round differently at other batch sizes: a near-tie may flip, nothing else may).
 
     NOTE: `tie` is of the size of bf16's own logit error: transformers' bf16 forward of a random
-    Qwen3-4B differs from its fp32 one by up to 0.37 in the logits (docs/benchmarks); on the H200
-    a flip at a margin of 0.0625 was seen between batch sizes 1 and 16."""
+    Qwen3-4B differs from its fp32 one by up to 0.37 in the logits, and a flip at a margin of
+    0.0625 between batch sizes 1 and 16 has been seen on the H200."""
     for i, ((ta, ma), (tb, _)) in enumerate(zip(a, b, strict=True)):
         if ta != tb:
             assert ma < tie, f"token {i} differs ({ta} vs {tb}) with a top-2 margin of {ma:.3f}"
@@ -299,12 +299,12 @@ async def test_no_kernel_builds_after_warm_up(tmp_path: Path, make_engine: Any,
 async def test_start_up_builds_its_variants_ahead(tmp_path: Path, make_engine: Any,
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   kv_heads: int) -> None:
-    """The executor's one build pass (`_build_ahead`: the model cut to two layers, against the
+    """The executor's one build pass (`cuda_startup.build_ahead`: the model cut to two layers, against the
     profile's scratch cache, before the KV pool is sized) takes every Triton variant that
     start-up's real passes then run: the profile step, each graph's warm-up and capture (or,
     without graphs, the eager variants) and the greedy pick. A miss would be built later, on
     the launching thread, one after another."""
-    import arle.executor.cuda as cuda_executor
+    import arle.executor.cuda_startup as cuda_startup
     from arle_kernels.jit import watch_compiles
 
     write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", **{
@@ -312,7 +312,7 @@ async def test_start_up_builds_its_variants_ahead(tmp_path: Path, make_engine: A
         "num_key_value_heads": kv_heads}), seed=5)
     loaded = load_model(tmp_path, "bfloat16", "cuda")
     inside = False
-    build_ahead = cuda_executor.compile_ahead
+    build_ahead = cuda_startup.compile_ahead
 
     @contextlib.contextmanager
     def tracked(workers: int | None = None) -> Iterator[bool]:
@@ -324,7 +324,7 @@ async def test_start_up_builds_its_variants_ahead(tmp_path: Path, make_engine: A
             finally:
                 inside = False
 
-    monkeypatch.setattr(cuda_executor, "compile_ahead", tracked)
+    monkeypatch.setattr(cuda_startup, "compile_ahead", tracked)
     ahead: list[str] = []
     late: list[str] = []
     stop = watch_compiles(lambda kernel: (ahead if inside else late).append(kernel))
@@ -429,12 +429,12 @@ async def test_one_request_engine_builds_nothing_after_start_up(
     graphs, no warm-up pass, so every prefill runs eagerly. Prompts of every row class and
     longer, a cached prefix, greedy and sampled, then build (or load) no kernel variant: each
     would stall the request (seen on the H200 from a cold cache: 1 s before the first token).
-    Without start-up's short prefills (`_eager_prefill_runs`) they do: what the test sees."""
-    import arle.executor.cuda as cuda_executor
+    Without start-up's short prefills (`eager_prefill_runs`) they do: what the test sees."""
+    import arle.executor.cuda_startup as cuda_startup
     from arle_kernels.jit import watch_compiles
 
     if not ahead:
-        monkeypatch.setattr(cuda_executor.CUDAExecutor, "_eager_prefill_runs", lambda self: [])
+        monkeypatch.setattr(cuda_startup, "eager_prefill_runs", lambda ex: [])
     write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", **GPU_SHAPE), seed=8)
     loaded = load_model(tmp_path, "bfloat16", "cuda")
     _forget_loaded_variants()

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_all_pages_back, run, run_many, text_of, tokens_of
+from helpers import load_script
 
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
@@ -221,7 +222,7 @@ async def test_context_length_and_bad_requests(tiny, make_engine):
 
 
 async def test_logprobs_match_a_direct_forward(tiny, make_engine):
-    from arle.executor.paged import teacher_forced_logits
+    teacher_forced_logits = load_script("check_gpu_parity").teacher_forced_logits
 
     engine = make_engine(tiny)
     prompt = list(range(300, 340))

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import load_script
 
-from arle.executor.paged import teacher_forced_logits
 from arle.model.loader import LoadedModel
+
+teacher_forced_logits = load_script("check_gpu_parity").teacher_forced_logits
 
 TEXTS = [
     "The history of the Roman Empire spans many centuries, beginning with the founding of the "

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 from conftest import run, run_many, tokens_of
-from helpers import require_smollm2_gguf
+from helpers import load_script, require_smollm2_gguf
 from model_dirs import GENERATION_CONFIG, VOCAB_SIZE, hf_config, write_model_dir
 
-from arle.executor.paged import teacher_forced_logits
 from arle.model.loader import LoadedModel, load_model
+
+teacher_forced_logits = load_script("check_gpu_parity").teacher_forced_logits
 
 transformers = pytest.importorskip("transformers")
 

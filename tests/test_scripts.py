@@ -101,7 +101,7 @@ def test_tiny_loads_with_matching_logits(tiny_dir: Path) -> None:
     logits are spread enough that greedy choices are not near-ties."""
     import transformers
 
-    from arle.executor.paged import teacher_forced_logits
+    teacher_forced_logits = load_script("check_gpu_parity").teacher_forced_logits
     from arle.model.loader import load_model
 
     ids = torch.randint(0, 151936, (40,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from arle.engine.request import SamplingParams
-from arle.executor.cuda import DecodeGraphs, ExtendGraphs
+from arle.executor.cuda_graphs import DecodeGraphs, ExtendGraphs
 from arle.executor.paged import _ALIGN, KVCache, PagedAttention, pack_step, step_views
 from arle.executor.plan import Row, StepPlan
 from arle.model.loader import LoadedModel

@@ -87,7 +87,7 @@ class AsyncEngine:
     @classmethod
     async def create(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model (on the thread that will run its steps) and build the engine."""
-        from arle.executor.cpu import torch_thread
+        from arle.threads import torch_thread
 
         return await asyncio.wrap_future(torch_thread().submit(cls.build, config))
 

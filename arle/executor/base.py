@@ -11,8 +11,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from arle.engine.request import TokenLogprob
 from arle.executor.plan import StepPlan
+from arle.sampling import TokenLogprob
 
 
 @dataclass

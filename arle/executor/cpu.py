@@ -10,34 +10,18 @@ next step read, so no step waits for the host to learn the previous step's token
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections.abc import Awaitable
 
 import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
-from arle.executor.paged import KVCache, PagedAttention, StepInputs, step_views
+from arle.executor.paged import KVCache, PagedAttention, StepInputs, kv_format, step_views
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import PenaltyState, logprobs_of, sample_into
 from arle.model.decoder import DecoderLM
+from arle.threads import torch_thread
 from arle_kernels.ops import ops_for
-
-_TORCH_THREAD: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def torch_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread that runs heavy CPU torch work: model loading and every step.
-
-    NOTE: each thread that enters an OpenMP parallel region gets its own team of worker threads,
-    which spin while idle. Two teams on a 2-core machine fight for the cores: a SmolLM2 decode
-    step measured 26 ms with all torch work on one thread and 46 ms with loading on another.
-    Light torch calls (building small tensors) on other threads start no parallel region.
-    """
-    global _TORCH_THREAD
-    if _TORCH_THREAD is None:
-        _TORCH_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arle-torch")
-    return _TORCH_THREAD
 
 
 class CPUExecutor:
@@ -50,8 +34,7 @@ class CPUExecutor:
         self.num_slots = num_slots
         self.kv = KVCache.allocate(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads,
                                    cfg.head_dim, kv_dtype, torch.device("cpu"))
-        self.kv_pool = KVPoolInfo(num_pages, page_size, self.kv.nbytes,
-                                  str(kv_dtype).removeprefix("torch."))
+        self.kv_pool = KVPoolInfo(num_pages, page_size, self.kv.nbytes, kv_format(kv_dtype))
         self.rotary = model.rotary_table(max_positions)
         self.token_buffer = torch.zeros(num_slots, dtype=torch.int32)
         self.penalties = PenaltyState(num_slots, cfg.vocab_size, "cpu")

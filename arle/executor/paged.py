@@ -1,7 +1,6 @@
 """What both executors share: the paged KV cache, a step's metadata on the device, and the
 attention backend the model calls, with the kernels of `model.ops` (torch references on the
-CPU, Triton on CUDA). Also `pack_step` (a plan flattened into one int32 array on the host) and
-`teacher_forced_logits` (parity checks through exactly this path).
+CPU, Triton on CUDA). Also `pack_step`: a plan flattened into one int32 array on the host.
 """
 
 from __future__ import annotations
@@ -14,11 +13,15 @@ import torch
 from arle.executor.plan import Row, StepPlan
 from arle.executor.sampler import SamplingBatch
 from arle.model.decoder import DecoderLM
-from arle_kernels.decode_attention import pick_num_splits
 from arle_kernels.extend_attention import plan_blocks
 from arle_kernels.split_sums import SplitSums
 
 FP8_KV = torch.float8_e4m3fn
+
+
+def kv_format(dtype: torch.dtype) -> str:
+    """A KV pool's format as logs and `KVPoolInfo` name it: "bfloat16", "fp8e4m3", ..."""
+    return "fp8e4m3" if dtype == FP8_KV else str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -37,7 +40,7 @@ class KVCache:
         attend to (one token), from their capture on. NOTE: nothing else reads a slot before
         a step wrote it (the kernels mask past a row's length, the references gather within
         it), as with pages that come back to the pool holding an earlier request's K/V.
-        Zeroing the whole pool took 0.2-0.9 s of `arle complete`'s start on a 2-core CPU."""
+        Zeroing the whole pool would cost start-up time for nothing."""
         shape = (layers, pages, page_size, kv_heads, head_dim)
         k = torch.empty(shape, dtype=dtype, device=device)
         v = torch.empty(shape, dtype=dtype, device=device)
@@ -325,38 +328,3 @@ class StepInputs:
                    [r.params.logprobs for r in rows],
                    [(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
                     for n in plan.new_slots])
-
-
-def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int = 16,
-                          chunk_size: int | None = None, kv_dtype: torch.dtype | None = None
-                          ) -> torch.Tensor:
-    """Logits [T, vocab] (float32) at every position of `token_ids`, through the engine's path
-    with the model's kernels (`model.ops`): prefilled in chunks of `chunk_size` (each chunk an
-    extend row over the cached prefix); chunk_size 1 runs every token through decode attention
-    instead. For parity checks against other implementations."""
-    cfg = model.config
-    device = next(model.parameters()).device
-    n = len(token_ids)
-    num_pages = -(-n // page_size)
-    kv = KVCache.allocate(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                          kv_dtype or next(model.parameters()).dtype, device)
-    # NOTE: pages in reverse order, so a wrong page-table lookup cannot pass by accident.
-    table = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32, device=device)[None]
-    rotary = model.rotary_table(n)
-    ids = torch.tensor(token_ids, dtype=torch.int32, device=device)
-    chunk = chunk_size or n
-    out = []
-    with torch.inference_mode():
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            pos = torch.arange(start, end, dtype=torch.int32, device=device)
-            slots = table[0, pos // page_size] * page_size + pos % page_size
-            decode = chunk == 1
-            step = DeviceStep(ids[start:end], pos, slots,
-                              torch.tensor([end], dtype=torch.int32, device=device),
-                              torch.tensor([0, end - start], dtype=torch.int32, device=device),
-                              table, num_decode=1 if decode else 0, max_q_len=end - start,
-                              num_splits=pick_num_splits(1, cfg.num_kv_heads, end))
-            out.append(model.logits(model(step.input_ids, PagedAttention(kv, step, rotary,
-                                                                          model))))
-    return torch.cat(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from arle.engine.request import SamplingParams
+from arle.sampling import SamplingParams
 
 
 @dataclass

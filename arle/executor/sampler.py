@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from arle.engine.request import SamplingParams, TokenLogprob
+from arle.sampling import SamplingParams, TokenLogprob
 from arle_kernels.greedy import GreedyPick, greedy_pick_ref
 from arle_kernels.noise import exponential_noise, mix_seed
 

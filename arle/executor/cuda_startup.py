@@ -1,0 +1,294 @@
+"""The CUDA executor's start-up: the profile step, the memory plan, the graphs' capture, and
+every Triton kernel variant built before the first request.
+
+`start_up` runs the phases in order:
+1. the profile step's scratch cache stands in for the KV pool (a kernel variant depends on the
+   cache's layout, not on its size);
+2. one pass builds, side by side, every variant start-up and serving will run (`build_ahead`);
+3. the profile step (the largest step, every slot sampling) measures the activation peak, and
+   the KV pool takes what `--mem-fraction-static` leaves (`plan_memory`);
+4. the decode and extend graphs are captured; eager decode steps above the graphs and the
+   sampler get their variants built.
+NOTE: no variant may be built after start-up: a build mid-serving stalls every request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from arle.errors import ArleError
+from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, graph_reserve
+from arle.executor.paged import FP8_KV, DeviceStep, KVCache, PagedAttention, kv_format
+from arle.executor.sampler import SamplingBatch, sample
+from arle.logging import get_logger
+from arle.model.decoder import DecoderLayer, DecoderLM
+from arle.sampling import SamplingParams
+from arle_kernels.decode_attention import (
+    MERGE_O_WITH_LSE_MAX_BATCH,
+    PRELOAD_MAX_BATCH,
+    pick_num_splits,
+)
+from arle_kernels.gemv import row_classes
+from arle_kernels.jit import compile_ahead
+from arle_kernels.noise import exponential_noise
+
+if TYPE_CHECKING:
+    from arle.executor.cuda import CUDAExecutor
+
+log = get_logger("arle.executor.cuda")
+
+#: The profile run samples with the most memory-hungry path (a sort over the vocabulary).
+PROFILE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes of the GPU's memory, by use, and the KV pool's pages."""
+
+    total_bytes: int
+    weights_bytes: int
+    activation_peak_bytes: int
+    graph_reserve_bytes: int
+    num_pages: int
+
+
+def start_up(ex: CUDAExecutor) -> dict[str, Any]:
+    """Make `ex` ready to step: its KV pool (`ex.kv`), its graphs, every kernel variant it
+    will launch. Returns what each phase measured (`ex.startup_info`)."""
+    config = ex.config
+    with torch.cuda.stream(ex.stream):
+        weights = torch.cuda.memory_allocated(ex.device)
+        t0 = time.perf_counter()
+        ex.kv = scratch_cache(ex)
+        profile = prefill_step(ex, config.max_batched_tokens, PROFILE_PARAMS,
+                               min(ex.num_slots, config.max_batched_tokens))
+        before = torch.cuda.memory_allocated(ex.device)
+        ex.make_graph_buffers()
+        buffers = torch.cuda.memory_allocated(ex.device) - before
+        decode_runs = (ex.graphs.runs(ex.forward_decode, ex.pick_num_splits, ex.pad_slot)
+                       if ex.graphs is not None else {})
+        extend_runs = (ex.extend_graphs.runs(ex.forward_extend)
+                       if ex.extend_graphs is not None else {})
+        eager_above = ex.eager_decode_above()
+        eager = (() if eager_above is None
+                 else (functools.partial(build_eager_decode_variants, ex, eager_above),))
+        prefills = eager_prefill_runs(ex)
+        built = build_ahead(ex, profile, *prefills, *decode_runs.values(),
+                            *extend_runs.values(), *eager,
+                            functools.partial(build_sampler_variants, ex))
+        # NOTE: the graphs' static buffers are not the profile step's: the reserve has them
+        peak = peak_memory(profile, ex.device) - buffers
+        for run in prefills:  # for real, on the scratch cache
+            run()
+        del ex.kv, profile, prefills
+        torch.cuda.empty_cache()
+        profile_s = time.perf_counter() - t0 - built["seconds"]
+        plan = plan_memory(ex, weights, peak)
+        m = ex.model.config
+        ex.kv = KVCache.allocate(m.num_layers, plan.num_pages, config.page_size,
+                                 m.num_kv_heads, m.head_dim, config.kv_dtype, ex.device)
+    fmt = kv_format(config.kv_dtype)
+    log.info("memory_plan", total_gb=round(plan.total_bytes / 1e9, 2),
+             weights_gb=round(weights / 1e9, 2),
+             activation_peak_gb=round(plan.activation_peak_bytes / 1e9, 2),
+             graph_reserve_gb=round(plan.graph_reserve_bytes / 1e9, 2),
+             mem_fraction_static=config.mem_fraction_static, profile_s=round(profile_s, 2))
+    log.info(f"KV pool: {plan.num_pages * config.page_size} tokens, {plan.num_pages} pages @ "
+             f"{config.page_size}, {ex.kv.nbytes / 1e9:.2f} GB, format {fmt}")
+
+    if ex.graphs is not None:
+        pool = torch.cuda.graph_pool_handle()
+        ex.graphs.capture(decode_runs, pool, ex.stream)
+        if ex.extend_graphs is not None:
+            ex.extend_graphs.capture(extend_runs, pool, ex.stream)
+    if eager_above is not None:
+        build_eager_decode_variants(ex, eager_above)
+    build_sampler_variants(ex)
+    memory = {k: v for k, v in asdict(plan).items() if k != "num_pages"}
+    return {
+        "memory_plan": {**memory, "kv_pool_bytes": ex.kv.nbytes, "kv_format": fmt,
+                        "mem_fraction_static": config.mem_fraction_static,
+                        "profile_s": round(profile_s, 3)},
+        "kernels_built_ahead": built,
+        "cuda_graphs": ({"batch_sizes": ex.graphs.sizes,
+                         "capture_s": round(ex.graphs.capture_s, 3)}
+                        if ex.graphs is not None else None),
+        "extend_graphs": ({"tokens": ex.extend_graphs.sizes, "rows": ex.extend_graphs.rows,
+                           "capture_s": round(ex.extend_graphs.capture_s, 3)}
+                          if ex.extend_graphs is not None else None),
+    }
+
+
+def scratch_cache(ex: CUDAExecutor) -> KVCache:
+    """A KV cache for the profile step: one full prefill chunk."""
+    m = ex.model.config
+    pages = -(-ex.config.max_batched_tokens // ex.page_size) + 1
+    return KVCache.allocate(m.num_layers, pages, ex.page_size, m.num_kv_heads, m.head_dim,
+                            ex.config.kv_dtype, ex.device)
+
+
+def prefill_step(ex: CUDAExecutor, n: int, params: SamplingParams, rows: int
+                 ) -> Callable[[], None]:
+    """One prefill chunk of n tokens at positions 0..n-1, on `ex.kv` (the scratch cache, every
+    page in its page table), `rows` of its tokens sampling with `params`. At
+    `max_batched_tokens`, every slot sampling with PROFILE_PARAMS: the largest step, what the
+    memory plan measures."""
+    model, device = ex.model, ex.device
+    ids = torch.randint(0, model.config.vocab_size, (n,), dtype=torch.int32, device=device)
+    slots = torch.arange(n, dtype=torch.int32, device=device)
+    # NOTE: a chunk may be longer than the model's context (max_batched_tokens above
+    # max_model_len); the rope kernel reads the rotary table at each position unchecked
+    pos = slots % ex.rotary.shape[0]
+    table = torch.arange(ex.kv.k.shape[1], dtype=torch.int32, device=device)[None]
+    step = DeviceStep(ids, pos, slots, torch.tensor([n], dtype=torch.int32, device=device),
+                      torch.tensor([0, n], dtype=torch.int32, device=device), table,
+                      num_decode=0, max_q_len=n, num_splits=1)
+    batch = SamplingBatch.build([params] * rows, [0] * rows, device)
+
+    def run() -> None:
+        with torch.inference_mode():
+            hidden = model(ids, PagedAttention(ex.kv, step, ex.rotary, model))
+            sample(model.logits(hidden[:rows]), batch, generator=ex.generator)
+    return run
+
+
+def eager_prefill_runs(ex: CUDAExecutor) -> list[Callable[[], None]]:
+    """Without extend graphs (one running request, or no graphs), prefill steps run eagerly at
+    any length: one short prefill per variant class their kernels compile by row count (the
+    GEMVs' `row_classes` above one row, which also give the glue kernels a count that is
+    neither 1 nor a multiple of 16; longer chunks take cuBLAS and the profile step's
+    variants), one row sampling greedily. So no prompt builds a variant mid-request."""
+    if ex.extend_graphs is not None:
+        return []
+    greedy = SamplingParams(temperature=0.0)
+    return [prefill_step(ex, n, greedy, 1) for n in row_classes()[1:]]
+
+
+def build_ahead(ex: CUDAExecutor, *passes: Callable[[], object]) -> dict[str, float]:
+    """Run the start-up passes with their launches turned into compiles (`compile_ahead`): the
+    Triton kernel variants they take are built side by side, on every core, before the passes
+    run for real (from a cold cache they are most of the time to ready). Returns the seconds,
+    the variants built and how many of them worker processes compiled.
+    The model runs cut to two layers (`two_layers`): the pass is host work that the builds
+    share the interpreter with, and the other layers would only repeat it.
+    NOTE: nothing is computed, so a pass here must be one that runs again after."""
+    t0 = time.perf_counter()
+    with (torch.inference_mode(), torch.cuda.stream(ex.stream),
+          compile_ahead() as builds, two_layers(ex.model)):
+        for run in passes if builds.on else ():
+            run()
+    built = {"seconds": round(time.perf_counter() - t0, 3), "variants": builds.variants,
+             "in_processes": builds.in_processes}
+    log.info("kernels_built_ahead", **built)
+    return built
+
+
+@contextlib.contextmanager
+def two_layers(model: DecoderLM) -> Iterator[None]:
+    """Inside, `model` runs its first two layers only. NOTE: enough for a pass that builds
+    kernel variants: layer 0 (no residual yet) and layer 1 launch every variant the others do
+    (one set of shapes, dtypes and alignments)."""
+    layers = model.layers
+    model.layers = nn.ModuleList(list(layers)[:2])
+    try:
+        yield
+    finally:
+        model.layers = layers
+
+
+def peak_memory(run: Callable[[], None], device: torch.device) -> int:
+    """The peak of allocated memory while run() runs (what is allocated now included)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def plan_memory(ex: CUDAExecutor, weights: int, peak: int) -> MemoryPlan:
+    """The KV pool's pages: `--mem-fraction-static` of the GPU, less the weights and the
+    profile step's activation peak (`peak` counts both) and the graphs' reserve; or
+    `--kv-cache-tokens` where given."""
+    config, m = ex.config, ex.model.config
+    total = torch.cuda.get_device_properties(ex.device).total_memory
+    per_token = m.kv_bytes_per_token(torch.finfo(config.kv_dtype).bits // 8,
+                                     4 if config.kv_dtype == FP8_KV else 0)
+    graphs = config.cuda_graph_max_bs > 0
+    reserve = graph_reserve(
+        min(config.cuda_graph_max_bs, ex.num_slots) if graphs else 0,
+        min(config.extend_graph_max_tokens, config.max_batched_tokens),
+        min(EXTEND_GRAPH_ROWS, ex.num_slots), m.vocab_size, peak - weights,
+        config.max_batched_tokens)
+    budget = int(total * config.mem_fraction_static) - peak - reserve
+    if config.kv_cache_tokens is None and budget < 2 * config.page_size * per_token:
+        raise ArleError(
+            f"no memory left for the KV cache: weights {weights / 2**30:.1f} GiB + "
+            f"activations {(peak - weights) / 2**30:.1f} GiB exceed "
+            f"--mem-fraction-static {config.mem_fraction_static} of {total / 2**30:.1f} GiB")
+    tokens = config.kv_cache_tokens or budget // per_token
+    return MemoryPlan(total, weights, peak - weights, reserve,
+                      max(tokens // config.page_size, 2))
+
+
+def build_eager_decode_variants(ex: CUDAExecutor, above: int = 0) -> None:
+    """Build now, for decode steps of more than `above` rows (which run eagerly:
+    `ex.eager_decode_above()`), the kernel variants eager steps pick by their size, which the
+    warm-up passes may not all reach: the decode kernel's split counts (each its own merge
+    variant) with and without its first block loaded before the PDL wait (up to
+    PRELOAD_MAX_BATCH rows), and the GEMVs' row classes (`row_classes`). On zeros and page 0;
+    the outputs are thrown away."""
+    m, model, device = ex.model.config, ex.model, ex.device
+    # each (split count, preload, merge variant) variant, at the fewest rows that pick it
+    rows_for = {(pick_num_splits(b, m.num_kv_heads, ex.config.max_model_len, ex.num_sms),
+                 b <= PRELOAD_MAX_BATCH, b <= MERGE_O_WITH_LSE_MAX_BATCH): b
+                for b in range(ex.num_slots, above, -1)}
+    k, v, ks, vs = ex.kv.layer(0)
+    dtype = model.embed_tokens.weight.dtype
+    layer = cast(DecoderLayer, model.layers[0])
+    attn = layer.self_attn.num_heads * layer.self_attn.head_dim  # this rank's
+    with torch.inference_mode(), torch.cuda.stream(ex.stream):
+        for (n, _, _), b in sorted(rows_for.items()):
+            q = torch.zeros(b, m.num_heads, m.head_dim, dtype=dtype, device=device)
+            table = torch.zeros(b, 1, dtype=torch.int32, device=device)
+            seq_lens = torch.ones(b, dtype=torch.int32, device=device)
+            model.ops.decode_attention(q, k, v, table, seq_lens, 1.0, n, k_scale=ks, v_scale=vs)
+        ops, norm = model.ops, layer.post_attention_layernorm
+        for rows in row_classes():
+            x = torch.zeros(rows, m.hidden_size, dtype=dtype, device=device)
+            # the linear layers as the decoder runs them, each result taken by its consumer
+            # (split sums included); no K/V is written (slots -1)
+            no_slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
+            ops.qk_norm_rope_store_kv(
+                layer.self_attn.qkv_proj.forward_unreduced(x), torch.zeros_like(no_slots),
+                ex.rotary, *layer.self_attn.qk_norm_weights(), m.rms_norm_eps,
+                layer.self_attn.num_heads, layer.self_attn.num_kv_heads, k, v, no_slots, ks, vs)
+            attn_out = torch.zeros(rows, attn, dtype=dtype, device=device)
+            for y in (layer.self_attn.o_proj.forward_unreduced(attn_out), layer.mlp(x, ops)):
+                ops.add_rms_norm(y, x.clone(), norm.weight, norm.eps)
+            model.logits(x)
+    ex.stream.synchronize()
+
+
+def build_sampler_variants(ex: CUDAExecutor) -> None:
+    """The sampler's kernels, built now: the greedy pick's (kernels/greedy.py) for the logits
+    steps give it, the decode graphs' (the model's dtype) and the other steps' (fp32), into
+    the token buffer's spare entry; and the seeded rows' noise (a request with a `seed`: no
+    start-up step has one)."""
+    model, device = ex.model, ex.device
+    vocab = model.config.vocab_size
+    slots = torch.full((1,), ex.pad_slot, dtype=torch.int32, device=device)
+    with torch.inference_mode(), torch.cuda.stream(ex.stream):
+        for dtype in {model.embed_tokens.weight.dtype, torch.float32}:
+            logits = torch.zeros(1, vocab, dtype=dtype, device=device)
+            model.ops.greedy_pick(logits, slots, ex.token_buffer)
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        exponential_noise(zero, zero, vocab)
+    ex.stream.synchronize()
