@@ -4,7 +4,8 @@
 Measures, for each engine, interleaved over several rounds (medians reported):
   - decode tok/s at batch 1: (new tokens - 1) / (end-to-end time - time to first token)
   - prefill tok/s: prompt tokens / time to first token, on a long prompt
-Writes the raw numbers as JSON (default docs/benchmarks/cpu-<date>.json) and prints a table.
+Writes the raw numbers as JSON (default bench_cpu.json; docs/results/cpu/ keeps the published
+run) and prints a table.
 
     python scripts/bench_cpu.py [--model PATH] [--new-tokens 128] [--prompt-tokens 512] [--rounds 3]
 """
@@ -29,8 +30,8 @@ import torch
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import GenerateRequest, SamplingParams
-from arle.executor.cpu import torch_thread
 from arle.model.default import resolve_model_path
+from arle.threads import torch_thread
 
 
 def long_prompt(tokenizer: Any, n: int) -> list[int]:
@@ -157,8 +158,7 @@ async def main() -> None:
         "short_prompt_tokens": args.short_prompt_tokens, "prompt_tokens": args.prompt_tokens,
         "summary": summary, "raw": results,
     }
-    out = Path(args.out or
-               f"docs/benchmarks/cpu-{args.dtype}-{datetime.date.today().isoformat()}.json")
+    out = Path(args.out or "bench_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"{'engine':<14}{'decode tok/s':>14}{'prefill tok/s':>15}")

@@ -148,14 +148,13 @@ def _engine_config(args: argparse.Namespace, **kw: Any) -> EngineConfig:
 
 async def _engine(args: argparse.Namespace, **kw: Any) -> AsyncEngine:
     """The engine of `_engine_config(args, **kw)`, with what its start-up left frozen for the
-    cyclic GC as `arle serve` does (`--no-gc-freeze`: not). Unfrozen, a full pass over those
-    ~200k objects held the loop ~100 ms in the middle of a run (a Qwen3-4B timeline at
-    concurrency 64: 8% of its throughput; docs/benchmarks/gpu-2026-11-30j.md).
+    cyclic GC as `arle serve` does (`--no-gc-freeze`: not; a full pass over those objects holds
+    the loop in the middle of a run, see arle/gcwatch.py).
     `--extend-tokens`: the extend graphs' ladder for this run."""
     if getattr(args, "extend_tokens", None):
-        import arle.executor.cuda as cuda_executor
+        import arle.executor.cuda_graphs as cuda_graphs
 
-        cuda_executor.EXTEND_GRAPH_TOKENS = tuple(int(t) for t in args.extend_tokens.split(","))
+        cuda_graphs.EXTEND_GRAPH_TOKENS = tuple(int(t) for t in args.extend_tokens.split(","))
     engine = await AsyncEngine.create(_engine_config(args, **kw))
     if not args.no_gc_freeze:
         freeze_start_up()
@@ -263,7 +262,7 @@ async def _extend(args: argparse.Namespace) -> dict[str, Any]:
     """The device time of each extend graph (a prefill or mixed step padded up to the graph's
     token count): a replay of each, on the padding start-up left in it (its GEMMs, norms and
     lm_head run in full; attention has no rows). What a step pays for the tokens it is padded
-    by decides the ladder (`arle.executor.cuda.EXTEND_GRAPH_TOKENS`; `--extend-tokens` sets
+    by decides the ladder (`arle.executor.cuda_graphs.EXTEND_GRAPH_TOKENS`; `--extend-tokens` sets
     another for this run)."""
     engine = await _engine(args, serving=True)
     ex = engine.executor
@@ -285,8 +284,8 @@ def extend(args: argparse.Namespace) -> None:
 async def _offline(args: argparse.Namespace) -> dict[str, Any]:
     """nano-vllm's bench: 256 requests, prompt and output lengths uniform in [100, 1024], run
     `--offline-runs` times in one engine. Run 1 is nano-vllm's exact workload; later runs keep
-    its lengths with other random tokens (no prefix-cache hits). On a slow host one run
-    scatters by +-10% (docs/benchmarks/gpu-2026-11-29d.md), so the figure is their median."""
+    its lengths with other random tokens (no prefix-cache hits). The host's speed makes single
+    runs scatter, so the figure is their median."""
     engine = await _engine(args, max_running_requests=256)
     vocab = engine.tokenizer.vocab_size
     rng = random.Random(0)
@@ -583,10 +582,8 @@ def serve(args: argparse.Namespace) -> None:
         if ready is None:
             raise RuntimeError(f"server not ready (exit {proc.poll()})")
         for conc in args.concurrency:
-            # NOTE: new prompts for each run (and its warm-up, seed + 1). Until 2026-11-30 every
-            # run used seed 1: concurrency 8, 16 and 64 found the prompts of the run before in
-            # the prefix cache and prefilled one token a request (docs/benchmarks/
-            # gpu-2026-11-30.md: at concurrency 8, TTFT 20.7 ms instead of ~55).
+            # NOTE: new prompts for each run (and its warm-up, seed + 1): the prompts of an
+            # earlier run would be served from the prefix cache
             cfg = BenchConfig(base_url=f"http://127.0.0.1:{port}", num_prompts=args.num_prompts,
                               input_len=args.input_len, output_len=args.output_len,
                               max_concurrency=conc, warmup_requests=2, seed=10 * conc + 1)

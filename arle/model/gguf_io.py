@@ -5,8 +5,8 @@ metadata keys become a config.json dict, tensor names become HF names, quantized
 dequantized, and the q/k row order llama.cpp's converter changed for its RoPE is put back.
 
 The header is parsed here (`_Header`), not by the `gguf` package's reader: that one builds a
-numpy view of every part of every field, and the default model's ~100k tokenizer strings took
-it 3.2 s of every start-up (0.1 s here). The `gguf` package still names the types and sizes,
+numpy view of every part of every field, seconds of every start-up for the default model's
+~100k tokenizer strings. The `gguf` package still names the types and sizes,
 and dequantizes the block formats that have no torch version here (`_TORCH_DEQUANT`).
 """
 

@@ -158,9 +158,7 @@ class _HostToDevice:
     copies one buffer in, torch's CPU threads fill the other from the checkpoint's memory map.
 
     Why: a plain `copy_` from the map is a pageable copy, which the driver stages on one
-    thread. A Qwen3-4B checkpoint (8.0 GB, in the page cache) took 1.0-1.2 s to reach the H200
-    that way and 0.34 s through these buffers; the engine's load went 1.40-1.47 -> 0.82-0.93 s
-    (docs/benchmarks/gpu-2026-11-30r.md)."""
+    thread, at a fraction of the bandwidth of pinned copies."""
 
     CHUNK = 64 << 20  # bytes a buffer holds
 

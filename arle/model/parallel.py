@@ -33,7 +33,7 @@ SINGLE = TPGroup()
 
 def _on_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """On CUDA with few rows (decode), our Triton GEMV where it streams the weights faster
-    than cuBLAS (`use_gemv`: docs/benchmarks)."""
+    than cuBLAS (`use_gemv`)."""
     return x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1])
 
 
