@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from stamp import stamp
 
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
@@ -145,11 +144,8 @@ async def main() -> None:
     if summary.get("transformers"):
         summary["ratio_arle_over_transformers"] = {
             k: summary["arle"][k] / summary["transformers"][k] for k in summary["arle"]}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
     record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
+        **stamp(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "torch": torch.__version__,

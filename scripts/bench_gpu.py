@@ -20,7 +20,6 @@ import asyncio
 import gc
 import itertools
 import json
-import os
 import random
 import shlex
 import signal
@@ -36,6 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stamp import stamp
+
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import GenerateRequest, SamplingParams
@@ -44,8 +45,7 @@ from arle_kernels.jit import pdl_enabled
 
 
 def _write(path: str, data: dict[str, Any]) -> None:
-    data = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "commit": os.environ.get("ARLE_COMMIT"),
+    data = {**stamp(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "pdl": pdl_enabled(), **data}
     Path(path).write_text(json.dumps(data, indent=1))
     print(json.dumps(data)[:2000])

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from stamp import stamp
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load(args.model_dir, args.device, _DTYPES[args.dtype])
     load_s = time.perf_counter() - t0
     results: dict[str, Any] = {
-        "model_dir": str(args.model_dir), "dtype": args.dtype, "seed": args.seed,
+        **stamp(), "model_dir": str(args.model_dir), "dtype": args.dtype, "seed": args.seed,
         "repeats": args.repeats, "load_s": load_s,
         "parameters": sum(p.numel() for p in model.parameters()),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),

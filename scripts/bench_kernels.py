@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,8 @@ import triton
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stamp import stamp
 
 from arle_kernels import extend_attention as extend
 from arle_kernels.decode_attention import decode_attention, default_config, pick_num_splits
@@ -504,8 +505,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("needs a CUDA GPU")
     rows = run(args)
     if args.out:
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "triton": triton.__version__, "commit": os.environ.get("ARLE_COMMIT"),
+        meta = {**stamp(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "triton": triton.__version__,
                 "pdl": pdl_enabled(), "args": vars(args)}
         Path(args.out).write_text(json.dumps({**meta, "results": rows}, indent=1))
 

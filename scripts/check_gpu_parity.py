@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stamp import stamp
+
 from arle.executor.paged import DeviceStep, KVCache, PagedAttention
 from arle.model.decoder import DecoderLM
 from arle.model.loader import LoadedModel, load_model
@@ -192,7 +194,7 @@ def main() -> None:
         add("arle_fp8kv_vs_arle_bf16kv", compare(fp8, whole))
         add("arle_fp8kv_vs_transformers_fp32", compare(fp8, ref))
     summary = {k: _mean(v) for k, v in results.items()}
-    out: dict[str, Any] = {"model": args.model, "prompts": len(prompts),
+    out: dict[str, Any] = {**stamp(), "model": args.model, "prompts": len(prompts),
                            "prompt_lens": [len(ids) for ids in prompts],
                            "decode_len": args.decode_len, "seconds": time.perf_counter() - t0,
                            "gpu": torch.cuda.get_device_name(), "summary": summary,

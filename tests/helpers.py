@@ -60,6 +60,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @functools.cache
 def load_script(name: str) -> ModuleType:
     """scripts/NAME.py as a module (the scripts are not a package), loaded once."""
+    if str(ROOT / "scripts") not in sys.path:  # NOTE: scripts import each other (`stamp`)
+        sys.path.insert(0, str(ROOT / "scripts"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
