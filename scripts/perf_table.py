@@ -101,7 +101,7 @@ MACHINES = (
     Machine("h200", "One NVIDIA H200", "1 H200",
             (Field("h200/decode_qwen3-4b.json", "torch", "torch {}"),
              Field("h200/hf_qwen3-4b.json", "environment.transformers", "transformers {}")),
-            ("export ARLE_COMMIT=$(git rev-parse --short HEAD)  # bench_gpu.py stamps its JSON",
+            ("# each JSON records its commit: git's HEAD, or $ARLE_COMMIT in a copy without .git",
              "for m in qwen3-4b qwen3-8b qwen3-0.6b; do",
              "  python3 scripts/make_random_model.py $m /tmp/models/$m  # random weights",
              "done",
@@ -147,7 +147,7 @@ SOURCES = (
            "/tmp/models/qwen3-0.6b --out docs/results/h200/offline_qwen3-0.6b.json"),
     Source("h200/serve_smollm2.json", "python3 scripts/bench_gpu.py serve \"$GGUF\" "
            "--concurrency 1 8 64 --num-prompts 64 --out docs/results/h200/serve_smollm2.json"),
-    Source("cpu/bench_cpu.json", "python3 scripts/bench_cpu.py "
+    Source("cpu/bench_cpu.json", "python3 scripts/bench_cpu.py --rounds 7 "
            "--out docs/results/cpu/bench_cpu.json"),
 )
 

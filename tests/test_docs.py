@@ -65,18 +65,18 @@ def test_a_file_without_date_needs_its_own_provenance(tmp_path: Path) -> None:
     """A replaced file that records no date or commit is refused until it has an entry; the
     entry then dates its row."""
     root = _copy(tmp_path)
-    name = "h200/hf_qwen3-4b.json"
+    name = "h200/parity_smollm2.json"
     path = root / "docs" / "results" / name
     data = json.loads(path.read_text())
-    assert "date" not in data and "commit" not in data  # bench_hf.py records neither
-    data["results"][2]["output_tok_s"] = 100.0
+    assert "date" not in data and "commit" not in data  # written before the scripts stamped
+    data["summary"]["arle_bf16_vs_transformers_fp32"]["rel"] = 0.1234
     path.write_text(json.dumps(data))
     proc = _perf_table(root)
-    assert proc.returncode == 1 and "--provenance h200/hf_qwen3-4b.json" in proc.stderr
+    assert proc.returncode == 1 and f"--provenance {name}" in proc.stderr
     assert _perf_table(root, "--provenance", name, "2027-01-02", "def5678").returncode == 0
     page = (root / "docs" / "performance.md").read_text()
-    row = next(line for line in page.splitlines() if "batch 1: output tok/s" in line)
-    assert "100.0 tok/s" in row and "def5678" in row and "2027-01-02" in row
+    row = next(line for line in page.splitlines() if "English prompts" in line)
+    assert "rel 0.1234" in row and "def5678" in row and "2027-01-02" in row
 
 
 def test_undeclared_results_are_refused(tmp_path: Path) -> None:
