@@ -3,6 +3,11 @@
 A flag given on the command line wins over its variable. Variables set to an empty string are
 returned as they are: each caller says what an empty value means (most treat it as unset).
 
+The kernels (package `arle_kernels`, which imports nothing of arle's) read theirs in
+kernels/jit.py: `TRITON_INTERPRET` (Triton's interpreter, for the CPU kernel tests) and two
+debug switches for A/B benchmarks, `ARLE_PDL=0` (no programmatic dependent launch) and
+`ARLE_BUILD_PROCESSES=0` (start-up builds on threads, not in worker processes).
+
 NOTE: a bottom-layer module: the standard library only, nothing of arle's.
 """
 
