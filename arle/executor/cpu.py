@@ -32,8 +32,7 @@ class CPUExecutor:
         self.model = model
         self.page_size = page_size
         self.num_slots = num_slots
-        self.kv = KVCache.allocate(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads,
-                                   cfg.head_dim, kv_dtype, torch.device("cpu"))
+        self.kv = KVCache.for_model(cfg, num_pages, page_size, kv_dtype, torch.device("cpu"))
         self.kv_pool = KVPoolInfo(num_pages, page_size, self.kv.nbytes, kv_format(kv_dtype))
         self.rotary = model.rotary_table(max_positions)
         self.token_buffer = torch.zeros(num_slots, dtype=torch.int32)

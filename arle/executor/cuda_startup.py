@@ -29,7 +29,8 @@ from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, graph_reserve
 from arle.executor.paged import FP8_KV, DeviceStep, KVCache, PagedAttention, kv_format
 from arle.executor.sampler import SamplingBatch, sample
 from arle.logging import get_logger
-from arle.model.decoder import DecoderLayer, DecoderLM
+from arle.model.config import ModelConfig
+from arle.model.decoder import Attention, DecoderLayer, DecoderLM
 from arle.sampling import SamplingParams
 from arle_kernels.decode_attention import (
     MERGE_O_WITH_LSE_MAX_BATCH,
@@ -93,8 +94,8 @@ def start_up(ex: CUDAExecutor) -> dict[str, Any]:
         profile_s = time.perf_counter() - t0 - built["seconds"]
         plan = plan_memory(ex, weights, peak)
         m = ex.model.config
-        ex.kv = KVCache.allocate(m.num_layers, plan.num_pages, config.page_size,
-                                 m.num_kv_heads, m.head_dim, config.kv_dtype, ex.device)
+        ex.kv = KVCache.for_model(m, plan.num_pages, config.page_size, config.kv_dtype,
+                                  ex.device)
     fmt = kv_format(config.kv_dtype)
     log.info("memory_plan", total_gb=round(plan.total_bytes / 1e9, 2),
              weights_gb=round(weights / 1e9, 2),
@@ -131,8 +132,7 @@ def scratch_cache(ex: CUDAExecutor) -> KVCache:
     """A KV cache for the profile step: one full prefill chunk."""
     m = ex.model.config
     pages = -(-ex.config.max_batched_tokens // ex.page_size) + 1
-    return KVCache.allocate(m.num_layers, pages, ex.page_size, m.num_kv_heads, m.head_dim,
-                            ex.config.kv_dtype, ex.device)
+    return KVCache.for_model(m, pages, ex.page_size, ex.config.kv_dtype, ex.device)
 
 
 def prefill_step(ex: CUDAExecutor, n: int, params: SamplingParams, rows: int
@@ -177,12 +177,12 @@ def build_ahead(ex: CUDAExecutor, *passes: Callable[[], object]) -> dict[str, fl
     Triton kernel variants they take are built side by side, on every core, before the passes
     run for real (from a cold cache they are most of the time to ready). Returns the seconds,
     the variants built and how many of them worker processes compiled.
-    The model runs cut to two layers (`two_layers`): the pass is host work that the builds
-    share the interpreter with, and the other layers would only repeat it.
+    The model runs cut to a few layers (`variant_layers`): the pass is host work that the
+    builds share the interpreter with, and the other layers would only repeat it.
     NOTE: nothing is computed, so a pass here must be one that runs again after."""
     t0 = time.perf_counter()
     with (torch.inference_mode(), torch.cuda.stream(ex.stream),
-          compile_ahead() as builds, two_layers(ex.model)):
+          compile_ahead() as builds, variant_layers_only(ex.model)):
         for run in passes if builds.on else ():
             run()
     built = {"seconds": round(time.perf_counter() - t0, 3), "variants": builds.variants,
@@ -191,13 +191,22 @@ def build_ahead(ex: CUDAExecutor, *passes: Callable[[], object]) -> dict[str, fl
     return built
 
 
+def variant_layers(cfg: ModelConfig) -> list[int]:
+    """Layers that launch every kernel variant the model's layers do: 0 (no residual yet), 1,
+    and the first of each other kind (mixer and MLP) there is (one set of shapes, dtypes and
+    alignments per kind)."""
+    chosen: dict[tuple[bool, bool], int] = {}
+    for i in range(cfg.num_layers):
+        chosen.setdefault((cfg.is_linear(i), cfg.is_moe(i)), i)
+    return sorted({*range(min(2, cfg.num_layers)), *chosen.values()})
+
+
 @contextlib.contextmanager
-def two_layers(model: DecoderLM) -> Iterator[None]:
-    """Inside, `model` runs its first two layers only. NOTE: enough for a pass that builds
-    kernel variants: layer 0 (no residual yet) and layer 1 launch every variant the others do
-    (one set of shapes, dtypes and alignments)."""
+def variant_layers_only(model: DecoderLM) -> Iterator[None]:
+    """Inside, `model` runs `variant_layers` only: enough for a pass that builds kernel
+    variants."""
     layers = model.layers
-    model.layers = nn.ModuleList(list(layers)[:2])
+    model.layers = nn.ModuleList(layers[i] for i in variant_layers(model.config))
     try:
         yield
     finally:
@@ -246,14 +255,15 @@ def build_eager_decode_variants(ex: CUDAExecutor, above: int = 0) -> None:
     PRELOAD_MAX_BATCH rows), and the GEMVs' row classes (`row_classes`). On zeros and page 0;
     the outputs are thrown away."""
     m, model, device = ex.model.config, ex.model, ex.device
+    layer = cast(DecoderLayer, model.layers[m.attention_layers[0]])
+    self_attn = cast(Attention, layer.self_attn)
     # each (split count, preload, merge variant) variant, at the fewest rows that pick it
     rows_for = {(pick_num_splits(b, m.num_kv_heads, ex.config.max_model_len, ex.num_sms),
                  b <= PRELOAD_MAX_BATCH, b <= MERGE_O_WITH_LSE_MAX_BATCH): b
                 for b in range(ex.num_slots, above, -1)}
     k, v, ks, vs = ex.kv.layer(0)
     dtype = model.embed_tokens.weight.dtype
-    layer = cast(DecoderLayer, model.layers[0])
-    attn = layer.self_attn.num_heads * layer.self_attn.head_dim  # this rank's
+    attn = self_attn.num_heads * self_attn.head_dim  # this rank's
     with torch.inference_mode(), torch.cuda.stream(ex.stream):
         for (n, _, _), b in sorted(rows_for.items()):
             q = torch.zeros(b, m.num_heads, m.head_dim, dtype=dtype, device=device)
@@ -267,11 +277,11 @@ def build_eager_decode_variants(ex: CUDAExecutor, above: int = 0) -> None:
             # (split sums included); no K/V is written (slots -1)
             no_slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
             ops.qk_norm_rope_store_kv(
-                layer.self_attn.qkv_proj.forward_unreduced(x), torch.zeros_like(no_slots),
-                ex.rotary, *layer.self_attn.qk_norm_weights(), m.rms_norm_eps,
-                layer.self_attn.num_heads, layer.self_attn.num_kv_heads, k, v, no_slots, ks, vs)
+                self_attn.qkv_proj.forward_unreduced(x), torch.zeros_like(no_slots),
+                ex.rotary, *self_attn.qk_norm_weights(), m.rms_norm_eps,
+                self_attn.num_heads, self_attn.num_kv_heads, k, v, no_slots, ks, vs)
             attn_out = torch.zeros(rows, attn, dtype=dtype, device=device)
-            for y in (layer.self_attn.o_proj.forward_unreduced(attn_out), layer.mlp(x, ops)):
+            for y in (self_attn.o_proj.forward_unreduced(attn_out), layer.mlp(x, ops)):
                 ops.add_rms_norm(y, x.clone(), norm.weight, norm.eps)
             model.logits(x)
     ex.stream.synchronize()

@@ -12,6 +12,7 @@ import torch
 
 from arle.executor.plan import Row, StepPlan
 from arle.executor.sampler import SamplingBatch
+from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
 from arle_kernels.extend_attention import plan_blocks
 from arle_kernels.split_sums import SplitSums
@@ -51,6 +52,13 @@ class KVCache:
             scales = (torch.ones(shape[:-1], dtype=torch.float32, device=device),
                       torch.ones(shape[:-1], dtype=torch.float32, device=device))
         return cls(k, v, *scales)
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, pages: int, page_size: int, dtype: torch.dtype,
+                  device: torch.device) -> KVCache:
+        """A cache of `pages` pages for the model's full-attention layers."""
+        return cls.allocate(len(cfg.attention_layers), pages, page_size, cfg.num_kv_heads,
+                            cfg.head_dim, dtype, device)
 
     @property
     def nbytes(self) -> int:

@@ -1,4 +1,9 @@
-"""The model's shape, read from an HF config.json dict (GGUF metadata is mapped to the same dict)."""
+"""The model's shape, read from an HF config.json dict (GGUF metadata is mapped to the same dict).
+
+One `ModelConfig` describes every family: the dense fields, then what a layer may be instead
+(`layer_types`: full attention or Gated DeltaNet; `moe`: expert MLPs) and how weights are stored
+(`quant`). The decoder picks each layer's parts from it (`DecoderLayer`).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,71 @@ from typing import Any
 
 from arle.errors import ModelLoadError
 
-#: config.json `architectures` entries we run, and what differs between them.
-SUPPORTED_ARCHITECTURES = {
+#: config.json `architectures` entries we run, and what differs between them: per-head q/k
+#: norms; Qwen3.5's zero-centred norms, gated attention and Gated DeltaNet layers (`hybrid`);
+#: the text config nested under `text_config` (the multimodal checkpoints).
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qk_norm": False},
     "MistralForCausalLM": {"qk_norm": False},
     "Qwen2ForCausalLM": {"qk_norm": False},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Qwen3MoeForCausalLM": {"qk_norm": True},
+    "Qwen3_5ForCausalLM": {"qk_norm": True, "hybrid": True},
+    "Qwen3_5ForConditionalGeneration": {"qk_norm": True, "hybrid": True, "nested": True},
+    "Qwen3_5MoeForCausalLM": {"qk_norm": True, "hybrid": True},
+    "Qwen3_5MoeForConditionalGeneration": {"qk_norm": True, "hybrid": True, "nested": True},
 }
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3.5): heads and the causal conv's kernel size."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv (and of `in_proj_qkv`): q, k and v."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    def state_bytes(self, conv_bytes: int, state_bytes: int = 4) -> int:
+        """One layer's state of one request: the conv's last kernel - 1 inputs and the
+        delta-rule state [value heads, key dim, value dim]."""
+        return (self.conv_dim * (self.conv_kernel - 1) * conv_bytes
+                + self.num_value_heads * self.key_head_dim * self.value_head_dim * state_bytes)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Expert MLPs: which layers have them and how tokens are routed."""
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    #: every `sparse_step`-th layer is MoE, except `mlp_only_layers`
+    sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    #: a shared expert beside the routed ones, its output scaled by sigmoid(gate) (Qwen3.5-MoE)
+    shared_expert_intermediate_size: int = 0
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How the checkpoint's linear weights are stored. Only block-scaled FP8 (e4m3) is read:
+    `weight` float8_e4m3fn and `weight_scale_inv` fp32 per `block` of [out, in] elements."""
+
+    method: str
+    block: tuple[int, int]
+    #: module name fragments whose linears stay unquantized (lm_head, the router gate, ...)
+    modules_to_not_convert: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -33,6 +96,17 @@ class ModelConfig:
     qk_norm: bool
     attention_bias: bool
     rope_scaling: dict[str, Any] | None = None
+    #: rotary on the first `partial_rotary_factor` of each head's dims (Qwen3.5: 0.25)
+    partial_rotary_factor: float = 1.0
+    #: per layer, FULL_ATTENTION or LINEAR_ATTENTION; empty: every layer full attention
+    layer_types: tuple[str, ...] = ()
+    #: attention's q_proj also emits a gate per head: o_proj(attention * sigmoid(gate))
+    attn_output_gate: bool = False
+    #: RMSNorms compute x * (1 + w) in fp32 (Qwen3.5's zero-centred weights)
+    norm_zero_centered: bool = False
+    linear_attention: LinearAttentionConfig | None = None
+    moe: MoEConfig | None = None
+    quant: QuantConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -47,6 +121,16 @@ class ModelConfig:
             name = archs[0] if archs else cfg.get("model_type", "unknown")
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise ModelLoadError(source, f"unsupported architecture {name!r} (supported: {supported})")
+        family = SUPPORTED_ARCHITECTURES[arch]
+        quant = _quant_config(cfg, source)
+        if family.get("nested"):
+            # the text model's fields, under the multimodal wrapper's (the vision tower's are
+            # not read)
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ModelLoadError(source, f"{arch} needs a text_config object")
+            top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+            cfg = {**top, **text}
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -65,7 +149,7 @@ class ModelConfig:
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
+                intermediate_size=int(cfg.get("intermediate_size") or 0),
                 num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -75,9 +159,19 @@ class ModelConfig:
                                  or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
                 max_position_embeddings=max_pos,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
+                qk_norm=family["qk_norm"],
                 attention_bias=bias,
                 rope_scaling=_rope_scaling(cfg, source),
+                partial_rotary_factor=float(
+                    cfg.get("partial_rotary_factor")
+                    or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+                    or (0.25 if family.get("hybrid") else 1.0)),
+                layer_types=_layer_types(cfg, family),
+                attn_output_gate=bool(family.get("hybrid")),
+                norm_zero_centered=bool(family.get("hybrid")),
+                linear_attention=_linear_attention(cfg) if family.get("hybrid") else None,
+                moe=_moe_config(cfg),
+                quant=quant,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -86,11 +180,43 @@ class ModelConfig:
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(source, f"bad config field: {e!r}") from None
 
+    # ---- what each layer is --------------------------------------------------------------
+    def is_linear(self, layer: int) -> bool:
+        """A Gated DeltaNet layer (else full attention)."""
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The full-attention layers, in order: the KV cache holds one entry per such layer."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The Gated DeltaNet layers, in order: a state slot holds one entry per such layer."""
+        return tuple(i for i in range(self.num_layers) if self.is_linear(i))
+
+    def is_moe(self, layer: int) -> bool:
+        """An expert MLP (else the dense one), as transformers' qwen3_moe decides."""
+        m = self.moe
+        return (m is not None and layer not in m.mlp_only_layers
+                and (layer + 1) % m.sparse_step == 0)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that rotary turns (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    # ---- what a request holds ---------------------------------------------------------------
     def kv_bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:
-        """Bytes of K and V per token, all layers, at `element_bytes` per element (plus
-        `scale_bytes` per token and KV head: FP8 caches keep an fp32 scale there)."""
+        """Bytes of K and V per token, all full-attention layers, at `element_bytes` per
+        element (plus `scale_bytes` per token and KV head: FP8 caches keep an fp32 scale)."""
         per_head = self.head_dim * element_bytes + scale_bytes
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+        return 2 * len(self.attention_layers) * self.num_kv_heads * per_head
+
+    def state_bytes_per_slot(self, conv_bytes: int) -> int:
+        """Bytes of one request's recurrent state, all Gated DeltaNet layers (0: none)."""
+        la = self.linear_attention
+        return 0 if la is None else len(self.linear_layers) * la.state_bytes(conv_bytes)
 
 
 #: rope scaling types rope.py implements.
@@ -112,3 +238,57 @@ def _rope_scaling(cfg: dict[str, Any], source: object) -> dict[str, Any] | None:
         # As transformers: without it, the configured context is the pretrained one.
         rs = {"original_max_position_embeddings": cfg.get("max_position_embeddings", 4096), **rs}
     return {**rs, "rope_type": kind}
+
+
+def _layer_types(cfg: dict[str, Any], family: dict[str, bool]) -> tuple[str, ...]:
+    if not family.get("hybrid"):
+        return ()
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:  # as transformers: every `full_attention_interval`-th layer is full
+        interval = int(cfg.get("full_attention_interval", 4))
+        types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n)]
+    if len(types) != n or any(t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in types):
+        raise ValueError(f"layer_types must list {n} of {FULL_ATTENTION!r} / {LINEAR_ATTENTION!r}")
+    return tuple(types)
+
+
+def _linear_attention(cfg: dict[str, Any]) -> LinearAttentionConfig:
+    return LinearAttentionConfig(
+        num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+
+
+def _moe_config(cfg: dict[str, Any]) -> MoEConfig | None:
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts <= 0:
+        return None
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return MoEConfig(
+        num_experts=experts,
+        experts_per_token=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        # Qwen3.5-MoE's router always renormalises (its config has no such field)
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", shared > 0)),
+        sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=shared)
+
+
+def _quant_config(cfg: dict[str, Any], source: object) -> QuantConfig | None:
+    """`quantization_config`: block-scaled FP8 is read; any other format is refused by name."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    method = str(q.get("quant_method", "unknown")).lower()
+    block = q.get("weight_block_size")
+    if method != "fp8" or not block or str(q.get("fmt", "e4m3")).lower() != "e4m3":
+        what = f"{method} (per-tensor scales)" if method == "fp8" and not block else method
+        raise ModelLoadError(source, f"unsupported quantization {what!r}: arle reads "
+                                     "block-scaled FP8 (quant_method fp8, fmt e4m3, "
+                                     "weight_block_size)")
+    return QuantConfig("fp8", (int(block[0]), int(block[1])),
+                       tuple(str(m) for m in q.get("modules_to_not_convert") or ()))

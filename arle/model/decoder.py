@@ -1,13 +1,15 @@
-"""Llama-family and Qwen3 dense decoders, written once.
+"""One decoder skeleton for every family: Llama, Qwen2/3, Qwen3-MoE, Qwen3.5.
 
-Differences are flags on ModelConfig: per-head q/k RMSNorm (Qwen3), q/k/v bias (Qwen2), tied or
-untied embeddings. The model sees a flat batch of tokens (prefill chunks and decode rows mixed);
-attention reads and writes the paged KV cache through the backend the executor passes in.
+Each layer is a token mixer (attention, or a Gated DeltaNet layer where `layer_types` says so)
+and an MLP (dense, or experts where `ModelConfig.is_moe`), chosen per layer index from the
+config; a family is its config fields, not a copy of this file. The model sees a flat batch of
+tokens (prefill chunks and decode rows mixed); attention reads and writes the paged KV cache,
+and Gated DeltaNet its request's state slot, through the backend the executor passes in.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -26,14 +28,29 @@ from arle.model.rope import RotaryEmbedding
 from arle_kernels.ops import REFERENCE, Ops
 from arle_kernels.split_sums import SplitSums
 
+#: merged projection -> the checkpoint's projections it holds, as (name, shard id)
+HFShards = dict[str, tuple[tuple[str, "str | int"], ...]]
+
 
 class AttentionBackend(Protocol):
     """One step's attention, set up by the executor: q/k norms and rotary at the step's
-    positions, this step's K/V into the paged cache, then attention over each row's pages."""
+    positions, this step's K/V into the paged cache, then attention over each row's pages.
+    `layer` is the layer's index among the full-attention layers (its KV cache entry)."""
 
     def attend(self, layer: int, qkv: torch.Tensor | SplitSums, q_norm: torch.Tensor | None,
                k_norm: torch.Tensor | None) -> torch.Tensor:
         """qkv [T, (H + 2 KVH) * D] (or its SplitSums) -> attention output [T, H * D]."""
+        ...
+
+    def gated_delta(self, layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                    ) -> torch.Tensor:
+        """A Gated DeltaNet layer's recurrence over this step's rows (`layer`: its index among
+        the linear layers, its entry in each request's state slot): the causal conv of
+        mixed_qkv [T, conv_dim] continuing the slot's conv state, SiLU, q/k L2-normalised,
+        beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias) (a, b [T, value heads]),
+        and the delta rule from the slot's recurrent state. Leaves both states at each row's
+        end. -> [T, value heads * value head dim], in mixed_qkv's dtype."""
         ...
 
 
@@ -48,9 +65,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    HF_SHARDS: ClassVar[HFShards] = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"),
+                                                  ("v_proj", "v"))}
+
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
-        self.layer = layer
+        #: NOTE: the KV cache's entry: the layer's index among the full-attention layers
+        self.layer = cfg.attention_layers.index(layer)
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = max(1, cfg.num_kv_heads // tp.size)
         self.head_dim = cfg.head_dim
@@ -79,24 +100,55 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    HF_SHARDS: ClassVar[HFShards] = {"gate_up_proj": (("gate_proj", 0), ("up_proj", 1))}
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, intermediate_size: int | None = None
+                 ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size}, tp=tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {0: inter, 1: inter}, tp=tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor | SplitSums:
         return self.down_proj.forward_unreduced(linear_silu_and_mul(x, self.gate_up_proj.weight,
                                                                     ops.silu_and_mul))
 
 
+def make_mixer(cfg: ModelConfig, layer: int, tp: TPGroup) -> nn.Module:
+    """The layer's token mixer: attention, or Gated DeltaNet where `layer_types` says so."""
+    if cfg.is_linear(layer):
+        from arle.model.deltanet import GatedDeltaNet
+
+        return GatedDeltaNet(cfg, layer, tp)
+    return Attention(cfg, layer, tp)
+
+
+def make_mlp(cfg: ModelConfig, layer: int, tp: TPGroup) -> nn.Module:
+    """The layer's MLP: dense, or experts where `cfg.is_moe(layer)`."""
+    if cfg.is_moe(layer):
+        from arle.model.moe import SparseMoE
+
+        return SparseMoE(cfg, tp)
+    return MLP(cfg, tp)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, tp)
+        # NOTE: named as the checkpoints name them (`self_attn` / `linear_attn`), so the
+        # parameter names are the checkpoint's
+        mixer = make_mixer(cfg, layer, tp)
+        if cfg.is_linear(layer):
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = make_mlp(cfg, layer, tp)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
     def forward(self, x: torch.Tensor | SplitSums, residual: torch.Tensor | None,
                 backend: AttentionBackend, ops: Ops) -> tuple[torch.Tensor | SplitSums, torch.Tensor]:
@@ -110,7 +162,7 @@ class DecoderLayer(nn.Module):
             residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
         else:
             h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        h = self.self_attn(h, backend)
+        h = self.mixer(h, backend)
         norm = self.post_attention_layernorm
         h, residual = ops.add_rms_norm(h, residual, norm.weight, norm.eps)
         return self.mlp(h, ops), residual
@@ -160,25 +212,33 @@ class DecoderLM(nn.Module):
         return y.float() if upcast else y
 
     def weight_targets(self) -> dict[str, tuple[nn.Parameter, str | int | None]]:
-        """Checkpoint (HF) tensor name -> (parameter, shard id) it loads into."""
-        params = dict(self.named_parameters())
+        """Checkpoint (HF) tensor name -> (parameter, shard id) it loads into.
+
+        A parameter's checkpoint name is its own (under `model.`, but lm_head), except in a
+        module that says otherwise: `HF_SHARDS` (a merged projection loads several of the
+        checkpoint's, each as a shard) or `hf_weights(prefix)` (any other mapping, e.g. experts
+        stored one by one)."""
         out: dict[str, tuple[nn.Parameter, str | int | None]] = {}
-        merged: dict[str, tuple[str, str | int]] = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
-                  "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
-                  "up_proj": ("gate_up_proj", 1)}
-        for i in range(self.config.num_layers):
-            prefix = f"layers.{i}."
-            for hf, (ours, shard) in merged.items():
-                sub = "self_attn" if ours == "qkv_proj" else "mlp"
-                for kind in ("weight", "bias"):
-                    name = f"{prefix}{sub}.{ours}.{kind}"
-                    if name in params:
-                        out[f"model.{prefix}{sub}.{hf}.{kind}"] = (params[name], shard)
-        for name, p in params.items():
-            if ".qkv_proj." in name or ".gate_up_proj." in name:
-                continue
-            hf = name if name.startswith("lm_head") else f"model.{name}"
-            out[hf] = (p, None)
+        claimed: set[int] = set()
+
+        def hf(name: str) -> str:
+            return name if name.startswith("lm_head") else f"model.{name}"
+
+        for mod_name, module in self.named_modules():
+            prefix = f"{mod_name}." if mod_name else ""
+            custom = getattr(module, "hf_weights", None)
+            if custom is not None:
+                for key, (param, shard) in custom(hf(prefix)).items():
+                    out[key] = (param, shard)
+                    claimed.add(id(param))
+            for merged, shards in getattr(module, "HF_SHARDS", {}).items():
+                for kind, param in getattr(module, merged).named_parameters():
+                    for theirs, shard in shards:
+                        out[hf(f"{prefix}{theirs}.{kind}")] = (param, shard)
+                    claimed.add(id(param))
+        for name, p in self.named_parameters():
+            if id(p) not in claimed:
+                out[hf(name)] = (p, None)
         if self.config.tie_word_embeddings:
             out.pop("lm_head.weight", None)
         return out

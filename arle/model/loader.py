@@ -17,11 +17,14 @@ from typing import Any
 import torch
 
 from arle.errors import ModelLoadError
+from arle.logging import get_logger
 from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
 from arle.model.parallel import load_whole
 from arle.model.tokenizer import Tokenizer
 from arle_kernels.ops import ops_for
+
+log = get_logger("arle.model.loader")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -193,7 +196,13 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, torch.Tensor, P
     the parameter's device by `to_device` first where given (and converted there)."""
     targets = model.weight_targets()
     loaded: set[str] = set()
+    skipped: dict[str, int] = {}
     for name, tensor, source in tensors:
+        part = _unused_part(name)
+        if part is not None:
+            skipped[part] = skipped.get(part, 0) + 1
+            continue
+        name = name.replace("model.language_model.", "model.", 1)
         if name not in targets:
             if name.endswith("rotary_emb.inv_freq") or (
                     name == "lm_head.weight" and model.config.tie_word_embeddings):
@@ -209,7 +218,19 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, torch.Tensor, P
         except ValueError as e:
             raise ModelLoadError(source, f"tensor {name!r}: {e}") from None
         loaded.add(name)
+    if skipped:
+        log.info("weights_not_used", **{k.replace(" ", "_"): v for k, v in skipped.items()})
     missing = sorted(set(targets) - loaded)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelLoadError(origin, f"checkpoint lacks weights: {', '.join(missing[:3])}{more}")
+
+
+#: Checkpoint name prefixes of parts a text model does not run, and what they are.
+_UNUSED_PARTS = {"model.visual.": "vision tower", "mtp.": "multi-token prediction head"}
+
+
+def _unused_part(name: str) -> str | None:
+    """What a checkpoint tensor belongs to if text generation does not use it, else None."""
+    return next((part for prefix, part in _UNUSED_PARTS.items() if name.startswith(prefix)),
+                None)
