@@ -34,15 +34,29 @@ class Ops:
     embed: Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
-REFERENCE = Ops(fused.rms_norm_ref, fused.add_rms_norm_ref, fused.silu_and_mul_ref,
-                fused.qk_norm_rope_store_kv_ref, decode_attention.decode_attention_ref,
-                extend_attention.extend_attention_ref, greedy.greedy_pick_ref, embed.embed_ref)
+REFERENCE = Ops(
+    rms_norm=fused.rms_norm_ref,
+    add_rms_norm=fused.add_rms_norm_ref,
+    silu_and_mul=fused.silu_and_mul_ref,
+    qk_norm_rope_store_kv=fused.qk_norm_rope_store_kv_ref,
+    decode_attention=decode_attention.decode_attention_ref,
+    extend_attention=extend_attention.extend_attention_ref,
+    greedy_pick=greedy.greedy_pick_ref,
+    embed=embed.embed_ref,
+)
 
 
 def triton_ops() -> Ops:
-    return Ops(fused.rms_norm, fused.add_rms_norm, fused.silu_and_mul,
-               fused.qk_norm_rope_store_kv, decode_attention.decode_attention,
-               extend_attention.extend_attention, greedy.greedy_pick, embed.embed)
+    return Ops(
+        rms_norm=fused.rms_norm,
+        add_rms_norm=fused.add_rms_norm,
+        silu_and_mul=fused.silu_and_mul,
+        qk_norm_rope_store_kv=fused.qk_norm_rope_store_kv,
+        decode_attention=decode_attention.decode_attention,
+        extend_attention=extend_attention.extend_attention,
+        greedy_pick=greedy.greedy_pick,
+        embed=embed.embed,
+    )
 
 
 def ops_for(device: torch.device) -> Ops:
