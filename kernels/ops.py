@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from arle_kernels import decode_attention, embed, extend_attention, fused, greedy
+from arle_kernels import decode_attention, embed, extend_attention, fused, greedy, moe
 from arle_kernels.split_sums import SplitSums
 
 
@@ -32,6 +32,9 @@ class Ops:
     #: (weight, ids, source) -> weight's rows ids (or source[ids]: a decode graph's ids are
     #: its rows' slots into the token buffer)
     embed: Callable[[Tensor, Tensor, Tensor | None], Tensor]
+    #: (x, router_logits, w13, w2, top_k, renormalize, w13_scale, w2_scale, block) -> the MoE
+    #: MLP's output (kernels/moe.py)
+    fused_moe: Callable[..., Tensor]
 
 
 REFERENCE = Ops(
@@ -43,6 +46,7 @@ REFERENCE = Ops(
     extend_attention=extend_attention.extend_attention_ref,
     greedy_pick=greedy.greedy_pick_ref,
     embed=embed.embed_ref,
+    fused_moe=moe.fused_moe_ref,
 )
 
 
@@ -56,6 +60,7 @@ def triton_ops() -> Ops:
         extend_attention=extend_attention.extend_attention,
         greedy_pick=greedy.greedy_pick,
         embed=embed.embed,
+        fused_moe=moe.fused_moe_ref,  # TODO(issue 37): the Triton fused_moe
     )
 
 
