@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from arle_kernels import decode_attention, embed, extend_attention, fused, greedy, moe
+from arle_kernels import decode_attention, deltanet, embed, extend_attention, fused, greedy, moe
 from arle_kernels.split_sums import SplitSums
 
 
@@ -35,6 +35,12 @@ class Ops:
     #: (x, router_logits, w13, w2, top_k, renormalize, w13_scale, w2_scale, block) -> the MoE
     #: MLP's output (kernels/moe.py)
     fused_moe: Callable[..., Tensor]
+    #: (mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_state, ssm_state, slots, seq_lens,
+    #: cu_q_lens, num_decode, max_q_len, num_k_heads, page_size, boundary_conv, boundary_ssm)
+    #: -> a Gated DeltaNet layer's [T, Hv, dv], states updated per slot (kernels/deltanet.py)
+    gated_delta: Callable[..., Tensor]
+    #: (x, z, weight, eps) -> Qwen3.5's RMSNorm gated by silu(z)
+    gated_rms_norm: Callable[[Tensor, Tensor, Tensor, float], Tensor]
 
 
 REFERENCE = Ops(
@@ -47,6 +53,8 @@ REFERENCE = Ops(
     greedy_pick=greedy.greedy_pick_ref,
     embed=embed.embed_ref,
     fused_moe=moe.fused_moe_ref,
+    gated_delta=deltanet.gated_delta_ref,
+    gated_rms_norm=deltanet.gated_rms_norm_ref,
 )
 
 
@@ -61,6 +69,8 @@ def triton_ops() -> Ops:
         greedy_pick=greedy.greedy_pick,
         embed=embed.embed,
         fused_moe=moe.fused_moe_ref,  # TODO(issue 37): the Triton fused_moe
+        gated_delta=deltanet.gated_delta_ref,  # TODO(issue 36): the Triton kernels
+        gated_rms_norm=deltanet.gated_rms_norm_ref,
     )
 
 

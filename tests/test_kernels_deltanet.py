@@ -1,0 +1,318 @@
+"""Gated DeltaNet kernels (arle_kernels.deltanet).
+
+- CPU: the torch refs against transformers' own `qwen3_5` functions (`causal_conv1d_fn` /
+  `causal_conv1d_update`, `l2norm`, `torch_chunk_gated_delta_rule` /
+  `torch_recurrent_gated_delta_rule`, `Qwen3_5RMSNormGated`) on random inputs: a row from a
+  zero state is HF's prefill, a row from a state is HF's cached decode (or multi-token update),
+  rows cut into pieces equal one row, boundary snapshots equal a run stopped there, a step of
+  mixed rows equals its rows run one by one, and the chunked torch form equals the recurrence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from arle_kernels import deltanet
+from arle_kernels.deltanet import (
+    chunk_delta_rule_ref,
+    delta_rule_ref,
+    gated_delta_ref,
+    gated_rms_norm_ref,
+)
+
+hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+
+# ---------------------------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    hk: int = 2
+    hv: int = 4
+    dk: int = 16
+    dv: int = 16
+    k: int = 4  # conv kernel
+
+    @property
+    def c(self) -> int:
+        return 2 * self.hk * self.dk + self.hv * self.dv
+
+
+TINY = Shape()
+ODD = Shape(hk=1, hv=3, dk=8, dv=24, k=3)  # one key head for three value heads
+
+
+@dataclass
+class Layer:
+    """A layer's weights and a pool of state slots."""
+
+    shape: Shape
+    conv_weight: Tensor  # [C, K]
+    a_log: Tensor
+    dt_bias: Tensor
+    conv_state: Tensor  # [S, C, K-1]
+    ssm_state: Tensor  # [S, Hv, dk, dv] fp32
+
+    def clone_states(self) -> tuple[Tensor, Tensor]:
+        return self.conv_state.clone(), self.ssm_state.clone()
+
+
+def make_layer(shape: Shape, dtype: torch.dtype, slots: int = 4, seed: int = 0,
+               zero_states: bool = False) -> Layer:
+    gen = torch.Generator().manual_seed(seed)
+    c, hv = shape.c, shape.hv
+    conv_weight = (torch.randn(c, shape.k, generator=gen) / shape.k ** 0.5).to(dtype)
+    a_log = torch.empty(hv).uniform_(1.0, 16.0, generator=gen).log().to(dtype)
+    dt_bias = (torch.randn(hv, generator=gen) * 0.5).to(dtype)
+    conv_state = torch.randn(slots, c, shape.k - 1, generator=gen).to(dtype)
+    ssm_state = torch.randn(slots, hv, shape.dk, shape.dv, generator=gen) * 0.3
+    if zero_states:
+        conv_state.zero_()
+        ssm_state.zero_()
+    return Layer(shape, conv_weight, a_log, dt_bias, conv_state, ssm_state)
+
+
+def make_inputs(shape: Shape, t: int, dtype: torch.dtype, seed: int = 1
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """mixed_qkv [T, C], a, b [T, Hv]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, shape.c, generator=gen).to(dtype)
+    a = torch.randn(t, shape.hv, generator=gen).to(dtype)
+    b = (torch.randn(t, shape.hv, generator=gen) * 2).to(dtype)
+    return x, a, b
+
+
+def run_ref(layer: Layer, x: Tensor, a: Tensor, b: Tensor, slots: list[int], seq_lens: list[int],
+            lens: list[int], num_decode: int, page_size: int = 16,
+            boundary: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """gated_delta_ref on the layer's states (modified in place); lens: the extend rows'."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    i32 = torch.int32
+    bc, bs = boundary if boundary is not None else (None, None)
+    return gated_delta_ref(x, a, b, layer.conv_weight, layer.a_log, layer.dt_bias,
+                           layer.conv_state, layer.ssm_state, torch.tensor(slots, dtype=i32),
+                           torch.tensor(seq_lens, dtype=i32), torch.tensor(cu, dtype=i32),
+                           num_decode, max(lens, default=1), layer.shape.hk, page_size, bc, bs)
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' computation of one row
+# ---------------------------------------------------------------------------------------------
+
+def hf_row(layer: Layer, x: Tensor, a: Tensor, b: Tensor, slot: int | None, chunked: bool
+           ) -> tuple[Tensor, Tensor, Tensor]:
+    """One sequence through HF's functions, from the slot's states (None: zero states, HF's
+    prefill). -> (o [n, Hv, dv], conv state [C, K-1], ssm state)."""
+    sh, n = layer.shape, x.shape[0]
+    km1 = sh.k - 1
+    w = layer.conv_weight
+    if slot is None:
+        conv = hf.causal_conv1d_fn(x.T[None], w, None, activation="silu")
+        tail = F.pad(x.T, (km1, 0))[:, -km1:]
+        init = None
+    else:  # HF's cache keeps K inputs, the oldest of which no output reads
+        cache = torch.cat([torch.zeros_like(layer.conv_state[slot][:, :1]),
+                           layer.conv_state[slot]], 1)[None].clone()
+        conv = hf.causal_conv1d_update(x.T[None], cache, w, None, activation="silu")
+        tail = cache[0, :, 1:]
+        init = layer.ssm_state[slot][None].clone()
+    mixed = conv.transpose(1, 2)
+    kd = sh.hk * sh.dk
+    q = mixed[..., :kd].reshape(1, n, sh.hk, sh.dk)
+    k = mixed[..., kd:2 * kd].reshape(1, n, sh.hk, sh.dk)
+    v = mixed[..., 2 * kd:].reshape(1, n, sh.hv, sh.dv)
+    beta = b[None].sigmoid()
+    g = -layer.a_log.float().exp() * F.softplus(a[None].float() + layer.dt_bias)
+    rule = hf.torch_chunk_gated_delta_rule if chunked else hf.torch_recurrent_gated_delta_rule
+    o, state = rule(q, k, v, g=g, beta=beta, initial_state=init, output_final_state=True,
+                    use_qk_l2norm_in_kernel=True)
+    return o[0], tail, state[0]
+
+
+def assert_close(out: Tensor, ref: Tensor, dtype: torch.dtype, what: str = "") -> None:
+    """fp32: 1e-4 relative to the tensor's scale; bf16: two bf16 ulps of that scale plus 2% of
+    the elements one rounding further (HF's bf16 conv rounds its sum in another order, and one
+    ulp of a conv output moves everything after it)."""
+    o, r = out.float(), ref.float()
+    assert not o.isnan().any(), what
+    scale = r.abs().max().clamp_min(1e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(o, r, atol=1e-4 * scale.item(), rtol=1e-4, msg=what)
+    else:
+        err = (o - r).abs()
+        assert (err > 2 ** -7 * scale).float().mean() <= 0.02, f"{what}: {err.max()}"
+        assert err.max() <= 2 ** -4 * scale, f"{what}: {err.max()} of {scale}"
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------------------------
+# refs vs transformers
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [TINY, ODD])
+@pytest.mark.parametrize("n", [1, 2, 37, 130])
+def test_ref_prefill_matches_hf(shape: Shape, dtype: torch.dtype, n: int) -> None:
+    """One row from zero states = HF's prefill (its chunked rule and its recurrent one)."""
+    layer = make_layer(shape, dtype, zero_states=True)
+    x, a, b = make_inputs(shape, n, dtype)
+    for chunked in (True, False):
+        o_hf, conv_hf, ssm_hf = hf_row(layer, x, a, b, None, chunked)
+        conv, ssm = layer.clone_states()
+        lay = Layer(shape, layer.conv_weight, layer.a_log, layer.dt_bias, conv, ssm)
+        out = run_ref(lay, x, a, b, [2], [n], [n], 0)
+        assert out.dtype == dtype and out.shape == (n, shape.hv, shape.dv)
+        assert_close(out, o_hf, dtype, f"out chunked={chunked}")
+        assert torch.equal(conv[2], conv_hf)
+        assert_close(ssm[2], ssm_hf, torch.float32 if dtype == torch.float32 else dtype, "ssm")
+        # other slots untouched
+        assert torch.equal(conv[[0, 1, 3]], layer.conv_state[[0, 1, 3]])
+        assert torch.equal(ssm[[0, 1, 3]], layer.ssm_state[[0, 1, 3]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [TINY, ODD])
+@pytest.mark.parametrize("n", [1, 3, 70])
+def test_ref_continuation_matches_hf(shape: Shape, dtype: torch.dtype, n: int) -> None:
+    """A row from a slot's states = HF's cached decode (causal_conv1d_update and the recurrent
+    rule from the state), as a decode row (n = 1) and as an extend row."""
+    layer = make_layer(shape, dtype)
+    x, a, b = make_inputs(shape, n, dtype)
+    o_hf, conv_hf, ssm_hf = hf_row(layer, x, a, b, 1, chunked=False)
+    for decode in ([True, False] if n == 1 else [False]):
+        conv, ssm = layer.clone_states()
+        lay = Layer(shape, layer.conv_weight, layer.a_log, layer.dt_bias, conv, ssm)
+        out = run_ref(lay, x, a, b, [1], [100], [] if decode else [n], 1 if decode else 0)
+        assert_close(out, o_hf, dtype, "out")
+        assert torch.equal(conv[1], conv_hf)
+        assert_close(ssm[1], ssm_hf, torch.float32 if dtype == torch.float32 else dtype, "ssm")
+
+
+def test_ref_l2norm_and_norm_match_hf() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 16, generator=gen)
+    torch.testing.assert_close(deltanet.l2norm_ref(x), hf.l2norm(x), rtol=0, atol=0)
+    for dtype in DTYPES:
+        norm = hf.Qwen3_5RMSNormGated(24, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(24, generator=gen))
+        h = torch.randn(7, 24, generator=gen).to(dtype)
+        z = torch.randn(7, 24, generator=gen).to(dtype)
+        with torch.no_grad():
+            want = norm(h, z)
+        got = gated_rms_norm_ref(h, z, norm.weight.detach(), 1e-6)
+        assert got.dtype == dtype
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ref_pieces_equal_one_row(dtype: torch.dtype) -> None:
+    """A row cut into pieces (later pieces continue from the slot's states, decode rows among
+    them) = the row in one piece: outputs and final states."""
+    shape = TINY
+    layer = make_layer(shape, dtype)
+    n = 75
+    x, a, b = make_inputs(shape, n, dtype)
+    start = 9  # the slot already holds 9 positions
+    whole = make_layer(shape, dtype)
+    out = run_ref(whole, x, a, b, [3], [start + n], [n], 0)
+    pieces = []
+    done = 0
+    for piece, decode in ((1, True), (1, False), (30, False), (1, True), (42, False)):
+        sl = slice(done, done + piece)
+        pieces.append(run_ref(layer, x[sl], a[sl], b[sl], [3], [start + done + piece],
+                              [] if decode else [piece], 1 if decode else 0))
+        done += piece
+    assert done == n
+    assert_close(torch.cat(pieces), out, dtype, "out")
+    assert torch.equal(layer.conv_state, whole.conv_state)
+    assert_close(layer.ssm_state, whole.ssm_state, torch.float32, "ssm")
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_ref_boundary_is_the_state_at_the_page_boundary(page_size: int) -> None:
+    """A row that crosses page boundaries leaves in boundary_* the states after its last
+    boundary, which are those of a run that stopped there; a row that crosses none writes
+    nothing there."""
+    dtype, shape = torch.float32, TINY
+    start, n = 6, 100  # positions 6..105
+    x, a, b = make_inputs(shape, n, dtype)
+    layer = make_layer(shape, dtype)
+    nan_bc = torch.full_like(layer.conv_state, float("nan"))
+    nan_bs = torch.full_like(layer.ssm_state, float("nan"))
+    bc, bs = nan_bc.clone(), nan_bs.clone()
+    run_ref(layer, x, a, b, [2], [start + n], [n], 0, page_size, (bc, bs))
+    p = (start + n) // page_size * page_size
+    stopped = make_layer(shape, dtype)
+    m = p - start
+    run_ref(stopped, x[:m], a[:m], b[:m], [2], [p], [m], 0, page_size)
+    assert torch.equal(bc[2], stopped.conv_state[2])
+    assert_close(bs[2], stopped.ssm_state[2], torch.float32, "boundary ssm")
+    assert bc[[0, 1, 3]].isnan().all() and bs[[0, 1, 3]].isnan().all()
+    # ending exactly on a boundary: the snapshot is the final state
+    bc, bs = nan_bc.clone(), nan_bs.clone()
+    again = make_layer(shape, dtype)
+    run_ref(again, x[:m], a[:m], b[:m], [2], [p], [m], 0, page_size, (bc, bs))
+    assert torch.equal(bc[2], again.conv_state[2]) and torch.equal(bs[2], again.ssm_state[2])
+    # no boundary crossed (positions p+1 .. p+2): nothing written
+    bc, bs = nan_bc.clone(), nan_bs.clone()
+    run_ref(again, x[:2], a[:2], b[:2], [2], [p + 2], [2], 0, page_size, (bc, bs))
+    assert bc.isnan().all() and bs.isnan().all()
+
+
+def test_ref_mixed_rows_equal_rows_alone() -> None:
+    """A step of decode rows, extend rows (one empty) and a padding row (slot -1) = each row
+    alone, padding tokens 0 and no state written for them."""
+    dtype, shape = torch.float32, ODD
+    slots = [4, 0, -1, 2, 5, 1]
+    lens = [1, 1, 1, 5, 0, 67]  # 3 decode rows, then 3 extend rows
+    nd = 3
+    seq_lens = [10, 1, 1, 5, 3, 90]
+    t = sum(lens)
+    x, a, b = make_inputs(shape, t, dtype)
+    layer = make_layer(shape, dtype, slots=6)
+    alone = make_layer(shape, dtype, slots=6)
+    bound = (torch.zeros_like(layer.conv_state), torch.zeros_like(layer.ssm_state))
+    bound_alone = (torch.zeros_like(layer.conv_state), torch.zeros_like(layer.ssm_state))
+    out = run_ref(layer, x, a, b, slots, seq_lens, lens[nd:], nd, 16, bound)
+    tok = 0
+    for slot, n, end in zip(slots, lens, seq_lens, strict=True):
+        if slot >= 0 and n:
+            sl = slice(tok, tok + n)
+            want = run_ref(alone, x[sl], a[sl], b[sl], [slot], [end], [n], 0, 16, bound_alone)
+            torch.testing.assert_close(out[sl], want, rtol=0, atol=0)
+        elif n:
+            assert (out[tok:tok + n] == 0).all()
+        tok += n
+    assert torch.equal(layer.conv_state, alone.conv_state)
+    assert torch.equal(layer.ssm_state, alone.ssm_state)
+    assert all(torch.equal(u, w) for u, w in zip(bound, bound_alone, strict=True))
+    assert bound[1][1].abs().sum() > 0  # the 67-token row crossed position 80
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
+def test_chunked_ref_equals_recurrence(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    h, dk, dv = 3, 16, 8
+    q = deltanet.l2norm_ref(torch.randn(n, h, dk, generator=gen)) * dk ** -0.5
+    k = deltanet.l2norm_ref(torch.randn(n, h, dk, generator=gen))
+    v = torch.randn(n, h, dv, generator=gen)
+    g = -torch.rand(n, h, generator=gen) * 2
+    beta = torch.rand(n, h, generator=gen)
+    s0 = torch.randn(h, dk, dv, generator=gen)
+    o1, s1, _ = delta_rule_ref(q, k, v, g, beta, s0)
+    for chunk in (64, 16):
+        o2, s2 = chunk_delta_rule_ref(q, k, v, g, beta, s0, chunk)
+        torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(s2, s1, rtol=1e-4, atol=1e-5)
