@@ -49,6 +49,9 @@ class EngineConfig:
     #: Bound of the waiting queue; over it `generate` raises OverloadedError.
     max_waiting_requests: int = 256
     enable_prefix_cache: bool = True
+    #: Hybrid models (Gated DeltaNet layers): recurrent-state snapshots the prefix cache keeps
+    #: at page boundaries (None: one per running request).
+    state_snapshots: int | None = None
     #: Overlap CPU scheduling of step N+1 with the execution of step N.
     overlap: bool = True
     #: CPU threads for torch (None: torch's default).
@@ -76,6 +79,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be >= 0, got {self.state_snapshots}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(f"kv_cache_tokens must be >= page_size ({self.page_size})")
 
@@ -140,6 +145,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  help="KV cache size in tokens (default: sized from memory)."),
     EngineOption("enable_prefix_cache", "--no-prefix-cache", inverted=True,
                  help="Do not reuse the KV cache of shared prompt prefixes."),
+    EngineOption("state_snapshots", "--state-snapshots", min=0,
+                 help="Hybrid models: recurrent-state snapshots kept for prefix reuse "
+                      "(default: one per running request; 0: no prefix reuse)."),
     EngineOption("overlap", "--disable-overlap", inverted=True,
                  help="Schedule the next step only after the current one ran."),
     EngineOption("num_threads", "--threads", min=1,

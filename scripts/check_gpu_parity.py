@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stamp import stamp
 
-from arle.executor.paged import DeviceStep, KVCache, PagedAttention
+from arle.executor.paged import DeviceStep, KVCache, PagedAttention, StatePool
 from arle.model.decoder import DecoderLM
 from arle.model.loader import LoadedModel, load_model
 from arle_kernels.decode_attention import pick_num_splits
@@ -69,13 +69,16 @@ def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int
     """Logits [T, vocab] (float32) at every position of `token_ids`, through the engine's path
     with the model's kernels (`model.ops`): prefilled in chunks of `chunk_size` (each chunk an
     extend row over the cached prefix); chunk_size 1 runs every token through decode attention
-    instead. For parity checks against other implementations."""
+    instead. A hybrid model's recurrent state carries from chunk to chunk in slot 0. For parity
+    checks against other implementations."""
     cfg = model.config
     device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
     n = len(token_ids)
     num_pages = -(-n // page_size)
-    kv = KVCache.allocate(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                          kv_dtype or next(model.parameters()).dtype, device)
+    kv = KVCache.for_model(cfg, num_pages, page_size, kv_dtype or dtype, device)
+    state = StatePool.for_model(cfg, 2, 0, dtype, device)
+    row_slot = torch.zeros(1, dtype=torch.int32, device=device)
     # NOTE: pages in reverse order, so a wrong page-table lookup cannot pass by accident.
     table = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32, device=device)[None]
     rotary = model.rotary_table(n)
@@ -88,13 +91,15 @@ def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int
             pos = torch.arange(start, end, dtype=torch.int32, device=device)
             slots = table[0, pos // page_size] * page_size + pos % page_size
             decode = chunk == 1
+            cu = [0] if decode else [0, end - start]  # the extend rows' (none when decoding)
             step = DeviceStep(ids[start:end], pos, slots,
                               torch.tensor([end], dtype=torch.int32, device=device),
-                              torch.tensor([0, end - start], dtype=torch.int32, device=device),
+                              torch.tensor(cu, dtype=torch.int32, device=device),
                               table, num_decode=1 if decode else 0, max_q_len=end - start,
-                              num_splits=pick_num_splits(1, cfg.num_kv_heads, end))
-            out.append(model.logits(model(step.input_ids, PagedAttention(kv, step, rotary,
-                                                                          model))))
+                              num_splits=pick_num_splits(1, cfg.num_kv_heads, end),
+                              slots=row_slot)
+            backend = PagedAttention(kv, step, rotary, model, state, page_size)
+            out.append(model.logits(model(step.input_ids, backend)))
     return torch.cat(out)
 
 

@@ -58,6 +58,8 @@ class SimExecutor:
                  launch_us: float = 0.0) -> None:
         self.num_slots = num_slots
         self.kv_pool = KVPoolInfo(num_pages, 16, 0, "bfloat16")
+        self.state: Any = None  # a dense model: no recurrent state
+        self.num_snapshots = 0
         self.decode_s = decode_ms / 1e3
         self.prefill_s = prefill_us / 1e6
         self.launch_s = launch_us / 1e6

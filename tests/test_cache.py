@@ -67,3 +67,96 @@ def test_random_operations_keep_the_invariant() -> None:
         cm.release(rc, tokens, valid)
     cm.check([])
     assert cm.num_available == cm.num_pages
+
+
+# ---- hybrid models: recurrent-state snapshots on radix nodes ---------------------------------
+
+def _run_prompt(cm: CacheManager, tokens: list[int], chunk: int) -> tuple[RequestCache, list]:
+    """Admit `tokens` and prefill them in chunks as the scheduler does; returns the request
+    and the (slot, snapshot) copies its chunks asked for."""
+    rc = cm.admit(tokens, len(tokens) + 1)
+    assert rc is not None
+    saves = []
+    done = len(rc.shared) * cm.page_size
+    while done < len(tokens):
+        n = min(chunk, len(tokens) - done)
+        cm.reached(rc, done, n)
+        done += n
+        cm.publish(rc, tokens, done)
+        snap = cm.snapshot(rc, tokens, done)
+        if snap is not None:
+            saves.append((rc.slot, snap))
+    return rc, saves
+
+
+def test_a_hybrid_match_ends_at_the_deepest_snapshot() -> None:
+    cm = CacheManager(num_pages=32, page_size=4, num_slots=4, hybrid=True, num_snapshots=4)
+    tokens = list(range(22))  # 5 full pages + 2
+    a, saves = _run_prompt(cm, tokens, chunk=8)
+    # chunks end at 8, 16 and 22: snapshots at boundaries 8, 16 and 20 (22's last page start)
+    nodes = cm.radix.match(tokens)
+    assert [n.snapshot is not None for n in nodes] == [False, True, False, True, True]
+    assert [s for _, s in saves] == [nodes[1].snapshot, nodes[3].snapshot, nodes[4].snapshot]
+    cm.release(a, tokens, len(tokens))
+    assert cm.take_saves() == []  # boundary 20 was saved already
+    # another request with the first 18 tokens: pages up to 16 match, and 16 has a snapshot
+    b = cm.admit(tokens[:18] + [99], 20)
+    assert b is not None and len(b.shared) == 4 and b.restore == nodes[3].snapshot
+    assert b.boundary == b.saved == 16
+    cm.release(b, tokens[:18] + [99], 19)
+    # a prefix that ends between snapshots is cut back to the one before it
+    c = cm.admit(tokens[:13] + [98], 15)
+    assert c is not None and len(c.shared) == 2 and c.restore == nodes[1].snapshot
+    cm.release(c, tokens[:13] + [98], 14)
+    cm.check([])
+
+
+def test_a_released_request_snapshots_its_last_boundary_for_the_next_step() -> None:
+    cm = CacheManager(num_pages=32, page_size=4, num_slots=4, hybrid=True, num_snapshots=4)
+    prompt = list(range(6))
+    a, saves = _run_prompt(cm, prompt, chunk=16)
+    assert len(saves) == 1  # boundary 4
+    tokens = prompt + [50, 51, 52, 53, 54]  # decoded 5 more: positions 6..10
+    for p in range(6, 11):
+        cm.grow(a, p + 1)
+        cm.reached(a, p, 1)
+    assert a.boundary == 8
+    cm.release(a, tokens, len(tokens))
+    (slot, snap), = cm.take_saves()
+    assert slot == a.slot and cm.radix.match(tokens[:8])[-1].snapshot == snap
+    assert cm.take_saves() == []
+    # turn 2 of a chat: the whole first turn is a prefix; its state at 8 is restored
+    b = cm.admit(tokens + [60, 61], len(tokens) + 3)
+    assert b is not None and len(b.shared) == 2 and b.restore == snap
+    cm.release(b, tokens + [60, 61], len(tokens) + 2)
+    cm.check([])
+
+
+def test_snapshots_have_their_own_budget_and_follow_their_pages() -> None:
+    cm = CacheManager(num_pages=12, page_size=4, num_slots=4, hybrid=True, num_snapshots=2)
+    firsts = []
+    for i in range(3):  # three prompts of 2 pages + 1: a snapshot each, budget 2
+        tokens = [100 * i + t for t in range(9)]
+        rc, saves = _run_prompt(cm, tokens, chunk=16)
+        firsts.append(tokens)
+        cm.release(rc, tokens, len(tokens))
+        cm.check([])
+    held = [cm.radix.match(t)[-1].snapshot for t in firsts]
+    assert held[0] is None and None not in held[1:]  # the least recently used gave its entry
+    # pages run out: evicting a node frees its snapshot too
+    big = cm.admit(list(range(1000, 1047)), 48)
+    assert big is not None
+    cm.check([big])
+    assert all(n.snapshot is None for n in cm.radix.all_nodes())
+    cm.release(big, list(range(1000, 1047)), 47)
+    cm.check([])
+
+
+def test_dense_models_and_a_disabled_cache_take_no_snapshots() -> None:
+    for cm in (CacheManager(32, 4, 4, hybrid=False, num_snapshots=4),
+               CacheManager(32, 4, 4, enable_prefix_cache=False, hybrid=True, num_snapshots=4)):
+        rc, saves = _run_prompt(cm, list(range(10)), chunk=4)
+        assert saves == [] and rc.restore is None
+        cm.release(rc, list(range(10)), 10)
+        assert cm.take_saves() == []
+        cm.check([])

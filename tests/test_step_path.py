@@ -59,7 +59,8 @@ def test_eager_layout(decode: list[int], prefill: list[tuple[int, int]]) -> None
     assert packed.segment("kv_slots") == slots
     assert packed.segment("input_ids") == ids
     assert packed.segment("seq_lens") == [r.seq_len for r in plan.rows]
-    assert packed.segment("decode_slots") == list(range(nd))
+    assert packed.segment("row_slots") == [r.slot for r in plan.rows]
+    assert packed.segment("row_slots")[:nd] == list(range(nd))
     table = packed.segment("page_table")
     for i, r in enumerate(plan.rows):
         row = table[i * packed.max_pages:(i + 1) * packed.max_pages]

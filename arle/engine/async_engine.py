@@ -34,6 +34,14 @@ if TYPE_CHECKING:
 log = get_logger("arle.engine")
 
 
+def _num_snapshots(config: EngineConfig) -> int:
+    """A hybrid model's state snapshots: `--state-snapshots`, else one per running request."""
+    if config.state_snapshots is not None:
+        return config.state_snapshots
+    assert config.max_running_requests is not None
+    return config.max_running_requests
+
+
 def _dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -61,7 +69,8 @@ class AsyncEngine:
         # NOTE: a request never needs more pages than the pool has, so admission cannot deadlock.
         self.max_model_len = min(max_model_len, pool.num_tokens - 1)
         self.cache = CacheManager(pool.num_pages, pool.page_size, executor.num_slots,
-                                  config.enable_prefix_cache)
+                                  config.enable_prefix_cache, hybrid=executor.state is not None,
+                                  num_snapshots=executor.num_snapshots)
         # NOTE: the device defaults are filled in already (`EngineConfig.for_device`).
         assert config.max_running_requests is not None and config.max_batched_tokens is not None
         assert config.chunked_prefill_size is not None
@@ -156,7 +165,7 @@ class AsyncEngine:
         tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 / bytes_per_token)
         return CPUExecutor(loaded.model, max(tokens // config.page_size, 2), config.page_size,
                            num_slots=num_slots, kv_dtype=loaded.dtype, max_positions=max_len + 1,
-                           seed=config.seed)
+                           seed=config.seed, num_snapshots=_num_snapshots(config))
 
     @staticmethod
     def _cuda_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
@@ -179,7 +188,8 @@ class AsyncEngine:
             max_batched_tokens=config.max_batched_tokens, max_model_len=max_len,
             kv_dtype=kv_dtype, mem_fraction_static=config.mem_fraction_static,
             kv_cache_tokens=config.kv_cache_tokens, cuda_graph_max_bs=graph_bs,
-            extend_graph_max_tokens=extend_tokens, seed=config.seed))
+            extend_graph_max_tokens=extend_tokens, seed=config.seed,
+            num_snapshots=_num_snapshots(config)))
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation_config, then the caller's non-None values."""

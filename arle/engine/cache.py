@@ -1,15 +1,20 @@
 """KV cache bookkeeping: a page allocator, a radix prefix cache over full pages, and what a
 request holds. Pure Python: the executor owns the tensors, this decides which pages hold what.
 
-NOTE (invariant): every page is in exactly one state: free, published in the radix tree (shared,
-read-only, possibly referenced by requests), or private to one request. `check()` asserts it.
+Hybrid models (Gated DeltaNet layers) also need the recurrent state at the end of a cached
+prefix: a radix node may carry a state snapshot (an entry of the executor's snapshot pool, with
+its own budget and LRU), and a hybrid request reuses the deepest matched node that has one.
+
+NOTE (invariants, `check()` asserts them): every page is in exactly one state: free, published
+in the radix tree (shared, read-only, possibly referenced by requests), or private to one
+request. Every snapshot is free or carried by exactly one node.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -47,6 +52,8 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     refs: int = 0
     last_used: int = 0
+    #: the recurrent state after this page's last token (hybrid models), an executor snapshot
+    snapshot: int | None = None
 
 
 class RadixCache:
@@ -100,8 +107,9 @@ class RadixCache:
         self.num_pages += 1
         return node
 
-    def evict(self, n: int) -> list[int]:
-        """Free up to n unreferenced pages, leaves first, least recently used first."""
+    def evict(self, n: int, on_evict: Callable[[RadixNode], None] | None = None) -> list[int]:
+        """Free up to n unreferenced pages, leaves first, least recently used first
+        (`on_evict` sees each node as it goes)."""
         heap = [(x.last_used, id(x), x) for x in self._leaves() if x.refs == 0]
         heapq.heapify(heap)
         freed: list[int] = []
@@ -110,6 +118,8 @@ class RadixCache:
             parent = node.parent
             assert parent is not None
             del parent.children[node.key]
+            if on_evict is not None:
+                on_evict(node)
             freed.append(node.page)
             self.num_pages -= 1
             self.num_evictable -= 1
@@ -142,19 +152,26 @@ class RequestCache:
 
     `pages` is the page table; its first len(`shared`) pages are radix nodes this request has
     locked, the rest are private. `slot` is the request's row in per-request device buffers
-    (the sampled-token buffer now; a linear-attention state slot for hybrid models later).
+    (the sampled-token buffer; a hybrid model's recurrent state).
     """
 
     slot: int
     pages: list[int] = field(default_factory=list)
     shared: list[RadixNode] = field(default_factory=list)
+    #: hybrid models: the snapshot the slot's state starts from (None: zero)
+    restore: int | None = None
+    #: hybrid models: the last page boundary its scheduled rows reached (the executor keeps
+    #: the state there), and the last one a snapshot was taken at
+    boundary: int = 0
+    saved: int = 0
 
 
 class CacheManager:
     """Hands out pages and slots, shares prefixes, evicts, and takes it all back."""
 
     def __init__(self, num_pages: int, page_size: int, num_slots: int,
-                 enable_prefix_cache: bool = True) -> None:
+                 enable_prefix_cache: bool = True, hybrid: bool = False,
+                 num_snapshots: int = 0) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         self.pages = PageAllocator(num_pages)
@@ -162,6 +179,13 @@ class CacheManager:
         self.enable_prefix_cache = enable_prefix_cache
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self.num_slots = num_slots
+        self.hybrid = hybrid
+        self.num_snapshots = num_snapshots if hybrid and enable_prefix_cache else 0
+        self._free_snapshots = list(range(self.num_snapshots - 1, -1, -1))
+        self._snapshot_nodes: dict[int, RadixNode] = {}
+        #: (slot, snapshot) copies owed by requests released since the last step; the next
+        #: step's plan takes them (`take_saves`)
+        self._pending_saves: list[tuple[int, int]] = []
 
     # ---- capacity ---------------------------------------------------------------------
     @property
@@ -181,16 +205,22 @@ class CacheManager:
             return None
         short = n - self.pages.num_free
         if short > 0:
-            self.pages.free(self.radix.evict(short))
+            self.pages.free(self.radix.evict(short, self._drop_snapshot))
         return self.pages.alloc(n)
 
     # ---- a request's life ---------------------------------------------------------------
     def match(self, tokens: list[int]) -> list[RadixNode]:
         """Cached full pages usable by a request with these tokens. At least one token is
-        left uncached, so the request still computes the logits of its last token."""
+        left uncached, so the request still computes the logits of its last token. A hybrid
+        model's match ends at the deepest node with a state snapshot (KV without the state at
+        its end is of no use)."""
         if not self.enable_prefix_cache or len(tokens) < 2:
             return []
-        return self.radix.match(tokens[:len(tokens) - 1])
+        nodes = self.radix.match(tokens[:len(tokens) - 1])
+        if self.hybrid:
+            while nodes and nodes[-1].snapshot is None:
+                nodes.pop()
+        return nodes
 
     def admit(self, tokens: list[int], reserve_tokens: int,
               headroom_pages: int = 0) -> RequestCache | None:
@@ -207,8 +237,12 @@ class CacheManager:
         self.radix.lock(shared)
         new = self._take(max(need, 0))
         assert new is not None
+        restore = shared[-1].snapshot if self.hybrid and shared else None
+        if restore is not None:
+            shared[-1].last_used = next(_clock)
+        reached = len(shared) * self.page_size
         return RequestCache(slot=self._free_slots.pop(), pages=[n.page for n in shared] + new,
-                            shared=shared)
+                            shared=shared, restore=restore, boundary=reached, saved=reached)
 
     def grow(self, rc: RequestCache, num_tokens: int) -> bool:
         """Make the page table cover `num_tokens` tokens; False if no page can be had."""
@@ -236,13 +270,56 @@ class CacheManager:
             parent = node
 
     def release(self, rc: RequestCache, tokens: list[int], num_valid: int) -> None:
-        """A request is done (finished, aborted or preempted): publish what it computed,
-        unlock its shared pages, free the private ones and its slot."""
+        """A request is done (finished, aborted or preempted): publish what it computed (a
+        hybrid model's state at its last page boundary too, copied by the next step), unlock
+        its shared pages, free the private ones and its slot."""
         self.publish(rc, tokens, num_valid)
+        snapshot = self.snapshot(rc, tokens, num_valid)
+        if snapshot is not None:
+            self._pending_saves.append((rc.slot, snapshot))
         self.radix.unlock(rc.shared)
         self.pages.free(rc.pages[len(rc.shared):])
         self._free_slots.append(rc.slot)
         rc.pages, rc.shared = [], []
+
+    # ---- a hybrid model's state snapshots ---------------------------------------------------
+    def reached(self, rc: RequestCache, start: int, num_tokens: int) -> None:
+        """A row of the request covers positions [start, start + num_tokens): the executor keeps
+        its state at the last page boundary in (start, end] (`StatePool.boundary_*`)."""
+        boundary = (start + num_tokens) // self.page_size * self.page_size
+        if boundary > start:
+            rc.boundary = boundary
+
+    def snapshot(self, rc: RequestCache, tokens: list[int], num_valid: int) -> int | None:
+        """Attach a snapshot for the state at the request's last boundary to the radix node
+        of that page, if it is published, has none yet and is within `num_valid` tokens; the
+        caller queues the copy (slot's boundary state -> snapshot). None: nothing to copy."""
+        b = rc.boundary
+        if not self.num_snapshots or b <= rc.saved or b > num_valid:
+            return None
+        rc.saved = b
+        nodes = self.radix.match(tokens[:b])
+        if len(nodes) * self.page_size != b or nodes[-1].snapshot is not None:
+            return None
+        if not self._free_snapshots:
+            oldest = min(self._snapshot_nodes.values(), key=lambda n: n.last_used)
+            self._drop_snapshot(oldest)
+        snapshot = self._free_snapshots.pop()
+        nodes[-1].snapshot = snapshot
+        nodes[-1].last_used = next(_clock)
+        self._snapshot_nodes[snapshot] = nodes[-1]
+        return snapshot
+
+    def take_saves(self) -> list[tuple[int, int]]:
+        """The snapshot copies owed by released requests, for the next step to run first."""
+        saves, self._pending_saves = self._pending_saves, []
+        return saves
+
+    def _drop_snapshot(self, node: RadixNode) -> None:
+        if node.snapshot is not None:
+            del self._snapshot_nodes[node.snapshot]
+            self._free_snapshots.append(node.snapshot)
+            node.snapshot = None
 
     # ---- checks -----------------------------------------------------------------------------
     def check(self, live: Sequence[RequestCache] = ()) -> None:
@@ -261,3 +338,7 @@ class CacheManager:
             assert n.refs == refs.get(id(n), 0), "radix ref count out of step"
         assert self.radix.num_evictable == sum(1 for n in self.radix.all_nodes() if n.refs == 0)
         assert len(self._free_slots) + len(live) == self.num_slots
+        carried = [n.snapshot for n in self.radix.all_nodes() if n.snapshot is not None]
+        assert sorted(carried) == sorted(self._snapshot_nodes), "a snapshot lost its node"
+        assert (sorted(self._free_snapshots + carried) == list(range(self.num_snapshots))), \
+            "a snapshot is lost or in two states"

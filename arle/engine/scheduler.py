@@ -121,25 +121,37 @@ class Scheduler:
             seq.num_sampled = seq.num_output
             if seq.matched_tokens < 0:
                 seq.matched_tokens = seq.num_scheduled
+                seq.state_restored = rc.restore is not None
                 seq.timeline.admitted = time.perf_counter()
             self.running.append(seq)
-            new_slots.append(NewSlot(rc.slot, list(seq.tokens), seq.num_prompt, seq.params))
+            new_slots.append(NewSlot(rc.slot, list(seq.tokens), seq.num_prompt, seq.params,
+                                     rc.restore))
             prefill_rows.append(self._prefill_row(seq, budget))
             budget -= prefill_rows[-1].num_tokens
 
         rows = decode_rows + prefill_rows
         if not rows:
             return None
+        saves_after = []
         for row in rows:
             seq = row.owner
+            rc = seq.cache
             seq.num_scheduled += row.num_tokens
             seq.num_inflight += 1
             seq.num_sampled += row.sample
-            if row.input_ids is not None and seq.cache is not None:
-                # Share finished prompt pages at once (their K/V is queued before any reader's).
-                self.cache.publish(seq.cache, seq.tokens, seq.num_scheduled)
+            if rc is None:
+                continue
+            self.cache.reached(rc, row.start, row.num_tokens)
+            if row.input_ids is not None:
+                # Share finished prompt pages at once (their K/V is queued before any reader's),
+                # and a hybrid model's state at the last page boundary the chunk reached.
+                self.cache.publish(rc, seq.tokens, seq.num_scheduled)
+                snapshot = self.cache.snapshot(rc, seq.tokens, seq.num_scheduled)
+                if snapshot is not None:
+                    saves_after.append((rc.slot, snapshot))
         self._step_ids += 1
-        plan = StepPlan(self._step_ids, rows, new_slots)
+        plan = StepPlan(self._step_ids, rows, new_slots, saves_before=self.cache.take_saves(),
+                        saves_after=saves_after)
         plan.schedule_us = (time.perf_counter() - t0) * 1e6
         return plan
 

@@ -73,6 +73,8 @@ class Sequence:
     stop_reason: str | int | None = None
     error: str | None = None
     matched_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    #: a hybrid model's first admission started from a cached state snapshot
+    state_restored: bool = False
     num_preemptions: int = 0
     timeline: Timeline = field(default_factory=Timeline)
     #: output processing state (detokenizer, stop matcher), owned by the engine

@@ -54,6 +54,7 @@ def build_trace(seq: Sequence, *, active: int, waiting: int) -> dict[str, Any]:
             "matched_tokens": matched,
             "resume_prefill_tokens": t.prefill_tokens,
             "hit_rate": round(matched / seq.num_prompt, 4) if seq.num_prompt else 0.0,
+            "state_restored": seq.state_restored,
         },
         "scheduler": {
             "active": active,

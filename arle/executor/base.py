@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from arle.executor.plan import StepPlan
+
+if TYPE_CHECKING:
+    from arle.executor.paged import StatePool
 from arle.sampling import TokenLogprob
 
 
@@ -40,6 +43,10 @@ class KVPoolInfo:
 class Executor(Protocol):
     kv_pool: KVPoolInfo
     num_slots: int
+    #: a hybrid model's recurrent state pool (None: no Gated DeltaNet layers), and how many
+    #: snapshots it keeps for the prefix cache
+    state: StatePool | None
+    num_snapshots: int
 
     def launch(self, plan: StepPlan) -> Awaitable[StepOutput]: ...
 

@@ -16,7 +16,14 @@ from collections.abc import Awaitable
 import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
-from arle.executor.paged import KVCache, PagedAttention, StepInputs, kv_format, step_views
+from arle.executor.paged import (
+    KVCache,
+    PagedAttention,
+    StatePool,
+    StepInputs,
+    kv_format,
+    step_views,
+)
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import PenaltyState, logprobs_of, sample_into
 from arle.model.decoder import DecoderLM
@@ -26,7 +33,8 @@ from arle_kernels.ops import ops_for
 
 class CPUExecutor:
     def __init__(self, model: DecoderLM, num_pages: int, page_size: int, num_slots: int,
-                 kv_dtype: torch.dtype, max_positions: int, seed: int = 0) -> None:
+                 kv_dtype: torch.dtype, max_positions: int, seed: int = 0,
+                 num_snapshots: int = 0) -> None:
         cfg = model.config
         model.ops = ops_for(torch.device("cpu"))
         self.model = model
@@ -34,6 +42,10 @@ class CPUExecutor:
         self.num_slots = num_slots
         self.kv = KVCache.for_model(cfg, num_pages, page_size, kv_dtype, torch.device("cpu"))
         self.kv_pool = KVPoolInfo(num_pages, page_size, self.kv.nbytes, kv_format(kv_dtype))
+        self.num_snapshots = num_snapshots
+        # NOTE: one spare state entry past the slots, as on CUDA (graph padding rows)
+        self.state = StatePool.for_model(cfg, num_slots + 1, num_snapshots, kv_dtype,
+                                         torch.device("cpu"))
         self.rotary = model.rotary_table(max_positions)
         self.token_buffer = torch.zeros(num_slots, dtype=torch.int32)
         self.penalties = PenaltyState(num_slots, cfg.vocab_size, "cpu")
@@ -50,12 +62,15 @@ class CPUExecutor:
         t0 = time.perf_counter()
         for new_slot in inputs.new_slots:
             self.penalties.start_slot(*new_slot)
+        inputs.start_states(self.state)
         packed = inputs.packed
         meta = torch.tensor(packed.meta, dtype=torch.int32)
         step, decode_slots = step_views(packed, meta, num_splits=1)
         if packed.num_decode:
             step.input_ids[: packed.num_decode] = self.token_buffer[decode_slots]
-        hidden = self.model(step.input_ids, PagedAttention(self.kv, step, self.rotary, self.model))
+        hidden = self.model(step.input_ids, PagedAttention(self.kv, step, self.rotary, self.model,
+                                                           self.state, self.page_size))
+        inputs.save_states(self.state)
         if inputs.sampling is None:
             return StepOutput([], [], time.perf_counter() - t0)
         logits = self.model.logits(hidden[packed.view(meta, "sample_index")])

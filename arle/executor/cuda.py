@@ -38,6 +38,7 @@ from arle.executor.paged import (
     KVCache,
     PackedStep,
     PagedAttention,
+    StatePool,
     StepInputs,
     kv_format,
     step_views,
@@ -76,6 +77,8 @@ class CUDAExecutorConfig:
     #: CUDA graph too; 0: they run eagerly. Needs cuda_graph_max_bs > 0.
     extend_graph_max_tokens: int = 2048
     seed: int = 0
+    #: A hybrid model's state snapshots for the prefix cache.
+    num_snapshots: int = 0
 
 
 @dataclass
@@ -117,6 +120,10 @@ class CUDAExecutor:
         self.token_buffer = torch.zeros(config.num_slots + 1, dtype=torch.int32,
                                         device=self.device)
         self.penalties = PenaltyState(config.num_slots, model.config.vocab_size, self.device)
+        self.num_snapshots = config.num_snapshots
+        # NOTE: the spare entry past the slots is the graphs' padding rows' (pad_slot)
+        self.state = StatePool.for_model(model.config, config.num_slots + 1, config.num_snapshots,
+                                         next(model.parameters()).dtype, self.device)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         # NOTE: the weights, the rotary table and the token buffer were written on the default
         # stream; everything after runs on ours.
@@ -163,10 +170,13 @@ class CUDAExecutor:
         return pick_num_splits(num_decode, self.model.config.num_kv_heads,
                                self.config.max_model_len, self.num_sms)
 
+    def backend(self, step: DeviceStep) -> PagedAttention:
+        """The model's attention (and recurrent state) for one step."""
+        return PagedAttention(self.kv, step, self.rotary, self.model, self.state, self.page_size)
+
     def forward_decode(self, step: DeviceStep) -> torch.Tensor:
         """A decode graph's forward: step.input_ids are the rows' slots in the token buffer."""
-        backend = PagedAttention(self.kv, step, self.rotary, self.model)
-        hidden = self.model(step.input_ids, backend, id_source=self.token_buffer)
+        hidden = self.model(step.input_ids, self.backend(step), id_source=self.token_buffer)
         # NOTE: in the model's dtype: the greedy pick reads it as is, `sample` upcasts
         return self.model.logits(hidden, upcast=False)
 
@@ -175,7 +185,7 @@ class CUDAExecutor:
         g = self.extend_graphs
         assert g is not None
         step, sample_index = g.step(t, self.token_buffer, self.pad_slot)
-        hidden = self.model(step.input_ids, PagedAttention(self.kv, step, self.rotary, self.model))
+        hidden = self.model(step.input_ids, self.backend(step))
         g.logits.copy_(self.model.logits(hidden[sample_index]))
 
     # ---- the event loop's thread ----------------------------------------------------------
@@ -212,6 +222,7 @@ class CUDAExecutor:
                 start.record(self.stream)
                 for new_slot in h.inputs.new_slots:
                     self.penalties.start_slot(*new_slot)
+                h.inputs.start_states(self.state)
                 if h.graph_bs:
                     logits = self._replay(h, meta)
                 elif h.extend_tokens:
@@ -221,10 +232,10 @@ class CUDAExecutor:
                     step, decode_slots = step_views(h.layout, meta, self._num_splits(nd))
                     if nd:
                         step.input_ids[:nd] = self.token_buffer[decode_slots]
-                    backend = PagedAttention(self.kv, step, self.rotary, self.model)
-                    hidden = self.model(step.input_ids, backend)
+                    hidden = self.model(step.input_ids, self.backend(step))
                     index = h.layout.view(meta, "sample_index")
                     logits = self.model.logits(hidden[index]) if index.numel() else hidden[:0]
+                h.inputs.save_states(self.state)
                 out = None
                 if batch is not None:
                     slots = h.layout.view(meta, "sample_slots")

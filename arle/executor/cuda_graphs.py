@@ -83,7 +83,7 @@ class DecodeGraphs:
         return DeviceStep(input_ids=slots, positions=positions, kv_slots=kv_slots,
                           seq_lens=seq_lens, cu_q_lens=seq_lens[:0],
                           page_table=self.page_table[:bs], num_decode=bs, max_q_len=1,
-                          num_splits=self.num_splits[bs])
+                          num_splits=self.num_splits[bs], slots=slots)
 
     def runs(self, forward: Callable[[DeviceStep], torch.Tensor], num_splits: Callable[[int], int],
              pad_slot: int) -> dict[int, Callable[[], torch.Tensor]]:
@@ -168,7 +168,8 @@ class ExtendGraphs:
         ids = torch.where(tok_slots == pad_slot, seg("input_ids"), token_buffer[tok_slots])
         step = DeviceStep(ids, seg("positions"), seg("kv_slots"), seg("seq_lens"),
                           seg("cu_q_lens"), self.page_table, num_decode=0, max_q_len=t,
-                          num_splits=1, extend_blocks=seg("extend_blocks"))
+                          num_splits=1, extend_blocks=seg("extend_blocks"),
+                          slots=seg("row_slots"))
         return step, seg("sample_index")
 
     def runs(self, forward: Callable[[int], None]) -> dict[int, Callable[[], None]]:

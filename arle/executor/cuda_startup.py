@@ -26,7 +26,7 @@ from torch import nn
 
 from arle.errors import ArleError
 from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, graph_reserve
-from arle.executor.paged import FP8_KV, DeviceStep, KVCache, PagedAttention, kv_format
+from arle.executor.paged import FP8_KV, DeviceStep, KVCache, kv_format
 from arle.executor.sampler import SamplingBatch, sample
 from arle.logging import get_logger
 from arle.model.config import ModelConfig
@@ -56,6 +56,8 @@ class MemoryPlan:
 
     total_bytes: int
     weights_bytes: int
+    #: a hybrid model's recurrent states: slots, their boundary copies, snapshots
+    state_pool_bytes: int
     activation_peak_bytes: int
     graph_reserve_bytes: int
     num_pages: int
@@ -66,7 +68,8 @@ def start_up(ex: CUDAExecutor) -> dict[str, Any]:
     will launch. Returns what each phase measured (`ex.startup_info`)."""
     config = ex.config
     with torch.cuda.stream(ex.stream):
-        weights = torch.cuda.memory_allocated(ex.device)
+        states = ex.state.nbytes if ex.state is not None else 0
+        weights = torch.cuda.memory_allocated(ex.device) - states
         t0 = time.perf_counter()
         ex.kv = scratch_cache(ex)
         profile = prefill_step(ex, config.max_batched_tokens, PROFILE_PARAMS,
@@ -92,13 +95,13 @@ def start_up(ex: CUDAExecutor) -> dict[str, Any]:
         del ex.kv, profile, prefills
         torch.cuda.empty_cache()
         profile_s = time.perf_counter() - t0 - built["seconds"]
-        plan = plan_memory(ex, weights, peak)
+        plan = plan_memory(ex, weights, states, peak)
         m = ex.model.config
         ex.kv = KVCache.for_model(m, plan.num_pages, config.page_size, config.kv_dtype,
                                   ex.device)
     fmt = kv_format(config.kv_dtype)
     log.info("memory_plan", total_gb=round(plan.total_bytes / 1e9, 2),
-             weights_gb=round(weights / 1e9, 2),
+             weights_gb=round(weights / 1e9, 2), state_pool_gb=round(states / 1e9, 2),
              activation_peak_gb=round(plan.activation_peak_bytes / 1e9, 2),
              graph_reserve_gb=round(plan.graph_reserve_bytes / 1e9, 2),
              mem_fraction_static=config.mem_fraction_static, profile_s=round(profile_s, 2))
@@ -150,12 +153,13 @@ def prefill_step(ex: CUDAExecutor, n: int, params: SamplingParams, rows: int
     table = torch.arange(ex.kv.k.shape[1], dtype=torch.int32, device=device)[None]
     step = DeviceStep(ids, pos, slots, torch.tensor([n], dtype=torch.int32, device=device),
                       torch.tensor([0, n], dtype=torch.int32, device=device), table,
-                      num_decode=0, max_q_len=n, num_splits=1)
+                      num_decode=0, max_q_len=n, num_splits=1,
+                      slots=torch.full((1,), ex.pad_slot, dtype=torch.int32, device=device))
     batch = SamplingBatch.build([params] * rows, [0] * rows, device)
 
     def run() -> None:
         with torch.inference_mode():
-            hidden = model(ids, PagedAttention(ex.kv, step, ex.rotary, model))
+            hidden = model(ids, ex.backend(step))
             sample(model.logits(hidden[:rows]), batch, generator=ex.generator)
     return run
 
@@ -222,10 +226,10 @@ def peak_memory(run: Callable[[], None], device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device)
 
 
-def plan_memory(ex: CUDAExecutor, weights: int, peak: int) -> MemoryPlan:
-    """The KV pool's pages: `--mem-fraction-static` of the GPU, less the weights and the
-    profile step's activation peak (`peak` counts both) and the graphs' reserve; or
-    `--kv-cache-tokens` where given."""
+def plan_memory(ex: CUDAExecutor, weights: int, states: int, peak: int) -> MemoryPlan:
+    """The KV pool's pages: `--mem-fraction-static` of the GPU, less the weights, the state
+    pool and the profile step's activation peak (`peak` counts all three) and the graphs'
+    reserve; or `--kv-cache-tokens` where given."""
     config, m = ex.config, ex.model.config
     total = torch.cuda.get_device_properties(ex.device).total_memory
     per_token = m.kv_bytes_per_token(torch.finfo(config.kv_dtype).bits // 8,
@@ -234,16 +238,17 @@ def plan_memory(ex: CUDAExecutor, weights: int, peak: int) -> MemoryPlan:
     reserve = graph_reserve(
         min(config.cuda_graph_max_bs, ex.num_slots) if graphs else 0,
         min(config.extend_graph_max_tokens, config.max_batched_tokens),
-        min(EXTEND_GRAPH_ROWS, ex.num_slots), m.vocab_size, peak - weights,
+        min(EXTEND_GRAPH_ROWS, ex.num_slots), m.vocab_size, peak - weights - states,
         config.max_batched_tokens)
     budget = int(total * config.mem_fraction_static) - peak - reserve
     if config.kv_cache_tokens is None and budget < 2 * config.page_size * per_token:
         raise ArleError(
             f"no memory left for the KV cache: weights {weights / 2**30:.1f} GiB + "
-            f"activations {(peak - weights) / 2**30:.1f} GiB exceed "
+            f"recurrent states {states / 2**30:.1f} GiB + "
+            f"activations {(peak - weights - states) / 2**30:.1f} GiB exceed "
             f"--mem-fraction-static {config.mem_fraction_static} of {total / 2**30:.1f} GiB")
     tokens = config.kv_cache_tokens or budget // per_token
-    return MemoryPlan(total, weights, peak - weights, reserve,
+    return MemoryPlan(total, weights, states, peak - weights - states, reserve,
                       max(tokens // config.page_size, 2))
 
 

@@ -73,6 +73,67 @@ class KVCache:
 
 
 @dataclass
+class StatePool:
+    """A hybrid model's recurrent state, per Gated DeltaNet layer: one entry per request slot
+    (the last one spare: CUDA graphs' padding rows write there), each slot's state at the last
+    page boundary its rows reached (`boundary_*`), and snapshots the prefix cache keeps
+    (`snap_*`). conv: the conv's last kernel - 1 inputs, in the model dtype; ssm: the
+    delta-rule state, fp32."""
+
+    conv: torch.Tensor  # [linear layers, slots, conv_dim, kernel - 1]
+    ssm: torch.Tensor  # [linear layers, slots, value heads, key dim, value dim]
+    boundary_conv: torch.Tensor
+    boundary_ssm: torch.Tensor
+    snap_conv: torch.Tensor  # [linear layers, snapshots, ...]
+    snap_ssm: torch.Tensor
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, slots: int, snapshots: int, dtype: torch.dtype,
+                  device: torch.device) -> StatePool | None:
+        """None for a model without Gated DeltaNet layers."""
+        la = cfg.linear_attention
+        if la is None or not cfg.linear_layers:
+            return None
+        n = len(cfg.linear_layers)
+        conv = (la.conv_dim, la.conv_kernel - 1)
+        ssm = (la.num_value_heads, la.key_head_dim, la.value_head_dim)
+
+        def zeros(entries: int, shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, entries, *shape, dtype=dt, device=device)
+
+        return cls(zeros(slots, conv, dtype), zeros(slots, ssm, torch.float32),
+                   zeros(slots, conv, dtype), zeros(slots, ssm, torch.float32),
+                   zeros(max(snapshots, 1), conv, dtype),
+                   zeros(max(snapshots, 1), ssm, torch.float32))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (
+            self.conv, self.ssm, self.boundary_conv, self.boundary_ssm, self.snap_conv,
+            self.snap_ssm))
+
+    @property
+    def slot_bytes(self) -> int:
+        """One slot's state, all layers."""
+        return (self.conv[:, 0].numel() * self.conv.element_size()
+                + self.ssm[:, 0].numel() * self.ssm.element_size())
+
+    def start(self, slot: int, snapshot: int | None) -> None:
+        """A request starts on `slot`: from zero, or from a snapshot's state."""
+        if snapshot is None:
+            self.conv[:, slot].zero_()
+            self.ssm[:, slot].zero_()
+        else:
+            self.conv[:, slot].copy_(self.snap_conv[:, snapshot])
+            self.ssm[:, slot].copy_(self.snap_ssm[:, snapshot])
+
+    def save(self, slot: int, snapshot: int) -> None:
+        """The slot's state at its last page boundary into a snapshot."""
+        self.snap_conv[:, snapshot].copy_(self.boundary_conv[:, slot])
+        self.snap_ssm[:, snapshot].copy_(self.boundary_ssm[:, slot])
+
+
+@dataclass
 class DeviceStep:
     """One step's metadata on the device (views into one buffer) and the host ints that size
     its kernel grids."""
@@ -88,6 +149,8 @@ class DeviceStep:
     num_splits: int
     #: The extend kernel's (row, token block) work list (extend graphs; None: its grid)
     extend_blocks: torch.Tensor | None = None
+    #: Each row's request slot [R] (a hybrid model's state entry)
+    slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,11 +163,14 @@ class PagedAttention:
     kernels of `model.ops`."""
 
     def __init__(self, kv: KVCache, step: DeviceStep, rotary: torch.Tensor,
-                 model: DecoderLM) -> None:
+                 model: DecoderLM, state: StatePool | None = None, page_size: int = 16) -> None:
         cfg = model.config
         self.kv, self.step, self.rotary, self.ops = kv, step, rotary, model.ops
+        self.state, self.page_size = state, page_size
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
+        la = cfg.linear_attention
+        self.num_k_heads = la.num_key_heads if la is not None else 0
 
     def attend(self, layer: int, qkv: torch.Tensor | SplitSums, q_norm: torch.Tensor | None,
                k_norm: torch.Tensor | None) -> torch.Tensor:
@@ -122,6 +188,17 @@ class PagedAttention:
                                  self.scale, s.max_q_len, k_scale=ks, v_scale=vs, out=out[nd:],
                                  blocks=s.extend_blocks)
         return out.view(q.shape[0], -1)
+
+    def gated_delta(self, layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                    ) -> torch.Tensor:
+        s, st = self.step, self.state
+        assert st is not None and s.slots is not None, "a hybrid model's step needs its state"
+        out = self.ops.gated_delta(
+            mixed_qkv, a, b, conv_weight, a_log, dt_bias, st.conv[layer], st.ssm[layer],
+            s.slots, s.seq_lens, s.cu_q_lens, s.num_decode, s.max_q_len, self.num_k_heads,
+            self.page_size, st.boundary_conv[layer], st.boundary_ssm[layer])
+        return out.reshape(out.shape[0], -1)
 
 
 #: Segments of the packed step array start at multiples of 4 int32s (16 bytes): Triton
@@ -155,7 +232,8 @@ class ExtendGraphShape:
         n = 0
         for name, size in (("input_ids", t), ("tok_slots", t), ("positions", t),
                            ("kv_slots", t), ("seq_lens", r), ("cu_q_lens", r + 1),
-                           ("sample_index", r), ("extend_blocks", 2 * self.blocks)):
+                           ("row_slots", r), ("sample_index", r),
+                           ("extend_blocks", 2 * self.blocks)):
             n += -n % _ALIGN
             offsets[name] = (n, size)
             n += size
@@ -167,7 +245,7 @@ class PackedStep:
     """One step's metadata as one int32 list, and where each segment sits in it.
 
     Eager steps: ids, positions, kv_slots [T]; seq_lens [R]; cu_q_lens [R - nd + 1] (the extend
-    rows'); decode_slots [nd]; page_table [R, max_pages]. Graph steps (decode only, padded to
+    rows'); row_slots [R] (the decode rows' first); page_table [R, max_pages]. Graph steps (decode only, padded to
     the graph's batch size bs): decode_slots, positions, kv_slots, seq_lens [bs] back to back
     (the graph's static `meta` block, copied whole), then page_table [bs, max_pages].
     Both: sample_index [S], the row (graph) or token (eager) index each sampling row reads its
@@ -241,7 +319,7 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
         put("kv_slots", kv_slots)
         put("seq_lens", [r.seq_len for r in rows])
         put("cu_q_lens", cu)
-        put("decode_slots", [r.slot for r in rows[:nd]])
+        put("row_slots", [r.slot for r in rows])
         put("page_table", table)
     put("sample_index", sample_at)
     put("sample_slots", [r.slot for r in rows if r.sample])
@@ -291,6 +369,7 @@ def extend_graph_block(rows: list[Row], ps: int, pad_slot: int, shape: ExtendGra
         "input_ids": ids + [0] * pad_t, "tok_slots": tok_slots + [pad_slot] * pad_t,
         "positions": positions + [0] * pad_t, "kv_slots": kv_slots + [-1] * pad_t,
         "seq_lens": seq_lens + [0] * pad_r, "cu_q_lens": cu + [t] * pad_r,
+        "row_slots": [r.slot for r in rows] + [pad_slot] * pad_r,
         "sample_index": sample_at + [0] * (shape.rows - len(sample_at)),
         "extend_blocks": plan_blocks([r.num_tokens for r in rows], seq_lens,
                                      shape.block_t, shape.blocks)}
@@ -309,9 +388,10 @@ def step_views(packed: PackedStep, meta: torch.Tensor, num_splits: int
         return packed.view(meta, name)
 
     table = seg("page_table").view(packed.num_rows, packed.max_pages)
+    slots = seg("row_slots")
     return DeviceStep(seg("input_ids"), seg("positions"), seg("kv_slots"), seg("seq_lens"),
                       seg("cu_q_lens"), table, packed.num_decode, packed.max_q_len,
-                      num_splits), seg("decode_slots")
+                      num_splits, slots=slots), slots[:packed.num_decode]
 
 
 @dataclass
@@ -325,6 +405,10 @@ class StepInputs:
     want_logprobs: list[int | None]
     #: (slot, tokens, num_prompt, penalized) of each request starting this step
     new_slots: list[tuple[int, list[int], int, bool]]
+    #: (slot, snapshot to restore or None) of each request starting this step (hybrid models)
+    state_starts: list[tuple[int, int | None]]
+    saves_before: list[tuple[int, int]]
+    saves_after: list[tuple[int, int]]
 
     @classmethod
     def of(cls, plan: StepPlan, page_size: int, graph_bs: int = 0,
@@ -335,4 +419,24 @@ class StepInputs:
         return cls(pack_step(plan, page_size, graph_bs, pad_slot, extend), sampling,
                    [r.params.logprobs for r in rows],
                    [(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
-                    for n in plan.new_slots])
+                    for n in plan.new_slots],
+                   [(n.slot, n.restore) for n in plan.new_slots],
+                   list(plan.saves_before), list(plan.saves_after))
+
+    def start_states(self, state: StatePool | None) -> None:
+        """Before the step: the new requests' states (zero or restored), then the snapshots
+        of requests released since the last step (NOTE: in this order: a restore reads a
+        snapshot that a save may overwrite)."""
+        if state is None:
+            return
+        for slot, snapshot in self.state_starts:
+            state.start(slot, snapshot)
+        for slot, snapshot in self.saves_before:
+            state.save(slot, snapshot)
+
+    def save_states(self, state: StatePool | None) -> None:
+        """After the step: the snapshots at page boundaries its prefill rows reached."""
+        if state is None:
+            return
+        for slot, snapshot in self.saves_after:
+            state.save(slot, snapshot)

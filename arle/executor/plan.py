@@ -31,12 +31,14 @@ class Row:
 
 @dataclass(frozen=True)
 class NewSlot:
-    """A request starts on `slot` this step: reset that slot's device state (penalty counts)."""
+    """A request starts on `slot` this step: reset that slot's device state (penalty counts;
+    a hybrid model's recurrent state: zeroed, or copied from snapshot `restore`)."""
 
     slot: int
     token_ids: list[int]  # prompt (+ outputs when recomputing after preemption)
     num_prompt: int
     params: SamplingParams
+    restore: int | None = None
 
 
 @dataclass
@@ -44,6 +46,13 @@ class StepPlan:
     step_id: int
     rows: list[Row]  # decode rows first, then prefill rows
     new_slots: list[NewSlot] = field(default_factory=list)
+    #: (slot, snapshot): a hybrid model's state at the slot's last page boundary, copied into
+    #: the snapshot; `saves_before` before the step's rows run (after the new slots' resets),
+    #: `saves_after` after them.
+    #: NOTE: before: requests released since the last step (their slot may be reused in this
+    #: one, which rewrites it); after: boundaries this step's prefill rows reach.
+    saves_before: list[tuple[int, int]] = field(default_factory=list)
+    saves_after: list[tuple[int, int]] = field(default_factory=list)
     schedule_us: float = 0.0
 
     @property
