@@ -137,7 +137,7 @@ def test_snapshots_have_their_own_budget_and_follow_their_pages() -> None:
     firsts = []
     for i in range(3):  # three prompts of 2 pages + 1: a snapshot each, budget 2
         tokens = [100 * i + t for t in range(9)]
-        rc, saves = _run_prompt(cm, tokens, chunk=16)
+        rc, _ = _run_prompt(cm, tokens, chunk=16)
         firsts.append(tokens)
         cm.release(rc, tokens, len(tokens))
         cm.check([])
