@@ -329,6 +329,7 @@ def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
             "kv_pool": {"tokens": pool.num_tokens, "pages": pool.num_pages,
                         "page_size": pool.page_size, "bytes": pool.bytes,
                         "dtype": pool.dtype},
+            "state_pool": state_pool(engine),
             # NOTE: the CPU executor allocates activations per step; the CUDA one measures its
             # peak in a profile run at start-up (and its CUDA graphs' capture).
             "cuda": engine.model_info.get("memory_plan"),
@@ -340,6 +341,15 @@ def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
             "chunked_prefill_size": engine.scheduler.config.chunked_prefill_size,
             # NOTE: `arle warmup` takes `arle serve`'s settings unless --engine-defaults
             "serving": engine.config.serving}
+
+
+def state_pool(engine: AsyncEngine) -> dict[str, Any] | None:
+    """A hybrid model's recurrent-state pool (None: no Gated DeltaNet layers)."""
+    state = engine.executor.state
+    if state is None:
+        return None
+    return {"slots": engine.executor.num_slots, "snapshots": engine.executor.num_snapshots,
+            "slot_bytes": state.slot_bytes, "bytes": state.nbytes}
 
 
 async def run_warmup(config: Any, prompt: str = "Say hello in one short sentence.",

@@ -143,6 +143,9 @@ class AsyncEngine:
         pool = executor.kv_pool
         log.info("kv_pool", tokens=pool.num_tokens, pages=pool.num_pages,
                  page_size=pool.page_size, bytes=pool.bytes, dtype=pool.dtype)
+        if executor.state is not None:
+            log.info("state_pool", slots=executor.num_slots, snapshots=executor.num_snapshots,
+                     slot_bytes=executor.state.slot_bytes, bytes=executor.state.nbytes)
         info = {"architecture": cfg.architecture, "parameters": loaded.num_parameters,
                 "dtype": _dtype_name(loaded.dtype), "bytes": loaded.num_bytes,
                 "context": cfg.max_position_embeddings, "path": str(loaded.path),
