@@ -4,15 +4,20 @@ Each op is a Triton wrapper `<op>(...)` (the CUDA executor) beside a plain-torch
 with the same signature (the CPU executor, and what the kernels are tested against). The refs
 *are* the model's semantics, HF's rounding order included:
 
-- `rms_norm`: statistics and normalisation in fp32, the result rounded to x's dtype, then
-  multiplied by the weight in that dtype (one more rounding), as HF Llama/Qwen3 do.
+- `rms_norm`: statistics and normalisation in fp32. The weight's dtype says how it scales:
+  a weight in x's dtype (HF Llama/Qwen3) multiplies the normalised value rounded to x's dtype
+  (two roundings); an fp32 weight (Qwen3.5's zero-centred norms, stored as 1 + w at load)
+  multiplies it in fp32 and the product is rounded once (HF's `Qwen3_5RMSNorm`). With x in
+  fp32 the two coincide. The same rule holds for every norm here (q/k norms included).
 - `add_rms_norm`: r = x + residual rounded to the dtype (torch's bf16 add), y = rms_norm(r).
   NOTE: both versions write r into `residual` in place and return it as the second output.
 - `silu_and_mul`: silu(gate) in fp32 rounded to the dtype, times up rounded again (HF's
   `act(gate) * up` in bf16).
 - `qk_norm_rope_store_kv`: per-head RMSNorm of q and k (Qwen3; skipped for Llama), neox rotary
-  (halves) in fp32 with fp32 cos/sin rounded once to the dtype, K/V stored at flat cache slots
-  (FP8 caches: quantised per (token, KV head)), q returned.
+  (halves) in fp32 with fp32 cos/sin rounded once to the dtype, on the first `rotary_dim`
+  dims of each head (the rotary table's width; Qwen3.5 turns a quarter, the rest pass
+  through), K/V stored at flat cache slots (FP8 caches: quantised per (token, KV head)), q
+  returned.
 
 `add_rms_norm`'s x and `qk_norm_rope_store_kv`'s qkv may also be a linear layer's `SplitSums`
 (kernels/split_sums.py): the kernel sums the slots, rounds as the linear would have, and
@@ -106,15 +111,19 @@ def _inv_rms(sum_sq, n, eps):
 
 
 @triton.jit
-def _scale_row(x, inv_rms, w, dtype: tl.constexpr):
-    """HF's rounding: normalised value rounded to the dtype, times the weight rounded again."""
+def _scale_row(x, inv_rms, w, dtype: tl.constexpr, W_FP32: tl.constexpr):
+    """The normalised row times the weight, in `dtype`. W_FP32 (a zero-centred norm's 1 + w):
+    scaled in fp32, rounded once (HF's Qwen3_5RMSNorm); else HF Llama's rounding: the
+    normalised value rounded to the dtype, times the weight rounded again."""
+    if W_FP32:
+        return (x * inv_rms * w).to(dtype)
     return ((x * inv_rms).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y, stride_s, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-                     SLOTS: tl.constexpr, PDL: tl.constexpr):
+                     SLOTS: tl.constexpr, W_FP32: tl.constexpr, PDL: tl.constexpr):
     """One program per row. NUM_BLOCKS == 1 (n <= BLOCK): the row stays in registers, read once.
     Otherwise pass 1 accumulates the sum of squares block by block (and writes x + residual),
     pass 2 re-reads the row (from L2) and writes y. SLOTS > 0 (with a residual): x is a
@@ -134,7 +143,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y
             gdc_wait()
         x = _load_row(x_row, r_row, offs, mask, HAS_RESIDUAL, stride_s, SLOTS)
         inv_rms = _inv_rms(tl.sum(x * x, 0), n, eps)
-        tl.store(y_row + offs, _scale_row(x, inv_rms, w, dtype), mask=mask)
+        tl.store(y_row + offs, _scale_row(x, inv_rms, w, dtype, W_FP32), mask=mask)
     else:
         if PDL:
             gdc_wait()
@@ -156,7 +165,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n, stride_x, stride_r, stride_y
             else:
                 x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-            tl.store(y_row + offs, _scale_row(x, inv_rms, w, dtype), mask=mask)
+            tl.store(y_row + offs, _scale_row(x, inv_rms, w, dtype, W_FP32), mask=mask)
 
 
 def _norm_launch(n: int) -> tuple[int, int, int]:
@@ -170,11 +179,13 @@ def _norm_launch(n: int) -> tuple[int, int, int]:
 def _check_norm(x: Tensor, weight: Tensor) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, "x: [T, N], last dim contiguous"
     assert weight.shape == (x.shape[1],) and weight.stride(0) == 1, "weight: [N]"
-    assert weight.dtype == x.dtype, "the weight must be in x's dtype (HF multiplies in it)"
+    assert weight.dtype in (x.dtype, torch.float32), (
+        "the weight is in x's dtype (HF Llama multiplies in it) or fp32 (scaled in fp32)")
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """y = (rms_norm_fp32(x)).to(x.dtype) * weight. x [T, N] (last dim contiguous)."""
+    """y = (rms_norm_fp32(x)).to(x.dtype) * weight, or (rms_norm_fp32(x) * weight).to(x.dtype)
+    for an fp32 weight. x [T, N] (last dim contiguous)."""
     _check_norm(x, weight)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     t, n = x.shape
@@ -184,7 +195,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     pdl = pdl_enabled()
     _rms_norm_kernel[(t,)](x, x, weight, y, n, x.stride(0), 0, y.stride(0), 0, eps,
                            HAS_RESIDUAL=False, BLOCK=block, NUM_BLOCKS=num_blocks, SLOTS=0,
-                           PDL=pdl, num_warps=warps, **pdl_launch(pdl))
+                           W_FP32=weight.dtype == torch.float32, PDL=pdl, num_warps=warps,
+                           **pdl_launch(pdl))
     return y
 
 
@@ -209,15 +221,20 @@ def add_rms_norm(x: Tensor | SplitSums, residual: Tensor, weight: Tensor,
                            y.stride(0), xs.stride(0) if sums is not None else 0, eps,
                            HAS_RESIDUAL=True, BLOCK=block, NUM_BLOCKS=num_blocks,
                            SLOTS=xs.shape[0] if sums is not None else 0,
-                           PDL=pdl, num_warps=warps, **pdl_launch(pdl))
+                           W_FP32=weight.dtype == torch.float32, PDL=pdl, num_warps=warps,
+                           **pdl_launch(pdl))
     if sums is not None:
         consumed(sums)
     return y, residual
 
 
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF's RMSNorm: normalise over the last dim in fp32, round to x's dtype, times weight."""
-    return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype) * weight
+    """HF's RMSNorm: normalise over the last dim in fp32, round to x's dtype, times weight;
+    an fp32 weight (1 + w of a zero-centred norm) scales in fp32 before the one rounding."""
+    y = F.rms_norm(x.float(), weight.shape, eps=eps)
+    if weight.dtype == torch.float32:
+        return (y * weight).to(x.dtype)
+    return y.to(x.dtype) * weight
 
 
 def add_rms_norm_ref(x: Tensor | SplitSums, residual: Tensor, weight: Tensor,
@@ -283,14 +300,14 @@ def silu_and_mul_ref(gate_up: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _head_block(N_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, D: tl.constexpr,
-                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Offsets and mask of the first halves of N_HEADS consecutive heads, [BLOCK_HEADS,
-    BLOCK_HALF] in the [heads, D] layout (the second halves are at + HALF)."""
+def _head_cols(N_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, D: tl.constexpr,
+               START: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Offsets and mask of columns [START, START + WIDTH) of N_HEADS consecutive heads,
+    [BLOCK_HEADS, BLOCK_W] in the [heads, D] layout."""
     heads = tl.arange(0, BLOCK_HEADS)
-    cols = tl.arange(0, BLOCK_HALF)
-    offs = heads[:, None] * D + cols[None, :]
-    mask = (heads < N_HEADS)[:, None] & (cols < HALF)[None, :]
+    cols = tl.arange(0, BLOCK_W)
+    offs = heads[:, None] * D + START + cols[None, :]
+    mask = (heads < N_HEADS)[:, None] & (cols < WIDTH)[None, :]
     return offs, mask
 
 
@@ -306,45 +323,73 @@ def _load_block(ptrs, mask, stride_s, SLOTS: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(x1, x2, w_ptr, eps, cos, sin, D: tl.constexpr, HALF: tl.constexpr,
-               BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Heads given as halves x1 / x2 [heads, BLOCK_HALF]: optional per-head RMSNorm, then neox
-    rotary; the rotated halves in x1's dtype."""
+def _norm_rope(x1, x2, xp, w_ptr, eps, cos, sin, D: tl.constexpr, HALF: tl.constexpr,
+               ROT: tl.constexpr, PASS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               BLOCK_PASS: tl.constexpr, HAS_NORM: tl.constexpr, W_FP32: tl.constexpr):
+    """Heads given as three pieces: the rotary halves x1 / x2 [heads, BLOCK_HALF] and the
+    pass-through dims xp [heads, BLOCK_PASS] (zeros past PASS). Optional per-head RMSNorm over
+    all D dims, then neox rotary on the halves; the three pieces in x1's dtype."""
     dtype = x1.dtype
     cols = tl.arange(0, BLOCK_HALF)
+    pcols = tl.arange(0, BLOCK_PASS)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     if HAS_NORM:
-        inv_rms = _inv_rms(tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1), D, eps)
-        w1 = tl.load(w_ptr + cols, mask=cols < HALF, other=0.0)
-        w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0)
-        # NOTE: rounded twice to the dtype, as the ref (HF's RMSNorm), before the fp32 rotary
-        x1 = _scale_row(x1, inv_rms[:, None], w1[None, :], dtype).to(tl.float32)
-        x2 = _scale_row(x2, inv_rms[:, None], w2[None, :], dtype).to(tl.float32)
+        xpf = xp.to(tl.float32)
+        sum_sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(xpf * xpf, 1)
+        inv_rms = _inv_rms(sum_sq, D, eps)[:, None]
+        w1 = tl.load(w_ptr + cols, mask=cols < HALF, other=0.0)[None, :]
+        w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0)[None, :]
+        wp = tl.load(w_ptr + ROT + pcols, mask=pcols < PASS, other=0.0)[None, :]
+        # NOTE: rounded to the dtype as the ref (HF's RMSNorm), before the fp32 rotary
+        x1 = _scale_row(x1, inv_rms, w1, dtype, W_FP32).to(tl.float32)
+        x2 = _scale_row(x2, inv_rms, w2, dtype, W_FP32).to(tl.float32)
+        xp = _scale_row(xpf, inv_rms, wp, dtype, W_FP32)
     o1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype)
     o2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
-    return o1, o2
+    return o1, o2, xp.to(dtype)
 
 
 @triton.jit
-def _store_kv(cache_ptr, scale_ptr, x1, x2, offs, mask, scale_offs, head_mask,
-              HALF: tl.constexpr, FP8: tl.constexpr):
-    """Store one token's KV heads (halves x1/x2 at cache offsets offs / offs + HALF). FP8: one
-    scale per head, max(amax |x|, 1e-6) / 448, stored at scale_offs; values x / scale."""
+def _store_kv(cache_ptr, scale_ptr, x1, x2, xp, offs, mask, p_offs, p_mask, scale_offs,
+              head_mask, HALF: tl.constexpr, FP8: tl.constexpr):
+    """Store one token's KV heads, as pieces: halves x1 / x2 at cache offsets offs / offs +
+    HALF, the pass-through dims xp at p_offs. FP8: one scale per head, max(amax |x|, 1e-6) /
+    448, stored at scale_offs; values x / scale."""
     if FP8:
         a1 = x1.to(tl.float32)
         a2 = x2.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(a1), 1), tl.max(tl.abs(a2), 1))
+        ap = xp.to(tl.float32)  # zeros where masked: they leave amax alone
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(a1), 1), tl.max(tl.abs(a2), 1)),
+                          tl.max(tl.abs(ap), 1))
         scale = tl.div_rn(tl.maximum(amax, 1e-6), 448.0)  # FP8_MIN_AMAX, FP8_MAX
         tl.store(scale_ptr + scale_offs, scale, mask=head_mask)
         # NOTE: the clamp only guards a rounding of amax / scale a hair above 448
         a1 = tl.minimum(tl.maximum(tl.div_rn(a1, scale[:, None]), -448.0), 448.0)
         a2 = tl.minimum(tl.maximum(tl.div_rn(a2, scale[:, None]), -448.0), 448.0)
+        ap = tl.minimum(tl.maximum(tl.div_rn(ap, scale[:, None]), -448.0), 448.0)
         tl.store(cache_ptr + offs, a1.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(cache_ptr + offs + HALF, a2.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(cache_ptr + p_offs, ap.to(cache_ptr.dtype.element_ty), mask=p_mask)
     else:
         tl.store(cache_ptr + offs, x1.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(cache_ptr + offs + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(cache_ptr + p_offs, xp.to(cache_ptr.dtype.element_ty), mask=p_mask)
+
+
+@triton.jit
+def _load_head_pieces(row, offs, mask, p_offs, p_mask, stride_s, SLOTS: tl.constexpr,
+                      HALF: tl.constexpr, dtype: tl.constexpr):
+    """A row's heads as (x1, x2, xp) in `dtype`; from a `SplitSums`, its slots left zero."""
+    x1 = _load_block(row + offs, mask, stride_s, SLOTS, dtype)
+    x2 = _load_block(row + offs + HALF, mask, stride_s, SLOTS, dtype)
+    xp = _load_block(row + p_offs, p_mask, stride_s, SLOTS, dtype)
+    if SLOTS > 0:
+        tl.debug_barrier()  # see _zero_slots
+        _zero_slots(row + offs, mask, stride_s, SLOTS)
+        _zero_slots(row + offs + HALF, mask, stride_s, SLOTS)
+        _zero_slots(row + p_offs, p_mask, stride_s, SLOTS)
+    return x1, x2, xp
 
 
 @triton.jit
@@ -354,12 +399,16 @@ def _qk_norm_rope_store_kv_kernel(
     eps, page_size, stride_qkv, stride_cs,
     stride_cp, stride_co, stride_ch, stride_sp, stride_so, stride_sh, stride_s,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr, FP8: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr,
+    PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    HAS_NORM: tl.constexpr, W_FP32: tl.constexpr, FP8: tl.constexpr, SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Two programs per token (t, part): part 0 its q heads (norm + rope -> q out), part 1,
     unless its slot is < 0, its k heads (norm + rope) and v heads into the cache at the slot.
-    Every element of the token's qkv row is read once and q / k / v written once.
+    Every element of the token's qkv row is read once and q / k / v written once, each head
+    as three pieces: the rotary halves [0, HALF) and [HALF, 2 HALF), and the PASS dims after
+    them (partial rotary; none for full rotary).
     SLOTS > 0: qkv is a `SplitSums` with that many slots (stride_s apart); part 1 takes (and
     zeroes) its k / v columns even where it writes nothing (slot < 0).
     NOTE: two parts, so q's and k/v's chains of loads and stores run side by side (at batch 1
@@ -379,44 +428,44 @@ def _qk_norm_rope_store_kv_kernel(
         gdc_wait()
     row = qkv_ptr + t * stride_qkv
     dtype = q_ptr.dtype.element_ty
+    ROT: tl.constexpr = 2 * HALF
 
     if part == 0:
-        offs, mask = _head_block(H, BLOCK_H, D, HALF, BLOCK_HALF)
-        q1 = _load_block(row + offs, mask, stride_s, SLOTS, dtype)
-        q2 = _load_block(row + offs + HALF, mask, stride_s, SLOTS, dtype)
-        if SLOTS > 0:
-            tl.debug_barrier()  # see _zero_slots
-            _zero_slots(row + offs, mask, stride_s, SLOTS)
-            _zero_slots(row + offs + HALF, mask, stride_s, SLOTS)
-        q1, q2 = _norm_rope(q1, q2, qw_ptr, eps, cos, sin, D, HALF, BLOCK_HALF, HAS_NORM)
+        offs, mask = _head_cols(H, BLOCK_H, D, 0, HALF, BLOCK_HALF)
+        p_offs, p_mask = _head_cols(H, BLOCK_H, D, ROT, PASS, BLOCK_PASS)
+        q1, q2, qp = _load_head_pieces(row, offs, mask, p_offs, p_mask, stride_s, SLOTS, HALF,
+                                       dtype)
+        q1, q2, qp = _norm_rope(q1, q2, qp, qw_ptr, eps, cos, sin, D, HALF, ROT, PASS,
+                                BLOCK_HALF, BLOCK_PASS, HAS_NORM, W_FP32)
         q_row = q_ptr + t * (H * D)
         tl.store(q_row + offs, q1, mask=mask)
         tl.store(q_row + offs + HALF, q2, mask=mask)
+        tl.store(q_row + p_offs, qp, mask=p_mask)
     elif (slot >= 0) | (SLOTS > 0):  # NOTE: slot -1 marks a padding row (CUDA graph)
-        offs, mask = _head_block(KVH, BLOCK_KVH, D, HALF, BLOCK_HALF)
+        offs, mask = _head_cols(KVH, BLOCK_KVH, D, 0, HALF, BLOCK_HALF)
+        p_offs, p_mask = _head_cols(KVH, BLOCK_KVH, D, ROT, PASS, BLOCK_PASS)
         k_row = row + H * D
         v_row = k_row + KVH * D
-        k1 = _load_block(k_row + offs, mask, stride_s, SLOTS, dtype)
-        k2 = _load_block(k_row + offs + HALF, mask, stride_s, SLOTS, dtype)
-        v1 = _load_block(v_row + offs, mask, stride_s, SLOTS, dtype)
-        v2 = _load_block(v_row + offs + HALF, mask, stride_s, SLOTS, dtype)
-        if SLOTS > 0:  # taken even for a padding row: the slots must be left zero
-            tl.debug_barrier()  # see _zero_slots
-            _zero_slots(k_row + offs, mask, stride_s, SLOTS)
-            _zero_slots(k_row + offs + HALF, mask, stride_s, SLOTS)
-            _zero_slots(v_row + offs, mask, stride_s, SLOTS)
-            _zero_slots(v_row + offs + HALF, mask, stride_s, SLOTS)
+        # (taken even for a padding row: a SplitSums' slots must be left zero)
+        k1, k2, kp = _load_head_pieces(k_row, offs, mask, p_offs, p_mask, stride_s, SLOTS,
+                                       HALF, dtype)
+        v1, v2, vp = _load_head_pieces(v_row, offs, mask, p_offs, p_mask, stride_s, SLOTS,
+                                       HALF, dtype)
         if slot >= 0:
-            k1, k2 = _norm_rope(k1, k2, kw_ptr, eps, cos, sin, D, HALF, BLOCK_HALF, HAS_NORM)
+            k1, k2, kp = _norm_rope(k1, k2, kp, kw_ptr, eps, cos, sin, D, HALF, ROT, PASS,
+                                    BLOCK_HALF, BLOCK_PASS, HAS_NORM, W_FP32)
             heads = tl.arange(0, BLOCK_KVH)
             page = slot // page_size
             in_page = slot % page_size
-            c_offs = (page * stride_cp + in_page * stride_co + heads[:, None] * stride_ch
-                      + cols[None, :])
+            base = page * stride_cp + in_page * stride_co + heads[:, None] * stride_ch
+            c_offs = base + cols[None, :]
+            cp_offs = base + ROT + tl.arange(0, BLOCK_PASS)[None, :]
             s_offs = page * stride_sp + in_page * stride_so + heads * stride_sh
             head_mask = heads < KVH
-            _store_kv(kc_ptr, ks_ptr, k1, k2, c_offs, mask, s_offs, head_mask, HALF, FP8)
-            _store_kv(vc_ptr, vs_ptr, v1, v2, c_offs, mask, s_offs, head_mask, HALF, FP8)
+            _store_kv(kc_ptr, ks_ptr, k1, k2, kp, c_offs, mask, cp_offs, p_mask, s_offs,
+                      head_mask, HALF, FP8)
+            _store_kv(vc_ptr, vs_ptr, v1, v2, vp, c_offs, mask, cp_offs, p_mask, s_offs,
+                      head_mask, HALF, FP8)
 
 
 def _check_qk(qkv: Tensor, positions: Tensor, cos_sin: Tensor, q_norm: Tensor | None,
@@ -426,14 +475,16 @@ def _check_qk(qkv: Tensor, positions: Tensor, cos_sin: Tensor, q_norm: Tensor | 
     t, d = qkv.shape[0], k_cache.shape[-1]
     assert qkv.dim() == 2 and qkv.stride(1) == 1, "qkv: [T, (H + 2 KVH) * D], rows contiguous"
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d, f"qkv width {qkv.shape[1]}"
-    assert d % 2 == 0, "rotary pairs halves of the head dim"
     assert positions.shape == (t,) and kv_slots.shape == (t,)
     assert positions.stride(0) == 1 and kv_slots.stride(0) == 1
-    assert cos_sin.dtype == torch.float32 and cos_sin.dim() == 2 and cos_sin.shape[1] == d
-    assert cos_sin.stride(1) == 1
+    assert cos_sin.dtype == torch.float32 and cos_sin.dim() == 2 and cos_sin.stride(1) == 1
+    rot = cos_sin.shape[1]
+    assert rot % 2 == 0 and 0 < rot <= d, f"rotary table width {rot}: cos | sin, at most {d}"
     assert (q_norm is None) == (k_norm is None), "q and k norms come together"
     for w in (q_norm, k_norm):
-        assert w is None or (w.shape == (d,) and w.dtype == dtype and w.stride(0) == 1)
+        assert w is None or (w.shape == (d,) and w.dtype in (dtype, torch.float32)
+                             and w.stride(0) == 1)
+    assert q_norm is None or k_norm is None or q_norm.dtype == k_norm.dtype
     assert k_cache.dim() == 4 and k_cache.shape[2] == num_kv_heads
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
     assert v_cache.stride() == k_cache.stride() and k_cache.stride(3) == 1
@@ -446,11 +497,13 @@ def qk_norm_rope_store_kv(qkv: Tensor | SplitSums, positions: Tensor, cos_sin: T
                           k_cache: Tensor, v_cache: Tensor, kv_slots: Tensor,
                           k_scale: Tensor | None = None,
                           v_scale: Tensor | None = None) -> Tensor:
-    """Per-head RMSNorm of q and k (if q_norm/k_norm are given), neox rotary on both, K/V
+    """Per-head RMSNorm of q and k (if q_norm/k_norm are given; fp32 weights: scaled in fp32,
+    see the module docstring), neox rotary on both over the first R dims of each head, K/V
     written into the paged caches at kv_slots (FP8: quantised, scales into k_scale/v_scale).
 
-    qkv [T, (H + 2 KVH) * D]: q heads, k heads, v heads. positions [T] (int, < len(cos_sin)).
-    cos_sin [max_pos, D] float32: cos | sin of the D/2 rotary pairs per position.
+    qkv [T, (H + 2 KVH) * D]: q heads, k heads, v heads (rows may be strided). positions [T]
+    (int, < len(cos_sin)). cos_sin [max_pos, R] float32: cos | sin of the R/2 rotary pairs per
+    position; R = D (full rotary) or fewer (partial: dims R.. pass through).
     k_cache / v_cache [num_pages, page_size, KVH, D]; kv_slots [T] page * page_size + offset,
     < 0: do not write. Returns q [T, H, D] in qkv's dtype. qkv may be the qkv projection's
     `SplitSums` (summed here, and left zero)."""
@@ -470,7 +523,8 @@ def qk_norm_rope_store_kv(qkv: Tensor | SplitSums, positions: Tensor, cos_sin: T
     s_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
     qw = q_norm if q_norm is not None else q
     kw = k_norm if k_norm is not None else q
-    half = d // 2
+    half = cos_sin.shape[1] // 2
+    passed = d - 2 * half
     block_h = triton.next_power_of_2(num_heads)
     pdl = pdl_enabled()
     src = sums.slots if sums is not None else rows
@@ -479,9 +533,13 @@ def qk_norm_rope_store_kv(qkv: Tensor | SplitSums, positions: Tensor, cos_sin: T
         eps, k_cache.shape[1], rows.stride(0), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *s_strides,
         src.stride(0) if sums is not None else 0,
-        H=num_heads, KVH=num_kv_heads, D=d, HALF=half, BLOCK_H=block_h,
+        H=num_heads, KVH=num_kv_heads, D=d, HALF=half, PASS=passed, BLOCK_H=block_h,
         BLOCK_KVH=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
-        HAS_NORM=q_norm is not None, FP8=fp8, SLOTS=src.shape[0] if sums is not None else 0,
+        # (an empty, fully masked piece of width 1 where every dim rotates)
+        BLOCK_PASS=triton.next_power_of_2(max(passed, 1)),
+        HAS_NORM=q_norm is not None,
+        W_FP32=q_norm is not None and q_norm.dtype == torch.float32, FP8=fp8,
+        SLOTS=src.shape[0] if sums is not None else 0,
         PDL=pdl, num_warps=4 if block_h * d <= 4096 else 8, **pdl_launch(pdl))
     if sums is not None:
         consumed(sums)
@@ -510,11 +568,14 @@ def _write_cache_ref(cache: Tensor, scale: Tensor | None, x: Tensor, slots: Tens
 
 
 def rotary_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Neox rotary on x [T, heads, D] with cos/sin [T, D/2]: fp32 math, rounded once to x's
-    dtype (arle.model.rope's convention)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    """Neox rotary on x [T, heads, D] with cos/sin [T, R/2]: the first R dims of each head
+    turn (fp32 math, rounded once to x's dtype: arle.model.rope's convention), the others
+    pass through as they are."""
+    rot = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rot].float().chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    turned = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    return torch.cat((turned, x[..., rot:]), dim=-1)
 
 
 def qk_norm_rope_store_kv_ref(qkv: Tensor | SplitSums, positions: Tensor, cos_sin: Tensor,

@@ -119,14 +119,17 @@ def hf_rotary_fp32(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def make_qk_case(t: int, h: int, kvh: int, d: int, dtype: torch.dtype, norm: bool,
                  device: str, seed: int, num_pages: int, page_size: int = 16,
-                 max_pos: int = 4096) -> dict:
+                 max_pos: int = 4096, rot: int | None = None,
+                 w_dtype: torch.dtype | None = None) -> dict:
+    """rot: the rotated dims of each head (None: all d); w_dtype: the norm weights' dtype
+    (None: the model's; fp32: a zero-centred norm's 1 + w)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     qkv = torch.randn(t, (h + 2 * kvh) * d, generator=gen, device=device).mul_(2).to(dtype)
     positions = torch.randint(0, max_pos, (t,), generator=gen, device=device)
-    angle = torch.rand(max_pos, d // 2, generator=gen, device=device) * 2 * math.pi
+    angle = torch.rand(max_pos, (rot or d) // 2, generator=gen, device=device) * 2 * math.pi
     cos_sin = torch.cat([angle.cos(), angle.sin()], dim=-1)
-    w = [(torch.rand(d, generator=gen, device=device) + 0.5).to(dtype) if norm else None
-         for _ in range(2)]
+    w = [(torch.rand(d, generator=gen, device=device) + 0.5).to(w_dtype or dtype) if norm
+         else None for _ in range(2)]
     slots = torch.randperm(num_pages * page_size, generator=gen, device=device)[:t]
     slots[1::4] = -1  # padding rows: nothing written (T = 1 keeps its slot: a decode row)
     return {"qkv": qkv, "positions": positions, "cos_sin": cos_sin, "q_norm": w[0],
@@ -153,7 +156,8 @@ def check_qk_case(case: dict, cache_dtype: torch.dtype, num_pages: int, page_siz
     and that padding rows' slots stay unwritten. fp8_cast: how to round the ref's fp32
     quotients to e4m3 (the interpreter's own conversion, which is not IEEE); None: compare
     dequantised values within fp8 rounding."""
-    dtype, h, d = case["qkv"].dtype, case["num_heads"], case["cos_sin"].shape[1]
+    dtype, h, kvh = case["qkv"].dtype, case["num_heads"], case["num_kv_heads"]
+    d = case["qkv"].shape[1] // (h + 2 * kvh)
     has_norm = case["q_norm"] is not None
     kern = fresh_caches(case, cache_dtype, num_pages, page_size, device)
     ref = fresh_caches(case, cache_dtype, num_pages, page_size, device)
@@ -313,6 +317,74 @@ def test_qk_ref_matches_model_rotary_and_writes_the_cache(norm: bool) -> None:
     assert k_flat[unused].isnan().all() and v_flat[unused].isnan().all()
 
 
+def hf_qwen3_5() -> object:
+    """transformers' qwen3_5 modeling module (the reference for the zero-centred norm and the
+    partial rotary), or skip."""
+    return pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rms_norm_ref_with_fp32_weight_is_hf_zero_centred_norm(dtype: torch.dtype) -> None:
+    """An fp32 weight holding 1 + w gives `Qwen3_5RMSNorm` (weight w, in the model's dtype):
+    x * (1 + w) in fp32, rounded once. The two-rounding rule would not match in 16 bits."""
+    hf = hf_qwen3_5()
+    gen = torch.Generator().manual_seed(11)
+    for n in (64, 256, 2560):
+        x = (torch.randn(33, n, generator=gen) * 3).to(dtype)
+        w = (0.3 * torch.randn(n, generator=gen)).to(dtype)  # as stored: around 0
+        norm = hf.Qwen3_5RMSNorm(n, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(w)
+            expected = norm(x)
+        ours = rms_norm_ref(x, 1.0 + w.float(), 1e-6)
+        assert ours.dtype == dtype
+        assert torch.equal(ours, expected), (ours - expected).abs().max()
+        res = torch.randn(33, n, generator=gen).to(dtype)
+        y, r = add_rms_norm_ref(x, res.clone(), 1.0 + w.float(), 1e-6)
+        assert torch.equal(r, x + res) and torch.equal(y, norm(x + res).detach())
+        if dtype != torch.float32:  # in 16 bits, the rounding order shows
+            assert not torch.equal(rms_norm_ref(x, (1.0 + w.float()).to(dtype), 1e-6), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_ref_partial_rotary_is_qwen3_5s(dtype: torch.dtype) -> None:
+    """Qwen3.5's attention prologue: zero-centred q/k norms (fp32 1 + w), then rotary on the
+    first quarter of each head (head_dim 256, rotary 64), against transformers' own
+    `Qwen3_5RMSNorm` and `apply_rotary_pos_emb` at the same cos/sin."""
+    hf = hf_qwen3_5()
+    h, kvh, d, rot, t, page_size, num_pages = 4, 2, 256, 64, 9, 4, 4
+    case = make_qk_case(t, h, kvh, d, dtype, True, "cpu", seed=12, num_pages=num_pages,
+                        page_size=page_size, max_pos=64, rot=rot, w_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(13)
+    stored = [(0.3 * torch.randn(d, generator=gen)).to(dtype) for _ in range(2)]
+    case["q_norm"], case["k_norm"] = (1.0 + w.float() for w in stored)
+    caches = fresh_caches(case, dtype, num_pages, page_size, "cpu")
+    q = qk_norm_rope_store_kv_ref(**case, **caches)
+
+    norms = []
+    for w in stored:
+        norm = hf.Qwen3_5RMSNorm(d, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(w)
+        norms.append(norm)
+    qkv = case["qkv"]
+    with torch.no_grad():
+        q_in = norms[0](qkv[:, :h * d].view(t, h, d))
+        k_in = norms[1](qkv[:, h * d:(h + kvh) * d].view(t, kvh, d))
+    cos, sin = case["cos_sin"][case["positions"]].chunk(2, -1)
+    cos2, sin2 = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    # HF's rotary in fp32 (its layout: [T, heads, D] with unsqueeze_dim=1), rounded once
+    q_ref, k_ref = hf.apply_rotary_pos_emb(q_in.float(), k_in.float(), cos2, sin2)
+    assert torch.equal(q, q_ref.to(dtype))
+    assert torch.equal(q[..., rot:], q_in[..., rot:])  # the dims past the rotary pass through
+    k_flat = caches["k_cache"].view(-1, kvh, d)
+    v_in = qkv[:, (h + kvh) * d:].view(t, kvh, d)
+    for i, slot in enumerate(case["kv_slots"].tolist()):
+        if slot >= 0:
+            assert torch.equal(k_flat[slot], k_ref[i].to(dtype))
+            assert torch.equal(caches["v_cache"].view(-1, kvh, d)[slot], v_in[i])
+
+
 def test_quantize_fp8_ref() -> None:
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(6, 4, 64, generator=gen) * torch.logspace(-3, 3, 6)[:, None, None]).bfloat16()
@@ -405,6 +477,18 @@ def interp_check_fused() -> None:
             y_ref, _ = add_rms_norm_ref(x, res_ref, w, 1e-5)
             assert r is res and torch.equal(res, res_ref), "residual: x + residual in place"
             assert_ulp_close(y, y_ref, ulps, what=f"add_rms_norm {dtype} {n}")
+            # an fp32 weight (a zero-centred norm's 1 + w): scaled in fp32, rounded once, so
+            # the two differ only where fp32 sums round a value across a tie
+            w32 = 1.0 + 0.3 * torch.randn(n, generator=gen)
+            res_ref = res.clone()
+            y, r = add_rms_norm(x, res, w32, 1e-6)
+            assert torch.equal(res, add_rms_norm_ref(x, res_ref, w32, 1e-6)[1])
+            for what, got, ref in (("rms_norm", rms_norm(x, w32, 1e-6), rms_norm_ref(x, w32, 1e-6)),
+                                   ("add_rms_norm", y, rms_norm_ref(r, w32, 1e-6))):
+                assert_ulp_close(got, ref, 4.0 if dtype == torch.float32 else 1.0,
+                                 what=f"{what} fp32 weight {dtype} {n}")
+                if dtype != torch.float32:  # (fp32: the sums' order moves the last bit)
+                    assert (got == ref).float().mean() > 0.99, f"{what} fp32 w {dtype} {n}"
         # a strided view (rows of a wider buffer)
         wide = torch.randn(3, 160, generator=gen).to(dtype)
         w = (torch.rand(96, generator=gen) + 0.5).to(dtype)
@@ -416,14 +500,20 @@ def interp_check_fused() -> None:
                              what=f"silu_and_mul {dtype}")
 
     page_size, num_pages = 8, 4
-    # (dtype, cache dtype, q/k norm, heads, kv heads, head dim)
-    for i, (dtype, cache_dtype, norm, h, kvh, d) in enumerate((
-            (torch.float16, torch.float16, True, 4, 2, 32),  # Qwen3-like, GQA 2
-            (torch.float32, torch.float32, False, 3, 1, 24),  # Llama-like, odd sizes
-            (torch.float16, torch.float32, True, 2, 2, 16),  # wider cache, GQA 1
-            (torch.float16, FP8, True, 4, 2, 32))):  # FP8 KV
+    f32 = torch.float32
+    # (dtype, cache dtype, q/k norm, heads, kv heads, head dim, rotary dims, norm weight dtype)
+    for i, (dtype, cache_dtype, norm, h, kvh, d, rot, w_dtype) in enumerate((
+            (torch.float16, torch.float16, True, 4, 2, 32, None, None),  # Qwen3-like, GQA 2
+            (torch.float32, torch.float32, False, 3, 1, 24, None, None),  # Llama-like, odd sizes
+            (torch.float16, torch.float32, True, 2, 2, 16, None, None),  # wider cache, GQA 1
+            (torch.float16, FP8, True, 4, 2, 32, None, None),  # FP8 KV
+            # Qwen3.5-like: partial rotary, zero-centred norms (fp32 weights), head dim 256
+            (torch.float16, torch.float16, True, 4, 2, 256, 64, f32),
+            (torch.float16, torch.float16, True, 3, 1, 40, 12, f32),  # odd halves and rest
+            (torch.float32, torch.float32, False, 2, 2, 32, 8, None),  # partial, no norm
+            (torch.float16, FP8, True, 2, 1, 64, 16, f32))):  # partial with FP8 KV
         case = make_qk_case(7, h, kvh, d, dtype, norm, "cpu", seed=10 + i, num_pages=num_pages,
-                            page_size=page_size, max_pos=64)
+                            page_size=page_size, max_pos=64, rot=rot, w_dtype=w_dtype)
         check_qk_case(case, cache_dtype, num_pages, page_size, "cpu", fp8_cast=interp_fp8_cast)
     # (fp16: the interpreter's own bf16 rounding is not round-to-nearest-even)
     check_noise_properties(exponential_noise, "cpu", 3000, torch.float16)
@@ -470,15 +560,39 @@ def test_gpu_silu_and_mul(t: int, inter: int) -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("n", [1024, 2560, 4096])  # Qwen3.5 0.8B / 4B / 9B
+@pytest.mark.parametrize("t", TOKENS)
+def test_gpu_rms_norm_and_add_fp32_weight(t: int, n: int) -> None:
+    """Zero-centred norms (fp32 1 + w): one rounding, so nearly every element is the ref's."""
+    gen = torch.Generator(device="cuda").manual_seed(t * 5 + n)
+    x = (torch.randn(t, n, device="cuda", generator=gen) * 3).bfloat16()
+    w = 1.0 + 0.3 * torch.randn(n, device="cuda", generator=gen)
+    res = torch.randn(t, n, device="cuda", generator=gen).bfloat16()
+    res_ref = res.clone()
+    y, r = add_rms_norm(x, res, w, 1e-6)
+    y_ref, _ = add_rms_norm_ref(x, res_ref, w, 1e-6)
+    assert r is res and torch.equal(res, res_ref)
+    for got, ref in ((rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)), (y, y_ref)):
+        assert_ulp_close(got, ref, 1.0, what="fp32-weight norm")
+        assert (got == ref).float().mean() > 0.99
+
+
+#: model -> (heads, kv heads, head dim, q/k norm, rotary dims or None, norm weight dtype)
+QK_MODELS = {"qwen3-4b": (32, 8, 128, True, None, None), "llama-smol": (9, 3, 64, False, None, None),
+             "gqa1": (8, 8, 128, True, None, None),
+             "qwen3.5-4b": (16, 4, 256, True, 64, torch.float32),
+             "qwen3.5-0.8b": (8, 2, 256, True, 64, torch.float32)}
+
+
+@needs_cuda
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16kv", "fp8kv"])
-@pytest.mark.parametrize("model", ["qwen3-4b", "llama-smol", "gqa1"])
+@pytest.mark.parametrize("model", list(QK_MODELS))
 @pytest.mark.parametrize("t", TOKENS)
 def test_gpu_qk_norm_rope_store_kv(t: int, model: str, cache_dtype: torch.dtype) -> None:
-    h, kvh, d, norm = {"qwen3-4b": (32, 8, 128, True), "llama-smol": (9, 3, 64, False),
-                       "gqa1": (8, 8, 128, True)}[model]
+    h, kvh, d, norm, rot, w_dtype = QK_MODELS[model]
     num_pages, page_size = 4096 // 16 + 8, 16
     case = make_qk_case(t, h, kvh, d, torch.bfloat16, norm, "cuda", seed=t, num_pages=num_pages,
-                        page_size=page_size)
+                        page_size=page_size, rot=rot, w_dtype=w_dtype)
     check_qk_case(case, cache_dtype, num_pages, page_size, "cuda")
 
 
