@@ -11,9 +11,15 @@ the real weight is `weight * scale` per (bn, bk) block, edge blocks partial.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import Tensor
+
+from arle_kernels.jit import jit_varying
 
 FP8 = torch.float8_e4m3fn
 #: the largest finite e4m3fn value; activations are scaled so that their amax lands on it
@@ -45,3 +51,222 @@ def fp8_linear_ref(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, block: t
                    bias: Tensor | None = None) -> Tensor:
     """x [M, K] @ (weight * scale per block)^T (+ bias) -> [M, N] in x's dtype."""
     return F.linear(x, fp8_dequant_ref(weight, weight_scale_inv, block, x.dtype), bias)
+
+
+def quantize_fp8_groups_ref(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Per-(row, `group`-column) FP8 of x [M, K] (a W8A8 GEMM's activations): (x / scale as
+    e4m3fn [M, K], scale [M, ceil(K/group)] float32) with scale = max(amax |x|, 1e-10) / 448
+    over each group (the last one partial)."""
+    m, k = x.shape
+    groups = -(-k // group)
+    xf = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scale = xf.abs().amax(dim=-1).clamp_min(FP8_MIN_AMAX) / FP8_MAX
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(m, -1)[:, :k].contiguous(), scale
+
+
+def fp8_dequant_groups_ref(q: Tensor, scale: Tensor, group: int) -> Tensor:
+    """quantize_fp8_groups_ref's inverse: q.float() * its group's scale, [M, K] float32."""
+    return q.float() * scale.repeat_interleave(group, dim=-1)[:, :q.shape[1]]
+
+
+def fp8_linear_w8a8_ref(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
+                        block: tuple[int, int], bias: Tensor | None = None) -> Tensor:
+    """`fp8_linear_ref` with x quantised as the W8A8 GEMM quantises it (per row and bk-column
+    group), products summed in fp32: what that kernel computes, up to fp32 rounding."""
+    q, scale = quantize_fp8_groups_ref(x, block[1])
+    y = F.linear(fp8_dequant_groups_ref(q, scale, block[1]),
+                 fp8_dequant_ref(weight, weight_scale_inv, block),
+                 bias.float() if bias is not None else None)
+    return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def dequant_tile(w, scale, dtype: tl.constexpr):
+    """An FP8 weight tile times its (broadcast) block scale, in fp32, rounded to `dtype`: the
+    weight fp8_dequant_ref gives, in registers (W8A16)."""
+    return (w.to(tl.float32) * scale).to(dtype)
+
+
+@triton.jit
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+                         GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, g): columns [g*GROUP, (g+1)*GROUP) of one row, quantised with one scale."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK)
+    offs = g * GROUP + lanes
+    mask = (lanes < GROUP) & (offs < K)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    # NOTE: IEEE divisions (div_rn), as torch's: the scale and the quotients are the ref's
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10), 448.0)  # FP8_MIN_AMAX, MAX
+    q = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
+    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + g, scale)
+
+
+def quantize_fp8_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """quantize_fp8_groups_ref on the GPU: one program per (row, group)."""
+    m, k = x.shape
+    assert x.stride(1) == 1
+    groups = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m > 0:
+        block = triton.next_power_of_2(group)
+        _quant_groups_kernel[(m, groups)](x, q, scale, k, x.stride(0), q.stride(0),
+                                          scale.stride(0), GROUP=group, BLOCK=block,
+                                          num_warps=max(1, min(4, block // 256)))
+    return q, scale
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """One dense FP8 linear launch: `kind` "gemv" (FMAs, x in its dtype, 1..GEMV_MAX_M rows),
+    "w8a16" (tensor cores, weights dequantised in registers) or "w8a8" (tensor cores, x
+    quantised per row and bk columns first); the tile; num_warps / num_stages.
+    NOTE: block_k divides the weight's bk, so one K step meets one scale per column."""
+
+    kind: str
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+#: rows up to which the FMA GEMV runs (a [M_PAD, BLOCK_N, BLOCK_K] product in registers)
+GEMV_MAX_M = 4
+#: rows up to which weights are dequantised in registers (memory-bound: no activation
+#: quantisation pass); beyond, W8A8 on FP8 tensor cores. Not yet measured on the GPU.
+W8A16_MAX_M = 64
+
+
+def _pick_fp8_config(m: int, n: int, k: int, block: tuple[int, int]) -> Fp8Config:
+    """The tile for an [m, k] x [n, k]^T FP8 linear, from shapes only (never mid-serving
+    tuning): a small table by row class."""
+    bk = block[1]
+    if m <= GEMV_MAX_M:
+        m_pad = triton.next_power_of_2(m)
+        # NOTE: M_PAD x BLOCK_N x BLOCK_K fp32 products per program: 64 registers a thread
+        block_k = min(bk, 256 // m_pad)
+        return Fp8Config("gemv", m_pad, 16, block_k, num_warps=4, num_stages=1)
+    if m <= W8A16_MAX_M:
+        block_m = max(16, triton.next_power_of_2(m))
+        return Fp8Config("w8a16", block_m, 64, min(bk, 128), num_warps=4, num_stages=3)
+    block_m = 64 if m <= 256 else 128
+    return Fp8Config("w8a8", block_m, 128, min(bk, 128), num_warps=8 if block_m == 128 else 4,
+                     num_stages=3)
+
+
+@jit_varying("M")
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+                     stride_xm, stride_wn, stride_wsn, stride_ym,
+                     HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program j: columns [j*BLOCK_N, (j+1)*BLOCK_N) of y for all M rows (W read once), W8A16:
+    each FP8 tile dequantised in registers to x's dtype, products summed in fp32 (FMAs) as a
+    [M_PAD, BLOCK_N, BLOCK_K] tile, reduced over K once after the loop."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    kk = tl.arange(0, BLOCK_K)
+    # NOTE: padded rows / columns re-read the last valid one: no masks for them
+    rows = tl.minimum(offs_m, M - 1).to(tl.int64)
+    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None, None] * stride_xm + kk[None, None, :]
+    w_ptrs = w_ptr + cols[None, :, None] * stride_wn + kk[None, None, :]
+    ws_ptrs = ws_ptr + (cols // GROUP_N) * stride_wsn
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (kk < K - k0)[None, None, :]
+        x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=k_ok, other=0.0)
+        ws = tl.load(ws_ptrs + k0 // GROUP_K)
+        acc += x * dequant_tile(w, ws[None, :, None], dtype).to(tl.float32)
+    y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(dtype), mask=mask)
+
+
+@jit_varying("M")
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+                     stride_am, stride_asm, stride_wn, stride_wsn, stride_ym,
+                     A8: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr,
+                     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (j, i): tile [i*BLOCK_M.., j*BLOCK_N..] of y = a @ dequant(W)^T (+ bias).
+    A8: a is FP8 with per-(row, GROUP_K) scales `as` and each K step's dot is scaled by both
+    scales (W8A8); else a is in y's dtype and W's tile is dequantised to it (W8A16)."""
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    rows = tl.minimum(offs_m, M - 1).to(tl.int64)
+    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + kk[None, :]
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]: W^T
+    ws_ptrs = ws_ptr + (cols // GROUP_N) * stride_wsn
+    as_ptrs = as_ptr + rows * stride_asm
+    dtype = y_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = kk < K - k0
+        a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=k_ok[:, None], other=0.0)
+        ws = tl.load(ws_ptrs + k0 // GROUP_K)
+        if A8:
+            s = tl.load(as_ptrs + k0 // GROUP_K)
+            acc += tl.dot(a, w) * s[:, None] * ws[None, :]
+        else:
+            acc = tl.dot(a, dequant_tile(w, ws[None, :], dtype), acc,
+                         input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(dtype), mask=mask)
+
+
+def _launch_fp8_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
+                       block: tuple[int, int], bias: Tensor | None, cfg: Fp8Config) -> Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    bn, bk = block
+    assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    assert weight_scale_inv.shape == (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    assert bk % cfg.block_k == 0, "a K step must stay inside one scale block"
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    b = bias if bias is not None else y  # a dummy pointer when there is no bias
+    ws = weight_scale_inv
+    common = {"HAS_BIAS": bias is not None, "GROUP_N": bn, "GROUP_K": bk,
+              "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "num_warps": cfg.num_warps,
+              "num_stages": cfg.num_stages}
+    if cfg.kind == "gemv":
+        _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, weight, ws, b, y, m, n, k, x.stride(0), weight.stride(0), ws.stride(0),
+            y.stride(0), M_PAD=triton.next_power_of_2(m), **common)
+        return y
+    a, a_scale = quantize_fp8_groups(x, bk) if cfg.kind == "w8a8" else (x, ws)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    _fp8_gemm_kernel[grid](a, a_scale, weight, ws, b, y, m, n, k, a.stride(0),
+                           a_scale.stride(0), weight.stride(0), ws.stride(0), y.stride(0),
+                           A8=cfg.kind == "w8a8", BLOCK_M=cfg.block_m,
+                           PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
+    return y
+
+
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, block: tuple[int, int],
+               bias: Tensor | None = None) -> Tensor:
+    """fp8_linear_ref on the GPU: the FMA GEMV for a few rows, the W8A16 tensor-core GEMM up
+    to W8A16_MAX_M rows, W8A8 beyond (x quantised per row and bk columns: the last bits of
+    x's precision traded for FP8 tensor cores, as SGLang and vLLM do). Reads no device tensor
+    on the host; the tile depends on shapes only (graph-safe)."""
+    cfg = _pick_fp8_config(x.shape[0], weight.shape[0], x.shape[1], block)
+    return _launch_fp8_linear(x, weight, weight_scale_inv, block, bias, cfg)
