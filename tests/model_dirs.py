@@ -34,6 +34,13 @@ BASE_CONFIG: dict[str, Any] = {
 }
 
 
+#: Expert MLPs of the tiny MoE models: 8 experts of width 40 (not a multiple of FP8_BLOCK's
+#: rows: gate and up of one expert do not meet on a block boundary), 3 routed per token.
+MOE_CONFIG: dict[str, Any] = {"num_experts": 8, "num_experts_per_tok": 3,
+                              "moe_intermediate_size": 40, "norm_topk_prob": True}
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+
 def byte_tokenizer() -> Tokenizer:
     """A byte-level BPE with no merges: one token per byte, plus ChatML control tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -53,8 +60,10 @@ def hf_config(arch: str, **overrides: Any) -> Any:
     classes = {"Qwen3ForCausalLM": transformers.Qwen3Config,
                "Qwen2ForCausalLM": transformers.Qwen2Config,
                "LlamaForCausalLM": transformers.LlamaConfig,
-               "MistralForCausalLM": transformers.MistralConfig}
-    return classes[arch](**{**BASE_CONFIG, **overrides, "architectures": [arch]})
+               "MistralForCausalLM": transformers.MistralConfig,
+               "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig}
+    base = {**BASE_CONFIG, **MOE_CONFIG} if arch in MOE_ARCHITECTURES else BASE_CONFIG
+    return classes[arch](**{**base, **overrides, "architectures": [arch]})
 
 
 def random_hf_model(config: Any, seed: int = 0) -> Any:
@@ -97,3 +106,98 @@ def write_model_dir(path: Path, config: Any, seed: int = 0,
     # Written by hand after save_pretrained (which writes its own): these exact values matter.
     (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
     return model
+
+
+# ---- block-FP8 checkpoints (the Qwen FP8 releases' format) ----------------------------------
+
+#: Rows x columns per scale in the tiny FP8 models: hidden 128 and width 40 give partial edge
+#: blocks in both directions (128 = 2 x 48 + 32 columns; 40 = 32 + 8 rows).
+FP8_BLOCK = (32, 48)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def fp8_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] as (float8_e4m3fn [N, K], fp32 scales [ceil(N/bn), ceil(K/bk)]), the real weight
+    being q * scale per block. Scales are powers of two: dequantising is then exact in bf16 and
+    fp32 alike, whoever does it."""
+    bn, bk = block
+    n, k = w.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(rows * bn, cols * bk)
+    padded[:n, :k] = w.float()
+    amax = padded.view(rows, bn, cols, bk).abs().amax(dim=(1, 3))
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-30) / FP8_MAX)))
+    q = (w.float() / _per_element(scale, block, n, k)).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The real weight (fp32) of an FP8 weight and its block scales."""
+    return q.float() * _per_element(scale, block, *q.shape)
+
+
+def _per_element(scale: torch.Tensor, block: tuple[int, int], n: int, k: int) -> torch.Tensor:
+    return scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
+
+
+def fp8_quantized(name: str) -> bool:
+    """Whether the FP8 releases quantize this checkpoint tensor: the linear weights, but the
+    embeddings, lm_head, norms and the routers' gates."""
+    return (name.endswith("_proj.weight")
+            and not any(part in name for part in ("embed_tokens", "lm_head", "norm")))
+
+
+def read_tensors(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """A checkpoint's tensors, per safetensors file name."""
+    from safetensors.torch import load_file
+
+    return {f.name: load_file(f) for f in sorted(path.glob("*.safetensors"))}
+
+
+def write_tensors(path: Path, files: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Replace a checkpoint's safetensors files (and index) by `files`."""
+    from safetensors.torch import save_file
+
+    for old in path.glob("*.safetensors"):
+        old.unlink()
+    weight_map = {}
+    for file, tensors in files.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / file),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    total = sum(t.numel() * t.element_size() for ts in files.values() for t in ts.values())
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+
+def write_fp8_model_dir(path: Path, config: Any, twin: Path, block: tuple[int, int] = FP8_BLOCK,
+                        seed: int = 0) -> None:
+    """A random model (`write_model_dir`) with its linear weights in block FP8, as the FP8
+    releases store them, and at `twin` the same model with those weights dequantised (fp32,
+    no quantization_config): what transformers runs as the reference.
+
+    Scales land in both orders: every other one beside its weight (read after it), the rest in
+    a file of scales that sorts first (read before its weight)."""
+    for out in (path, twin):
+        write_model_dir(out, config, seed)
+    files = read_tensors(path)
+    twin_files = read_tensors(twin)
+    early: dict[str, torch.Tensor] = {}
+    quantized = 0
+    for file, tensors in files.items():
+        for name in [n for n in sorted(tensors) if fp8_quantized(n)]:
+            q, scale = fp8_quantize(tensors[name], block)
+            tensors[name] = q
+            (tensors if quantized % 2 == 0 else early)[f"{name}_scale_inv"] = scale
+            twin_files[file][name] = fp8_dequantize(q, scale, block)
+            quantized += 1
+    write_tensors(path, {"model-00000-scales.safetensors": early, **files})
+    write_tensors(twin, twin_files)
+    cfg = json.loads((path / "config.json").read_text())
+    layers = range(cfg["num_hidden_layers"])
+    cfg["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in layers)]}
+    (path / "config.json").write_text(json.dumps(cfg))
+

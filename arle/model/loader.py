@@ -2,14 +2,20 @@
 
 Both paths yield (HF tensor name, tensor) pairs into one weight-loading loop, so the model code
 never knows where its weights came from.
+
+Block-scaled FP8 checkpoints (`ModelConfig.quant`): each quantized linear's `X.weight`
+(float8_e4m3fn) comes with `X.weight_scale_inv` (fp32 per block), in any order. On CUDA the
+linears whose checkpoint weights all have scales stay FP8 (`fp8_weights`; the rest are
+`unquantize`d); elsewhere every FP8 weight is dequantised at load to the compute dtype.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,10 +24,12 @@ import torch
 
 from arle.errors import ModelLoadError
 from arle.logging import get_logger
-from arle.model.config import ModelConfig
+from arle.model.config import ModelConfig, QuantConfig
 from arle.model.decoder import DecoderLM
-from arle.model.parallel import load_whole
+from arle.model.moe import unfuse_experts
+from arle.model.parallel import FP8, HoldsFp8, fp8_weights, load_whole
 from arle.model.tokenizer import Tokenizer
+from arle_kernels.fp8 import fp8_dequant_ref
 from arle_kernels.ops import ops_for
 
 log = get_logger("arle.model.loader")
@@ -66,12 +74,16 @@ def load_model(path: str | Path, dtype: str = "auto",
     if not path.exists():
         raise ModelLoadError(path, "no such file or directory")
     gen_defaults: dict[str, Any] = {}
+    names: set[str] = set()
     if path.is_dir():
         cfg_dict = _read_json(path / "config.json", required=True)
         config = ModelConfig.from_hf(cfg_dict, path / "config.json")
         tokenizer = Tokenizer.from_hf_dir(path)
         gen_defaults = _read_json(path / "generation_config.json", required=False)
-        tensors = _iter_safetensors(_safetensors_files(path))  # checks files before allocating
+        files = _safetensors_files(path)  # checks files before allocating
+        if config.quant is not None:
+            names = _checkpoint_names(files)
+        tensors = _iter_safetensors(files)
     elif path.suffix == ".gguf" or _looks_like_gguf(path):
         from arle.model.gguf_io import read_gguf
 
@@ -82,8 +94,14 @@ def load_model(path: str | Path, dtype: str = "auto",
     else:
         raise ModelLoadError(path, "not a model directory (config.json + *.safetensors) "
                                    "or a .gguf file")
-    with _default_dtype(torch_dtype), dev:
+    keep_fp8 = config.quant is not None and _keeps_fp8(dev)
+    fp8: AbstractContextManager[None] = (fp8_weights(config.quant.block)
+                                         if config.quant is not None and keep_fp8
+                                         else nullcontext())
+    with _default_dtype(torch_dtype), dev, fp8:
         model = DecoderLM(config)
+    if config.quant is not None and keep_fp8:
+        _settle_fp8(model, names, config.quant, torch_dtype)
     _load_weights(model, tensors, path, _HostToDevice(dev) if dev.type == "cuda" else None)
     model.ops = ops_for(dev)
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -190,6 +208,120 @@ class _HostToDevice:
         return out
 
 
+def _keeps_fp8(device: torch.device) -> bool:
+    """Whether FP8 weights stay FP8 on `device` (its kernels read them); else dequantised."""
+    return device.type == "cuda"
+
+
+def _checkpoint_names(files: list[Path]) -> set[str]:
+    """Every tensor name of the checkpoint (as `_load_weights` sees them), from the headers."""
+    from safetensors import SafetensorError, safe_open
+
+    names: set[str] = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names.update(_hf_name(n) for n in f.keys())  # noqa: SIM118
+        except SafetensorError as e:
+            raise ModelLoadError(file, f"truncated or corrupt safetensors file ({e})") from None
+    return names
+
+
+def _hf_name(name: str) -> str:
+    """A checkpoint name as the model's weight targets spell it (text weights of the
+    multimodal checkpoints sit under `model.language_model.`)."""
+    return name.replace("model.language_model.", "model.", 1)
+
+
+def _not_converted(module: str, patterns: tuple[str, ...]) -> bool:
+    """`modules_to_not_convert` as transformers reads it: a pattern matches a module name from
+    its start up to a dot boundary (as a regex), or as a suffix."""
+    return any(re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(p)
+               for p in patterns)
+
+
+def _settle_fp8(model: DecoderLM, checkpoint: set[str], quant: QuantConfig,
+                dtype: torch.dtype) -> None:
+    """Of the modules built with FP8 weights, keep those whose checkpoint weights all come
+    with `weight_scale_inv` (and are not in `modules_to_not_convert`); the rest hold `dtype`."""
+    names_of: dict[int, list[str]] = {}
+    for name, (param, _) in model.weight_targets().items():
+        names_of.setdefault(id(param), []).append(name)
+    kept = 0
+    for module in model.modules():
+        if not isinstance(module, HoldsFp8) or not (weights := module.quantized_weights()):
+            continue
+        names = [n for w in weights for n in names_of.get(id(w), [])]
+        if names and all(n in checkpoint and f"{n}_scale_inv" in checkpoint
+                         and not _not_converted(n.removesuffix(".weight"),
+                                                quant.modules_to_not_convert) for n in names):
+            kept += 1
+        else:
+            module.unquantize(dtype)
+    log.info("fp8_weights_kept", modules=kept, block=list(quant.block))
+
+
+def _checkpoint_tensors(tensors: Iterator[tuple[str, torch.Tensor, Path]],
+                        skipped: dict[str, int]) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """The tensors the text model loads, named as its weight targets: unused parts counted in
+    `skipped`, experts stacked in one tensor split into one tensor per expert."""
+    for name, tensor, source in tensors:
+        part = _unused_part(name)
+        if part is not None:
+            skipped[part] = skipped.get(part, 0) + 1
+            continue
+        name = _hf_name(name)
+        try:
+            split = unfuse_experts(name, tensor)
+        except ValueError as e:
+            raise ModelLoadError(source, str(e)) from None
+        if split is None:
+            yield name, tensor, source
+        else:
+            for one, t in split:
+                yield one, t, source
+
+
+def _dequantize_fp8(tensors: Iterator[tuple[str, torch.Tensor, Path]],
+                    targets: dict[str, tuple[torch.nn.Parameter, str | int | None]],
+                    block: tuple[int, int], origin: Path
+                    ) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """FP8 weights whose parameter is not FP8, each with its `weight_scale_inv` (met in either
+    order), as the dequantised weight in the parameter's dtype; every other tensor as it is."""
+    weights: dict[str, tuple[torch.Tensor, Path]] = {}
+    scales: dict[str, torch.Tensor] = {}
+    count = 0
+    dtype: torch.dtype | None = None
+    for name, tensor, source in tensors:
+        if name.endswith(".weight_scale_inv") and name not in targets:
+            name = name.removesuffix("_scale_inv")
+            scales[name] = tensor
+        elif tensor.dtype == FP8 and (name not in targets or targets[name][0].dtype != FP8):
+            weights[name] = (tensor, source)
+        else:
+            yield name, tensor, source
+            continue
+        if name in weights and name in scales:
+            (weight, source), scale = weights.pop(name), scales.pop(name)
+            n, k = weight.shape[-2:]
+            bn, bk = block
+            if weight.dim() != 2 or scale.shape != (-(-n // bn), -(-k // bk)):
+                raise ModelLoadError(source, f"{name}_scale_inv: shape {tuple(scale.shape)} is "
+                                             f"not the {block} block grid of {name} "
+                                             f"{tuple(weight.shape)}")
+            dtype = targets[name][0].dtype if name in targets else torch.float32
+            yield name, fp8_dequant_ref(weight, scale, block, dtype), source
+            count += 1
+    if weights:
+        name, (_, source) = next(iter(weights.items()))
+        raise ModelLoadError(source, f"FP8 tensor {name!r} has no {name}_scale_inv")
+    if scales:
+        raise ModelLoadError(origin, f"scale {next(iter(scales))}_scale_inv has no FP8 weight")
+    if count:
+        log.info("fp8_weights_dequantized", tensors=count, block=list(block),
+                 dtype=str(dtype).removeprefix("torch."))
+
+
 def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, torch.Tensor, Path]],
                   origin: Path, to_device: _HostToDevice | None = None) -> None:
     """Each checkpoint tensor into its parameter (through its `weight_loader`), brought onto
@@ -197,12 +329,11 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, torch.Tensor, P
     targets = model.weight_targets()
     loaded: set[str] = set()
     skipped: dict[str, int] = {}
+    tensors = _checkpoint_tensors(tensors, skipped)
+    quant = model.config.quant
+    if quant is not None:
+        tensors = _dequantize_fp8(tensors, targets, quant.block, origin)
     for name, tensor, source in tensors:
-        part = _unused_part(name)
-        if part is not None:
-            skipped[part] = skipped.get(part, 0) + 1
-            continue
-        name = name.replace("model.language_model.", "model.", 1)
         if name not in targets:
             if name.endswith("rotary_emb.inv_freq") or (
                     name == "lm_head.weight" and model.config.tie_word_embeddings):
@@ -210,6 +341,9 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, torch.Tensor, P
             raise ModelLoadError(source, f"unexpected tensor {name!r} for "
                                          f"{model.config.architecture}")
         param, shard = targets[name]
+        if param.dtype == FP8 and tensor.dtype != FP8:
+            raise ModelLoadError(source, f"tensor {name!r} is {tensor.dtype}, not FP8 beside "
+                                         "its weight_scale_inv")
         try:
             loader = getattr(param, "weight_loader", load_whole)
             if to_device is not None:

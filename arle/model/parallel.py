@@ -2,12 +2,20 @@
 
 Each parameter carries a `weight_loader(param, loaded, shard)` that copies this rank's slice of a
 full checkpoint tensor, so multi-GPU needs a process group and an all-reduce, not a rewrite.
+
+Block-scaled FP8 weights are a property of a linear, not of a model: a linear built inside
+`fp8_weights(block)` holds `weight` float8_e4m3fn and `weight_scale_inv` fp32 (one scale per
+block of the weight; the checkpoint's names), and `linear()` and its siblings run such a weight
+through `arle_kernels.fp8.fp8_linear`. The loader decides which linears stay FP8 (on CUDA) and
+`unquantize`s the rest; on the CPU it dequantises the checkpoint instead (arle/model/loader.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +38,65 @@ class TPGroup:
 
 SINGLE = TPGroup()
 
+FP8 = torch.float8_e4m3fn
+#: (rows, columns) of the weight one scale covers, while `fp8_weights` is active
+_FP8_BLOCK: tuple[int, int] | None = None
+
+
+@contextmanager
+def fp8_weights(block: tuple[int, int]) -> Iterator[None]:
+    """Linears (and expert stacks) built inside hold FP8 weights with per-`block` scales."""
+    global _FP8_BLOCK
+    old, _FP8_BLOCK = _FP8_BLOCK, block
+    try:
+        yield
+    finally:
+        _FP8_BLOCK = old
+
+
+def fp8_block() -> tuple[int, int] | None:
+    """The block of the `fp8_weights` being built, or None (weights in the compute dtype)."""
+    return _FP8_BLOCK
+
+
+def fp8_scale_of(weight: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """An FP8 weight's scales and the (rows, columns) block each covers."""
+    return weight.fp8_scale, weight.fp8_block  # type: ignore[attr-defined]
+
+
+def attach_fp8_scale(weight: nn.Parameter, scale: nn.Parameter, block: tuple[int, int]) -> None:
+    """Let the functions below (which see the weight only) find its scales."""
+    weight.fp8_scale = scale  # type: ignore[attr-defined]
+    weight.fp8_block = block  # type: ignore[attr-defined]
+
+
+def scale_layout(sizes: list[int], block: tuple[int, int], whole: bool) -> tuple[int, int]:
+    """The block of a weight whose rows are `sizes` shards stacked (merged projections, gate and
+    up of an expert), for a rank holding `whole` shards (no TP split) or slices of them.
+
+    A scale grid of `block` rows fits where every shard starts on a block boundary: all shards
+    but the last (whole) are multiples of it. Else one scale row per weight row (block (1, bk)),
+    each row taking its shard's block scale: exact as well, and the same kernels run it."""
+    bn, bk = block
+    inner = sizes if not whole else sizes[:-1]
+    return block if all(n % bn == 0 for n in inner) else (1, bk)
+
+
+def expand_scale_rows(scale: torch.Tensor, bn: int, rows: int) -> torch.Tensor:
+    """Block scales [ceil(rows/bn), kb] as one scale row per weight row [rows, kb]."""
+    return scale.repeat_interleave(bn, dim=-2).narrow(-2, 0, rows)
+
+
+def _fp8_linear(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    from arle_kernels import fp8
+
+    scale, block = fp8_scale_of(weight)
+    # NOTE: the Triton kernels on CUDA once kernels/fp8.py has them; the torch reference until
+    # then, and on the CPU (where the loader dequantises instead: only tests get here)
+    fn = getattr(fp8, "fp8_linear", fp8.fp8_linear_ref) if x.is_cuda else fp8.fp8_linear_ref
+    return fn(x, weight, scale, block, bias)
+
 
 def _on_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """On CUDA with few rows (decode), our Triton GEMV where it streams the weights faster
@@ -39,7 +106,10 @@ def _on_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias): the GEMV where `_on_gemv`, else cuBLAS."""
+    """x @ weight^T (+ bias): the GEMV where `_on_gemv`, else cuBLAS; an FP8 weight through
+    the FP8 kernels."""
+    if weight.dtype == FP8:
+        return _fp8_linear(x, weight, bias)
     return gemv(x, weight, bias) if _on_gemv(x, weight) else F.linear(x, weight, bias)
 
 
@@ -47,6 +117,8 @@ def linear_unreduced(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Sp
     """`linear` (no bias) for a consumer that takes `SplitSums` (`ops.add_rms_norm`,
     `ops.qk_norm_rope_store_kv`): where the GEMV splits K, its partial sums are left for that
     consumer to add (no reduce kernel); otherwise y."""
+    if weight.dtype == FP8:
+        return _fp8_linear(x, weight)
     return gemv_split_sums(x, weight) if _on_gemv(x, weight) else F.linear(x, weight)
 
 
@@ -55,6 +127,8 @@ def linear_silu_and_mul(x: torch.Tensor, gate_up: torch.Tensor,
     """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up] (an MLP's projection and its
     activation). Where `linear` takes the GEMV, one kernel does both (the activation in its
     epilogue: no gate_up round trip, one launch less per layer); else linear + silu_and_mul."""
+    if gate_up.dtype == FP8:
+        return silu_and_mul(_fp8_linear(x, gate_up))
     if x.is_cuda and use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1], glu=True):
         return gemv_silu_mul(x, gate_up)
     return silu_and_mul(linear(x, gate_up))
@@ -78,25 +152,121 @@ def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
     param.weight_loader = loader  # type: ignore[attr-defined]
 
 
-class ColumnParallelLinear(nn.Module):
+@runtime_checkable
+class HoldsFp8(Protocol):
+    """A module whose weights may be FP8 (built inside `fp8_weights`)."""
+
+    def quantized_weights(self) -> list[nn.Parameter]:
+        """Its FP8 weights (each with its scales; none when it holds the compute dtype)."""
+        ...
+
+    def unquantize(self, dtype: torch.dtype) -> None:
+        """Hold the weights in `dtype` instead (a checkpoint that stores them unquantized)."""
+        ...
+
+
+def new_weight(shape: tuple[int, ...], fp8: bool) -> nn.Parameter:
+    """An empty weight: FP8, or the default (compute) dtype."""
+    return nn.Parameter(torch.empty(shape, dtype=FP8) if fp8 else torch.empty(shape),
+                        requires_grad=False)
+
+
+def new_scale(shape: tuple[int, ...]) -> nn.Parameter:
+    """An empty fp32 scale grid of an FP8 weight."""
+    return nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Linear(nn.Module):
+    """What column and row linears share: the weight [out, in] (FP8 with its scales when built
+    inside `fp8_weights`) and how a checkpoint scale grid lands in this rank's."""
+
+    weight_scale_inv: nn.Parameter | None
+
+    def __init__(self, out_rows: int, in_cols: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        block = fp8_block()
+        #: the checkpoint's block, None for a weight in the compute dtype
+        self.ckpt_block = block
+        self.weight = new_weight((out_rows, in_cols), block is not None)
+        self.weight_scale_inv = None
+        if block is not None:
+            layout = self._scale_layout(block)
+            self.weight_scale_inv = new_scale((_cdiv(out_rows, layout[0]),
+                                               _cdiv(in_cols, layout[1])))
+            _set_loader(self.weight_scale_inv, self.load_scale)
+            attach_fp8_scale(self.weight, self.weight_scale_inv, layout)
+        _set_loader(self.weight, self.load_shard)
+
+    def _scale_layout(self, block: tuple[int, int]) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard: str | int | None = None) -> None:
+        raise NotImplementedError
+
+    def load_scale(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard: str | int | None = None) -> None:
+        raise NotImplementedError
+
+    def quantized_weights(self) -> list[nn.Parameter]:
+        """The FP8 weights this module holds (each with its scales), for the loader."""
+        return [self.weight] if self.weight.dtype == FP8 else []
+
+    def unquantize(self, dtype: torch.dtype) -> None:
+        """Hold the weight in `dtype` instead (a checkpoint that stores it unquantized)."""
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=dtype,
+                                               device=self.weight.device), requires_grad=False)
+        _set_loader(self.weight, self.load_shard)
+        self.weight_scale_inv = None
+        self.ckpt_block = None
+
+
+class ColumnParallelLinear(_Linear):
     """y = x W^T with W's output rows split across ranks: the output stays sharded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp: TPGroup = SINGLE) -> None:
-        super().__init__()
         assert out_features % tp.size == 0, "output features must divide by the TP size"
-        self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features),
-                                   requires_grad=False)
+        super().__init__(out_features // tp.size, in_features, tp)
         self.bias = (nn.Parameter(torch.empty(out_features // tp.size), requires_grad=False)
                      if bias else None)
-        for p in self.parameters():
-            _set_loader(p, self.load_shard)
+        if self.bias is not None:
+            _set_loader(self.bias, self.load_shard)
+
+    def _shard_rows(self, shard: str | int | None) -> tuple[int, int]:
+        """(first row in this rank's weight, rows) of a checkpoint shard."""
+        return 0, self.weight.shape[0]
+
+    def _scale_layout(self, block: tuple[int, int]) -> tuple[int, int]:
+        return scale_layout([self.weight.shape[0]], block, self.tp.size == 1)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
                    shard: str | int | None = None) -> None:
         n = param.shape[0]
         _copy(param.data, loaded.narrow(0, self.tp.rank * n, n) if self.tp.size > 1 else loaded)
+
+    def load_scale(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard: str | int | None = None) -> None:
+        """A checkpoint shard's scale grid [ceil(rows/bn), ceil(in/bk)] into this rank's."""
+        assert self.ckpt_block is not None
+        bn = self.ckpt_block[0]
+        offset, n = self._shard_rows(shard)
+        whole = n * self.tp.size  # the shard's rows in the checkpoint
+        if loaded.shape != (_cdiv(whole, bn), param.shape[1]):
+            raise ValueError(f"scale shape {tuple(loaded.shape)} does not fit {whole} rows of "
+                             f"blocks {self.ckpt_block} ({param.shape[1]} column blocks)")
+        if fp8_scale_of(self.weight)[1][0] == 1:  # one scale row per weight row
+            part = expand_scale_rows(loaded, bn, whole).narrow(0, self.tp.rank * n, n)
+            _copy(param.data.narrow(0, offset, n), part)
+        else:
+            part = (loaded.narrow(0, self.tp.rank * n // bn, _cdiv(n, bn)) if self.tp.size > 1
+                    else loaded)
+            _copy(param.data.narrow(0, offset // bn, part.shape[0]), part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -114,36 +284,50 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.shard_sizes = {k: v // tp.size for k, v in sizes.items()}
         super().__init__(in_features, sum(sizes.values()), bias, tp)
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
-                   shard: str | int | None = None) -> None:
+    def _shard_rows(self, shard: str | int | None) -> tuple[int, int]:
         if shard is None:
             raise ValueError("merged projection needs a shard id")
         offset = 0
         for key, size in self.shard_sizes.items():
             if key == shard:
-                part = loaded.narrow(0, self.tp.rank * size, size) if self.tp.size > 1 else loaded
-                _copy(param.data.narrow(0, offset, size), part)
-                return
+                return offset, size
             offset += size
         raise ValueError(f"unknown shard {shard!r}")
 
+    def _scale_layout(self, block: tuple[int, int]) -> tuple[int, int]:
+        return scale_layout(list(self.shard_sizes.values()), block, self.tp.size == 1)
 
-class RowParallelLinear(nn.Module):
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard: str | int | None = None) -> None:
+        offset, size = self._shard_rows(shard)
+        part = loaded.narrow(0, self.tp.rank * size, size) if self.tp.size > 1 else loaded
+        _copy(param.data.narrow(0, offset, size), part)
+
+
+class RowParallelLinear(_Linear):
     """y = x W^T with W's input columns split: each rank holds a partial sum, then all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp: TPGroup = SINGLE) -> None:
-        super().__init__()
         assert in_features % tp.size == 0, "input features must divide by the TP size"
-        self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size),
-                                   requires_grad=False)
+        super().__init__(out_features, in_features // tp.size, tp)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        _set_loader(self.weight, self.load_shard)
         if self.bias is not None:
             _set_loader(self.bias, load_whole)
 
+    def _scale_layout(self, block: tuple[int, int]) -> tuple[int, int]:
+        k = self.weight.shape[1]
+        if self.tp.size > 1 and k % block[1]:
+            raise ValueError(f"an FP8 row-parallel split of {k} columns is not a whole number "
+                             f"of {block[1]}-column blocks")
+        return block
+
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard: str | int | None = None) -> None:
+        n = param.shape[1]
+        _copy(param.data, loaded.narrow(1, self.tp.rank * n, n) if self.tp.size > 1 else loaded)
+
+    def load_scale(self, param: nn.Parameter, loaded: torch.Tensor,
                    shard: str | int | None = None) -> None:
         n = param.shape[1]
         _copy(param.data, loaded.narrow(1, self.tp.rank * n, n) if self.tp.size > 1 else loaded)
@@ -160,6 +344,19 @@ class RowParallelLinear(nn.Module):
         if self.bias is None and self.tp.size == 1:
             return linear_unreduced(x, self.weight)
         return self(x)
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with W whole on every rank, never quantized: small projections whose output
+    every rank needs (a MoE router's gate, the shared expert's gate)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        _set_loader(self.weight, load_whole)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):

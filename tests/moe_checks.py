@@ -1,0 +1,125 @@
+"""What the MoE and FP8-weight tests check on each tiny checkpoint: arle's logits and greedy
+tokens against transformers on the same weights, and that `arle complete` / `arle serve` answer
+from the directory as the engine does.
+
+Imported as `moe_checks` (tests/ is on sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from conftest import run, tokens_of
+from helpers import ROOT, load_script
+from served import arle_server
+
+from arle.model.loader import LoadedModel
+
+teacher_forced_logits = load_script("check_gpu_parity").teacher_forced_logits
+
+#: None: the whole prompt in one chunk; 16: one page per chunk; 23: chunks straddle pages.
+CHUNKS = (None, 16, 23)
+#: a prompt for the CLI and the server: 44 byte tokens, then 8 greedy ones
+PROMPT = "Experts, routed: the top k of a softmax, sum."
+NEW_TOKENS = 8
+
+
+def random_ids(n: int, seed: int = 1) -> list[int]:
+    # 259 = the tokenizer's 256 bytes + 3 specials; the embedding rows above it stay unused.
+    return torch.randint(0, 259, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_from_dir(path: Path) -> Any:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_logits_match(loaded: LoadedModel, ref: Any, ids: list[int],
+                        chunks: tuple[int | None, ...] = CHUNKS) -> float:
+    """Teacher-forced logits of every chunking within 1e-4 of transformers' (fp32, same weights)
+    with the same top-1 everywhere; returns the largest |diff| seen."""
+    want = hf_logits(ref, ids)
+    worst = 0.0
+    for chunk in chunks:
+        got = teacher_forced_logits(loaded.model, ids, chunk_size=chunk)
+        diff = (got - want).abs().max().item()
+        top1 = (got.argmax(-1) == want.argmax(-1)).double().mean().item()
+        assert diff <= 1e-4 and top1 == 1.0, f"chunk={chunk}: max |diff| {diff}, top-1 {top1}"
+        worst = max(worst, diff)
+    return worst
+
+
+def hf_greedy(ref: Any, ids: list[int], n: int, repetition_penalty: float = 1.0) -> list[int]:
+    out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                       dtype=torch.long), do_sample=False, max_new_tokens=n, eos_token_id=None,
+                       pad_token_id=0, repetition_penalty=repetition_penalty)
+    return list(out[0, len(ids):].tolist())
+
+
+async def assert_greedy_matches(loaded: LoadedModel, ref: Any, make_engine: Any) -> None:
+    """24 greedy tokens through the engine (prefill, decode steps, cache), EOS ignored, equal to
+    transformers' generate, for a short and a long (page-crossing) prompt."""
+    engine = make_engine(loaded)
+    for seed, n in ((2, 21), (3, 50)):
+        ids = random_ids(n, seed)
+        ours = tokens_of(await run(engine, ids, max_tokens=24, ignore_eos=True))
+        assert ours == hf_greedy(ref, ids, 24), f"prompt of {n}"
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def arle_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "arle", *args], env=_env(), capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def cli_greedy(path: Path) -> tuple[list[int], str]:
+    """`arle complete --raw` of PROMPT from the directory: its token ids and text."""
+    proc = arle_cli("complete", "-m", str(path), PROMPT, "--raw", "--max-tokens",
+                    str(NEW_TOKENS), "--ignore-eos", "--json", "--logprobs", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["usage"]["completion_tokens"] == NEW_TOKENS, out
+    return [lp["token_id"] for lp in out["logprobs"]], out["text"]
+
+
+def served_greedy(path: Path, log: Path) -> str:
+    """`arle serve` of the directory: the text of a greedy /v1/completions of PROMPT."""
+    with arle_server(["--model", str(path), "--served-model-name", "m"], log) as server:
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": "m", "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
+            "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == NEW_TOKENS, body
+    return str(body["choices"][0]["text"])
+
+
+def assert_cli_and_server_answer(path: Path, ref: Any, log: Path) -> None:
+    """`arle complete` answers with transformers' greedy tokens (the directory's
+    generation_config repetition penalty applies to both), and `arle serve` with the same
+    text."""
+    from arle.model.tokenizer import Tokenizer
+
+    ids, text = cli_greedy(path)
+    prompt_ids = Tokenizer.from_hf_dir(path).encode(PROMPT)
+    penalty = json.loads((path / "generation_config.json").read_text())["repetition_penalty"]
+    assert ids == hf_greedy(ref, prompt_ids, NEW_TOKENS, penalty)
+    assert served_greedy(path, log) == text

@@ -1,0 +1,223 @@
+"""Block-scaled FP8 checkpoints (the Qwen FP8 releases' format) against transformers.
+
+Tiny random Qwen3-MoE and dense Qwen3 checkpoints quantized by the test helper
+(`write_fp8_model_dir`: power-of-two scales per block, partial edge blocks, scales stored
+before and after their weights). The reference is transformers fp32 on the dequantised weights:
+a twin checkpoint that holds them, and, where every dimension is a whole number of blocks
+(transformers derives the block from the grid, so it cannot read partial edge blocks), the FP8
+directory itself, which transformers dequantises on a machine without a GPU.
+
+On the CPU arle dequantises at load; on CUDA it keeps the weights FP8. That second layout runs
+here too (`_keeps_fp8` forced, the torch references computing): its loaders and scale grids are
+the GPU's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import load_script
+from model_dirs import FP8_BLOCK, hf_config, read_tensors, write_fp8_model_dir, write_tensors
+from moe_checks import (
+    arle_cli,
+    assert_cli_and_server_answer,
+    assert_greedy_matches,
+    assert_logits_match,
+    hf_from_dir,
+    hf_logits,
+    random_ids,
+    teacher_forced_logits,
+)
+
+from arle.errors import ModelLoadError
+from arle.model import loader
+from arle.model.loader import load_model
+from arle.model.moe import SparseMoE
+from arle.model.parallel import FP8
+
+transformers = pytest.importorskip("transformers")
+
+#: id -> (architecture, config overrides, block). "edge": partial blocks (hidden 128 is 2 x 48
+#: + 32 columns; expert width 40 is 32 + 8 rows); "exact": every dimension whole blocks.
+CASES: dict[str, tuple[str, dict[str, Any], tuple[int, int]]] = {
+    "moe_edge": ("Qwen3MoeForCausalLM", {}, FP8_BLOCK),
+    "dense_edge": ("Qwen3ForCausalLM", {}, FP8_BLOCK),
+    "moe_exact": ("Qwen3MoeForCausalLM", {"moe_intermediate_size": 64}, (32, 32)),
+    "dense_exact": ("Qwen3ForCausalLM", {}, (32, 32)),
+}
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """case -> (the FP8 checkpoint, its dequantised twin)."""
+    root = tmp_path_factory.mktemp("fp8")
+    out = {}
+    for i, (name, (arch, overrides, block)) in enumerate(CASES.items()):
+        out[name] = (root / name, root / f"{name}_dequantised")
+        write_fp8_model_dir(out[name][0], hf_config(arch, **overrides), out[name][1], block,
+                            seed=30 + i)
+    return out
+
+
+def test_checkpoints_hold_fp8_weights_with_scales_in_both_orders(fp8_dirs: Any) -> None:
+    path, _ = fp8_dirs["moe_edge"]
+    files = read_tensors(path)
+    flat = {k: v for ts in files.values() for k, v in ts.items()}
+    where = {k: f for f, ts in files.items() for k in ts}
+    fp8 = [k for k, v in flat.items() if v.dtype == torch.float8_e4m3fn]
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in fp8
+    assert all(f"{k}_scale_inv" in flat for k in fp8)
+    assert not any(k in fp8 for k in ("lm_head.weight", "model.layers.0.mlp.gate.weight"))
+    # the scales file sorts first: its scales are read before their weights, the others after
+    early = sorted(where.values())[0]
+    assert 0 < sum(where[f"{k}_scale_inv"] == early for k in fp8) < len(fp8)
+    # partial edge blocks: 40 expert rows in 2 blocks of 32, 128 columns in 3 of 48
+    assert flat["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_logits_match_transformers(fp8_dirs: Any, case: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Against transformers on the dequantised twin; for the exact-block cases also against
+    transformers' own dequantisation of the FP8 directory (identical logits: the same weights).
+    Measured max |diff| <= 8e-6, top-1 100%."""
+    path, twin = fp8_dirs[case]
+    capsys.readouterr()
+    loaded = load_model(path, "float32")
+    assert capsys.readouterr().err.count("fp8_weights_dequantized") == 1  # one log line
+    assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
+    ref = hf_from_dir(twin)
+    ids = random_ids(70)
+    assert_logits_match(loaded, ref, ids)
+    if case.endswith("exact"):
+        assert torch.equal(hf_logits(hf_from_dir(path), ids), hf_logits(ref, ids))
+
+
+@pytest.mark.parametrize("case", ["moe_edge", "moe_exact", "dense_edge"])
+def test_fp8_kept_as_on_cuda(fp8_dirs: Any, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA layout: FP8 weights and fp32 scales (block rows, or one scale row per weight
+    row where merged shards do not meet on a block boundary: width 40 in blocks of 32), the
+    router gate and lm_head unquantized; computed by the FP8 torch references."""
+    monkeypatch.setattr(loader, "_keeps_fp8", lambda device: True)
+    path, twin = fp8_dirs[case]
+    loaded = load_model(path, "float32")
+    params = dict(loaded.model.named_parameters())
+    assert params["layers.0.self_attn.qkv_proj.weight"].dtype == FP8
+    assert params["layers.0.self_attn.qkv_proj.weight_scale_inv"].dtype == torch.float32
+    assert params["lm_head.weight"].dtype == torch.float32
+    mlp = loaded.model.layers[0].mlp
+    if isinstance(mlp, SparseMoE):
+        assert mlp.gate.weight.dtype == torch.float32
+        assert mlp.experts.w13.dtype == mlp.experts.w2.dtype == FP8
+        bn, bk = CASES[case][2]
+        assert mlp.experts.block == ((1, bk) if case == "moe_edge" else (bn, bk))
+    assert_logits_match(loaded, hf_from_dir(twin), random_ids(70), chunks=(None, 23))
+
+
+@pytest.mark.parametrize("case", ["moe_edge", "dense_edge"])
+async def test_fp8_greedy_matches_transformers_generate(fp8_dirs: Any, case: str,
+                                                        make_engine: Any) -> None:
+    path, twin = fp8_dirs[case]
+    await assert_greedy_matches(load_model(path, "float32"), hf_from_dir(twin), make_engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["moe_edge", "dense_edge"])
+def test_cli_and_server_answer_from_an_fp8_directory(fp8_dirs: Any, case: str,
+                                                     tmp_path: Path) -> None:
+    path, twin = fp8_dirs[case]
+    assert_cli_and_server_answer(path, hf_from_dir(twin), tmp_path / "serve.log")
+
+
+# ---- what is refused -----------------------------------------------------------------------
+
+def _broken_copy(fp8_dirs: Any, tmp_path: Path, edit: Any) -> Path:
+    path = Path(shutil.copytree(fp8_dirs["dense_edge"][0], tmp_path / "model"))
+    files = read_tensors(path)
+    for tensors in files.values():
+        edit(tensors)
+    write_tensors(path, files)
+    return path
+
+
+def test_fp8_weight_without_its_scale(fp8_dirs: Any, tmp_path: Path) -> None:
+    name = "model.layers.1.mlp.down_proj.weight"
+    path = _broken_copy(fp8_dirs, tmp_path, lambda ts: ts.pop(f"{name}_scale_inv", None))
+    with pytest.raises(ModelLoadError, match=f"FP8 tensor '{name}' has no {name}_scale_inv"):
+        load_model(path, "float32")
+
+
+def test_scale_without_its_weight(fp8_dirs: Any, tmp_path: Path) -> None:
+    name = "model.layers.1.mlp.down_proj.weight"
+    path = _broken_copy(fp8_dirs, tmp_path, lambda ts: ts.pop(name, None))
+    with pytest.raises(ModelLoadError, match=f"{name}_scale_inv has no FP8 weight"):
+        load_model(path, "float32")
+
+
+def test_scale_grid_of_another_block(fp8_dirs: Any, tmp_path: Path) -> None:
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+
+    def edit(ts: dict[str, torch.Tensor]) -> None:
+        if name in ts:
+            ts[name] = torch.ones(2, 2)
+
+    with pytest.raises(ModelLoadError, match="not the \\(32, 48\\) block grid"):
+        load_model(_broken_copy(fp8_dirs, tmp_path, edit), "float32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("quantization", "says"), [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}, "'awq'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq'"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "'fp8 (per-tensor scales)'"),
+])
+def test_unread_formats_are_refused_by_name(fp8_dirs: Any, tmp_path: Path,
+                                            quantization: dict[str, Any], says: str) -> None:
+    """`arle complete` on a checkpoint in a format arle does not read: one line on stderr that
+    names the format, a non-zero exit, nothing on stdout."""
+    path = Path(shutil.copytree(fp8_dirs["dense_edge"][1], tmp_path / "model"))
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization}))
+    proc = arle_cli("complete", "-m", str(path), "hi", "--max-tokens", "1")
+    assert proc.returncode != 0 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert f"unsupported quantization {says}" in lines[0], lines[0]
+
+
+# ---- on the GPU (skipped without one: the lent H200 runs these) -----------------------------
+
+#: Real kernel shapes: the FP8 releases' 128 x 128 blocks, head dim 128, 16 experts of 256.
+GPU_SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
+             "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+             "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
+             "max_position_embeddings": 4096}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen3ForCausalLM"])
+def test_fp8_on_cuda_against_its_dequantised_twin(tmp_path: Path, arch: str) -> None:
+    """On CUDA the weights stay FP8 (half the bytes of bf16) and the FP8 kernels run them:
+    their logits against the same model with the dequantised weights in bf16, teacher-forced
+    in one chunk, in chunks of 37 and token by token: top-1 >= 95%, mean KL < 0.02 (the FP8
+    KV test's bound: activations may be quantised per token and 128-column group)."""
+    parity = load_script("check_gpu_parity")
+    overrides = {k: v for k, v in GPU_SHAPE.items() if arch.startswith("Qwen3Moe")
+                 or k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+    path, twin = tmp_path / "fp8", tmp_path / "twin"
+    write_fp8_model_dir(path, hf_config(arch, **overrides), twin, (128, 128), seed=5)
+    fp8 = load_model(path, "bfloat16", "cuda")
+    bf16 = load_model(twin, "bfloat16", "cuda")
+    assert fp8.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
+    assert fp8.num_bytes < 0.6 * bf16.num_bytes
+    ids = random_ids(300)
+    for chunk in (None, 37, 1):
+        m = parity.compare(teacher_forced_logits(fp8.model, ids, chunk_size=chunk),
+                           teacher_forced_logits(bf16.model, ids, chunk_size=chunk))
+        assert m["top1"] >= 0.95 and m["kl_mean"] < 0.02, (chunk, m)
