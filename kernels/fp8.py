@@ -92,35 +92,36 @@ def dequant_tile(w, scale, dtype: tl.constexpr):
     return (w.to(tl.float32) * scale).to(dtype)
 
 
-@triton.jit
-def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
-                         GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, g): columns [g*GROUP, (g+1)*GROUP) of one row, quantised with one scale."""
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
+@jit_varying("M")
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+                         GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Program (i, g): columns [g*GROUP, (g+1)*GROUP) of rows [i*ROWS, (i+1)*ROWS), each row's
+    group quantised with one scale."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     lanes = tl.arange(0, BLOCK)
-    offs = g * GROUP + lanes
-    mask = (lanes < GROUP) & (offs < K)
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    offs = tl.program_id(1) * GROUP + lanes
+    mask = (rows < M)[:, None] & ((lanes < GROUP) & (offs < K))[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     # NOTE: IEEE divisions (div_rn), as torch's: the scale and the quotients are the ref's
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10), 448.0)  # FP8_MIN_AMAX, MAX
-    q = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
-    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + g, scale)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10), 448.0)  # FP8_MIN_AMAX, MAX
+    q = tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0)
+    tl.store(q_ptr + r64 * stride_qm + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows * stride_sm + tl.program_id(1), scale, mask=rows < M)
 
 
 def quantize_fp8_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
-    """quantize_fp8_groups_ref on the GPU: one program per (row, group)."""
+    """quantize_fp8_groups_ref on the GPU: one program per group of 8 rows' columns."""
     m, k = x.shape
     assert x.stride(1) == 1
     groups = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m > 0:
-        block = triton.next_power_of_2(group)
-        _quant_groups_kernel[(m, groups)](x, q, scale, k, x.stride(0), q.stride(0),
-                                          scale.stride(0), GROUP=group, BLOCK=block,
-                                          num_warps=max(1, min(4, block // 256)))
+        rows = 8
+        _quant_groups_kernel[(triton.cdiv(m, rows), groups)](
+            x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0), GROUP=group,
+            BLOCK=triton.next_power_of_2(group), ROWS=rows, num_warps=4)
     return q, scale
 
 

@@ -15,11 +15,28 @@ dequantised to x's dtype first (kernels/fp8.py's rule).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import Tensor
 
-from arle_kernels.fp8 import fp8_dequant_ref
+from arle_kernels.fp8 import (
+    dequant_tile,
+    fp8_dequant_groups_ref,
+    fp8_dequant_ref,
+    quantize_fp8_groups,
+    quantize_fp8_groups_ref,
+)
+from arle_kernels.fused import silu_mul
+from arle_kernels.jit import jit_varying
+
+#: (x [M, K], group) -> (FP8 values, scales [M, ceil(K/group)]): kernels/fp8.py's activation
+#: quantisation, the ref's or the kernel's
+Quantize = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
 
 def moe_route_ref(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -69,3 +86,429 @@ def fused_moe_ref(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top
     """The MoE MLP of x [T, H] given its router logits [T, E]: -> [T, H] in x's dtype."""
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)
     return moe_experts_ref(x, weights, ids, w13, w2, w13_scale, w2_scale, block)
+
+
+def moe_experts_w8a8_ref(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,
+                         w13_scale: Tensor, w2_scale: Tensor, block: tuple[int, int],
+                         quantize: Quantize = quantize_fp8_groups_ref) -> Tensor:
+    """`moe_experts_ref` as the W8A8 kernels compute it: x and the intermediate quantised per
+    row and bk-column group by `quantize` (kernels/fp8.py), each projection summed in fp32 and
+    rounded once to x's dtype."""
+    t, k = ids.shape
+    gk = block[1]
+    xq = fp8_dequant_groups_ref(*quantize(x, gk), gk)
+    experts = ids.reshape(-1).tolist()
+    h = []
+    for p, e in enumerate(experts):
+        gate_up = F.linear(xq[p // k], fp8_dequant_ref(w13[e], w13_scale[e], block)).to(x.dtype)
+        gate, up = gate_up.chunk(2)
+        h.append(F.silu(gate) * up)
+    hq = fp8_dequant_groups_ref(*quantize(torch.stack(h), gk), gk)
+    pair_out = torch.stack([F.linear(hq[p], fp8_dequant_ref(w2[e], w2_scale[e], block))
+                            for p, e in enumerate(experts)]).to(x.dtype)
+    pair_out = pair_out * weights.reshape(-1, 1).to(x.dtype)
+    return pair_out.view(t, k, -1).float().sum(dim=1).to(x.dtype)
+
+
+def moe_align_ref(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """The (token, expert) pairs grouped by expert, each group padded to a multiple of block_m:
+    (sorted pair ids [max_blocks * block_m] int32, each block's expert [max_blocks] int32).
+
+    Pair p = t * top_k + j (ids flattened). Within an expert, pairs in ascending order;
+    padding slots hold T * top_k (no pair); blocks past the last group hold expert -1 (the
+    kernel leaves their slots unwritten: nothing reads them).
+    max_blocks (`moe_max_blocks`) depends on shapes only, so the buffers do too."""
+    flat = ids.reshape(-1).long()
+    pairs, tk = flat.numel(), ids.shape[-1]
+    max_blocks = moe_max_blocks(ids.shape[0], tk, num_experts, block_m)
+    sorted_ids = torch.full((max_blocks * block_m,), pairs, dtype=torch.int32)
+    block_expert = torch.full((max_blocks,), -1, dtype=torch.int32)
+    pos = 0
+    for e, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        sorted_ids[pos:pos + count] = (flat == e).nonzero()[:, 0].to(torch.int32)
+        blocks = -(-count // block_m)
+        block_expert[pos // block_m:pos // block_m + blocks] = e
+        pos += blocks * block_m
+    return sorted_ids.to(ids.device), block_expert.to(ids.device)
+
+
+def moe_max_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
+    """The most blocks the pairs of num_tokens tokens can take: each expert used rounds its
+    group up by < one block, and at most min(E, pairs) experts are used. Where block_m >=
+    num_tokens (the GEMV), an expert's group (at most one pair per token) is one block."""
+    pairs = num_tokens * top_k
+    used = min(num_experts, pairs)
+    if block_m >= num_tokens:
+        return used
+    return pairs // block_m + used
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton
+# ---------------------------------------------------------------------------------------------
+
+@jit_varying("T")
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_lt,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
+                  E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program i: tokens [i*BLOCK_T, (i+1)*BLOCK_T): softmax over the E logits in fp32, the
+    TOP_K largest probabilities one at a time (on equal ones the lowest expert first, as
+    torch.topk on CUDA), divided by their sum when RENORM, stored in the logits' dtype."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, E_PAD)
+    slots = tl.arange(0, K_PAD)
+    rows = tl.minimum(offs_t, T - 1).to(tl.int64)
+    logits = tl.load(logits_ptr + rows[:, None] * stride_lt + experts[None, :],
+                     mask=experts[None, :] < E, other=-float("inf")).to(tl.float32)
+    num = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = tl.div_rn(num, tl.sum(num, axis=1)[:, None])
+    picked = tl.zeros([BLOCK_T, K_PAD], tl.float32)
+    picked_ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        pick = tl.min(tl.where(probs == best[:, None], experts[None, :], E_PAD), axis=1)
+        # NOTE: a picked expert drops to -1: below any probability, above the padding's -inf
+        probs = tl.where(experts[None, :] == pick[:, None], -1.0, probs)
+        picked = tl.where(slots[None, :] == j, best[:, None], picked)
+        picked_ids = tl.where(slots[None, :] == j, pick[:, None], picked_ids)
+        total += best
+    if RENORM:
+        picked = tl.div_rn(picked, total[:, None])
+    out = offs_t[:, None] * TOP_K + slots[None, :]
+    mask = (offs_t < T)[:, None] & (slots < TOP_K)[None, :]
+    tl.store(weights_ptr + out, picked.to(weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + out, picked_ids, mask=mask)
+
+
+def moe_route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """moe_route_ref in one kernel; expert ids as int32."""
+    t, e = router_logits.shape
+    assert router_logits.stride(1) == 1 and 0 < top_k <= e
+    weights = torch.empty(t, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    if t > 0:
+        e_pad = triton.next_power_of_2(e)
+        block_t = max(1, min(16, 2048 // e_pad))
+        _route_kernel[(triton.cdiv(t, block_t),)](
+            router_logits, weights, ids, t, e, router_logits.stride(0), TOP_K=top_k,
+            K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize, E_PAD=e_pad,
+            BLOCK_T=block_t, num_warps=4)
+    return weights, ids
+
+
+@jit_varying("num_pairs", "max_blocks")
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks,
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCKS_CHUNK: tl.constexpr):
+    """One program: moe_align_ref's outputs. Counts per expert, groups padded to BLOCK_M and
+    laid out in expert order (an exclusive cumsum), then each pair's slot: its group's start
+    plus how many pairs of that expert precede it (a running count per expert and a cumsum of
+    one-hot rows within a chunk). Each slot is written once: by its pair or as padding."""
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    # the padding slots of each group
+    j = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + starts[:, None] + counts[:, None] + j[None, :], num_pairs,
+             mask=counts[:, None] + j[None, :] < padded[:, None])
+    # each block's expert: the number of groups that end at or before its first slot
+    for b0 in range(0, max_blocks, BLOCKS_CHUNK):
+        b = b0 + tl.arange(0, BLOCKS_CHUNK)
+        e_of = tl.sum((ends[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(e_of < num_experts, e_of, -1),
+                 mask=b < max_blocks)
+    # each pair's slot, pairs in order within an expert
+    running = starts
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot
+        slot = tl.sum(onehot * (before + running[None, :]), axis=1)
+        tl.store(sorted_ptr + slot, offs, mask=offs < num_pairs)
+        running += tl.sum(onehot, axis=0)
+
+
+def moe_align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """moe_align_ref in one kernel (one program: a few microseconds for a decode step's pairs,
+    a pass over all pairs per chunk of 128 for a prefill's). ids [T, top_k] int32."""
+    t, top_k = ids.shape
+    assert ids.dtype == torch.int32 and ids.is_contiguous()
+    max_blocks = moe_max_blocks(t, top_k, num_experts, block_m)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    if max_blocks > 0:
+        pairs = t * top_k
+        e_pad = triton.next_power_of_2(num_experts)
+        chunk = max(16, min(triton.next_power_of_2(pairs), 16384 // e_pad))
+        _align_kernel[(1,)](ids, sorted_ids, block_expert, pairs, num_experts, max_blocks,
+                            E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk,
+                            BLOCKS_CHUNK=max(16, 4096 // e_pad), num_warps=8)
+    return sorted_ids, block_expert
+
+
+@triton.jit
+def _w_step(acc, a, a_scale, w_ptrs, ws_ptrs, k_ok, W8: tl.constexpr, A8: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """acc += a [BLOCK_M, BLOCK_K] @ one expert's W^T tile [BLOCK_K, BLOCK_N]: W in a's dtype,
+    FP8 dequantised to it in registers (W8), or FP8 times FP8 scaled by both scales (A8)."""
+    w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+    if A8:
+        ws = tl.load(ws_ptrs)
+        return acc + tl.dot(a, w) * a_scale[:, None] * ws[None, :]
+    if W8:
+        w = dequant_tile(w, tl.load(ws_ptrs)[None, :], a.dtype)
+    return tl.dot(a, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _moe_epilogue(acc, acc_up, pairs, row_ok, offs_n, N, c_ptr, topw_ptr, stride_cm,
+                  GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+    """Both kernels' end: the projection rounded to c's dtype, silu(gate) * up (GLU, HF's
+    roundings) or times the pair's routing weight (MUL_WEIGHT), stored at row `pair` of c."""
+    dtype = c_ptr.dtype.element_ty
+    y = acc.to(dtype)
+    if GLU:
+        y = silu_mul(y, acc_up.to(dtype))
+    if MUL_WEIGHT:
+        tw = tl.load(topw_ptr + pairs, mask=row_ok, other=0.0).to(dtype)
+        y = (y.to(tl.float32) * tw.to(tl.float32)[:, None]).to(dtype)
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, y, mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+@jit_varying("num_pairs")
+def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, block_expert_ptr,
+                    N, K, num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
+                    stride_wsn, stride_cm,
+                    ROW_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                    W8: tl.constexpr, A8: tl.constexpr, GROUP_N: tl.constexpr,
+                    GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """The grouped GEMM. Program (j, b): block b of the sorted pairs (BLOCK_M pairs of one
+    expert, moe_align) times columns [j*BLOCK_N, (j+1)*BLOCK_N) of that expert's W^T, on
+    tensor cores. A row of `a` is pair // ROW_DIV (the token, for the gate_up projection;
+    the pair itself for down). GLU: W is [gate; up] (2N rows) and the program sums both
+    halves' columns n and n + N, storing silu(gate) * up. Blocks past the last group (expert
+    -1) do nothing: the grid is sized from shapes, the work from the routing."""
+    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    if expert < 0:
+        return
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + offs_m)
+    row_ok = pairs < num_pairs
+    # NOTE: padding slots and columns past N read a valid row / column: no masks for them
+    rows = tl.where(row_ok, pairs // ROW_DIV, 0).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    e64 = expert.to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + kk[None, :]
+    w_ptrs = w_ptr + e64 * stride_we + cols[None, :] * stride_wn + kk[:, None]  # W^T tile
+    ws_ptrs = ws_ptr + e64 * stride_wse + (cols // GROUP_N) * stride_wsn
+    up_ws_ptrs = ws_ptr + e64 * stride_wse + ((cols + N) // GROUP_N) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    a_scale = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = kk < K - k0
+        a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
+        if A8:
+            a_scale = tl.load(as_ptr + rows * stride_asm + k0 // GROUP_K)
+        acc = _w_step(acc, a, a_scale, w_ptrs + k0, ws_ptrs + k0 // GROUP_K, k_ok, W8, A8,
+                      PRECISION)
+        if GLU:
+            acc_up = _w_step(acc_up, a, a_scale, w_ptrs + N * stride_wn + k0,
+                             up_ws_ptrs + k0 // GROUP_K, k_ok, W8, A8, PRECISION)
+    _moe_epilogue(acc, acc_up, pairs, row_ok, offs_n, N, c_ptr, topw_ptr, stride_cm, GLU,
+                  MUL_WEIGHT)
+
+
+@jit_varying("num_pairs")
+def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, block_expert_ptr,
+                     N, K, num_pairs, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn,
+                     stride_cm,
+                     ROW_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                     W8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The decode MoE GEMV, `_moe_mma_kernel`'s contract for a few tokens: M_PAD >= tokens,
+    so an expert's pairs are one block and each program reads its W columns once for all the
+    rows that chose that expert. FMAs in fp32 over a [M_PAD, BLOCK_N, BLOCK_K] tile, reduced
+    over K once after the loop; FP8 tiles dequantised to x's dtype in registers (W8A16)."""
+    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    if expert < 0:
+        return
+    offs_m = tl.program_id(1) * M_PAD + tl.arange(0, M_PAD)
+    pairs = tl.load(sorted_ptr + offs_m)
+    row_ok = pairs < num_pairs
+    rows = tl.where(row_ok, pairs // ROW_DIV, 0).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    e64 = expert.to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None, None] * stride_xm + kk[None, None, :]
+    w_ptrs = w_ptr + e64 * stride_we + cols[None, :, None] * stride_wn + kk[None, None, :]
+    up_ptrs = w_ptrs + N * stride_wn
+    ws_ptrs = ws_ptr + e64 * stride_wse + (cols // GROUP_N) * stride_wsn
+    up_ws_ptrs = ws_ptr + e64 * stride_wse + ((cols + N) // GROUP_N) * stride_wsn
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (kk < K - k0)[None, None, :]
+        x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=k_ok, other=0.0)
+        if W8:
+            w = dequant_tile(w, tl.load(ws_ptrs + k0 // GROUP_K)[None, :, None], dtype)
+        acc += x * w.to(tl.float32)
+        if GLU:
+            u = tl.load(up_ptrs + k0, mask=k_ok, other=0.0)
+            if W8:
+                u = dequant_tile(u, tl.load(up_ws_ptrs + k0 // GROUP_K)[None, :, None], dtype)
+            acc_up += x * u.to(tl.float32)
+    _moe_epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), pairs, row_ok, offs_n, N, c_ptr,
+                  topw_ptr, stride_cm, GLU, MUL_WEIGHT)
+
+
+@dataclass(frozen=True)
+class MoeTile:
+    """One projection's launch: BLOCK_N columns by BLOCK_K of K per step (BLOCK_K divides the
+    FP8 block's bk: one scale per column per step), num_warps / num_stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A MoE MLP's launches: `kind` "gemv" (`_moe_gemv_kernel`, block_m >= the tokens),
+    "mma" (`_moe_mma_kernel`, weights in x's dtype or FP8 dequantised in registers) or "w8a8"
+    (FP8 weights and activations); block_m, shared by both projections (one sort of the
+    pairs); the gate_up and down tiles."""
+
+    kind: str
+    block_m: int
+    up: MoeTile
+    down: MoeTile
+
+
+#: tokens up to which the FMA GEMV runs; beyond, tensor cores
+MOE_GEMV_MAX_TOKENS = 4
+#: tokens beyond which FP8 experts quantise activations too (compute-bound prefill); up to it
+#: weights are dequantised in registers (memory-bound). Not yet measured on the GPU.
+MOE_W8A8_MIN_TOKENS = 65
+
+
+def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                    block: tuple[int, int] | None) -> MoeConfig:
+    """The launches for a step of num_tokens tokens, from shapes only (a small table by token
+    class, no tuning while serving). block: the FP8 block (None: bf16 weights)."""
+    bk = block[1] if block is not None else 128
+    if num_tokens <= MOE_GEMV_MAX_TOKENS:
+        m_pad = triton.next_power_of_2(num_tokens)
+        # NOTE: M_PAD x BLOCK_N x BLOCK_K fp32 products per accumulator: <= 64 registers a
+        # thread at 4 warps (gate_up has two)
+        return MoeConfig("gemv", m_pad, MoeTile(16, min(bk, 128 // m_pad), num_stages=1),
+                         MoeTile(16, min(bk, 256 // m_pad), num_stages=1))
+    # rows per expert on average, the block that holds them (16..64)
+    per_expert = -(-num_tokens * top_k // num_experts)
+    block_m = min(64, max(16, triton.next_power_of_2(per_expert)))
+    if block is not None and num_tokens >= MOE_W8A8_MIN_TOKENS:
+        tile = MoeTile(128, min(bk, 128), num_warps=4, num_stages=4 if block_m == 64 else 3)
+        return MoeConfig("w8a8", block_m, tile, tile)
+    if block is not None:
+        tile = MoeTile(64, min(bk, 128), num_warps=4, num_stages=3)
+        return MoeConfig("mma", block_m, tile, tile)
+    tile = MoeTile(64 if block_m <= 32 else 128, 64, num_warps=4, num_stages=3)
+    return MoeConfig("mma", block_m, tile, tile)
+
+
+def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor | None,
+                 out: Tensor, topk_weights: Tensor, sorted_ids: Tensor, block_expert: Tensor,
+                 num_pairs: int, row_div: int, glu: bool, block: tuple[int, int] | None,
+                 cfg: MoeConfig, tile: MoeTile) -> None:
+    """One projection over the sorted pairs into out [pairs, N]."""
+    n, k = out.shape[1], w.shape[2]
+    bn, bk = block if block is not None else (1, 1)
+    if w_scale is not None:
+        assert bk % tile.block_k == 0, "a K step must stay inside one scale block"
+    ws = w_scale if w_scale is not None else w  # a dummy pointer without scales
+    grid = (triton.cdiv(n, tile.block_n), block_expert.shape[0])
+    meta = {"ROW_DIV": row_div, "GLU": glu, "MUL_WEIGHT": not glu, "W8": w_scale is not None,
+            "GROUP_N": bn, "GROUP_K": bk, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
+            "num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    ws_strides = (ws.stride(0), ws.stride(1)) if w_scale is not None else (0, 0)
+    if cfg.kind == "gemv":
+        _moe_gemv_kernel[grid](a, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,
+                               num_pairs, a.stride(0), w.stride(0), w.stride(1), *ws_strides,
+                               out.stride(0), M_PAD=cfg.block_m, **meta)
+        return
+    a_s = a_scale if a_scale is not None else ws
+    _moe_mma_kernel[grid](a, a_s, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,
+                          num_pairs, a.stride(0), a_s.stride(0), w.stride(0), w.stride(1),
+                          *ws_strides, out.stride(0), A8=cfg.kind == "w8a8",
+                          BLOCK_M=cfg.block_m,
+                          PRECISION="ieee" if out.dtype == torch.float32 else "tf32", **meta)
+
+
+def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,
+                 w13_scale: Tensor | None, w2_scale: Tensor | None,
+                 block: tuple[int, int] | None, cfg: MoeConfig) -> Tensor:
+    t, h = x.shape
+    top_k = ids.shape[1]
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    assert w13.shape[2] == h and w2.shape == (num_experts, h, inter)
+    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    fp8 = w13_scale is not None
+    assert fp8 == (w2_scale is not None) == (block is not None), "FP8: both scales and block"
+    if cfg.kind == "gemv":
+        assert cfg.block_m >= t, "the GEMV takes each expert's pairs in one block"
+    if t == 0:
+        return x.new_empty(0, h)
+    pairs = t * top_k
+    sorted_ids, block_expert = moe_align(ids.to(torch.int32).contiguous(), num_experts,
+                                         cfg.block_m)
+    w8a8 = cfg.kind == "w8a8"
+    assert not w8a8 or fp8
+    group = block[1] if block is not None else 0
+    a, a_scale = quantize_fp8_groups(x, group) if w8a8 else (x, None)
+    inter_out = x.new_empty(pairs, inter)
+    common = (weights.contiguous(), sorted_ids, block_expert, pairs)
+    _launch_proj(a, a_scale, w13, w13_scale, inter_out, *common, row_div=top_k, glu=True,
+                 block=block, cfg=cfg, tile=cfg.up)
+    a, a_scale = quantize_fp8_groups(inter_out, group) if w8a8 else (inter_out, None)
+    pair_out = x.new_empty(pairs, h)
+    _launch_proj(a, a_scale, w2, w2_scale, pair_out, *common, row_div=1, glu=False,
+                 block=block, cfg=cfg, tile=cfg.down)
+    # NOTE: the top-k sum in fp32, rounded once (torch's reduction of a 16-bit tensor)
+    return pair_out.view(t, top_k, h).sum(dim=1)
+
+
+def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,
+                w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
+                block: tuple[int, int] | None = None) -> Tensor:
+    """moe_experts_ref on the GPU: the pairs sorted into per-expert blocks, the gate_up
+    projection with silu(gate) * up in its epilogue, the down projection times the routing
+    weights, the sum over top_k. Reads no device tensor on the host: buffers and grids come
+    from shapes (graph-safe), the launches from `pick_moe_config`."""
+    cfg = pick_moe_config(x.shape[0], ids.shape[1], w13.shape[0], x.shape[1],
+                          w2.shape[2], block)
+    return _moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg)
+
+
+def fused_moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
+              renormalize: bool, w13_scale: Tensor | None = None,
+              w2_scale: Tensor | None = None, block: tuple[int, int] | None = None) -> Tensor:
+    """fused_moe_ref on the GPU: moe_route, then moe_experts."""
+    weights, ids = moe_route(router_logits, top_k, renormalize)
+    return moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block)

@@ -7,14 +7,33 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import capture, run_interpreter_check
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeConfig,
     Qwen3MoeSparseMoeBlock,
 )
 
-from arle_kernels.fp8 import FP8
-from arle_kernels.moe import fused_moe_ref, moe_route_ref
+from arle_kernels.fp8 import FP8, quantize_fp8_groups
+from arle_kernels.moe import (
+    MOE_GEMV_MAX_TOKENS,
+    MOE_W8A8_MIN_TOKENS,
+    MoeConfig,
+    MoeTile,
+    _moe_experts,
+    fused_moe,
+    fused_moe_ref,
+    moe_align,
+    moe_align_ref,
+    moe_experts_ref,
+    moe_experts_w8a8_ref,
+    moe_max_blocks,
+    moe_route,
+    moe_route_ref,
+    pick_moe_config,
+)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # ---------------------------------------------------------------------------------------------
 # the reference against transformers
@@ -121,3 +140,288 @@ def test_ref_fp8_matches_transformers_dequantized() -> None:
     x = torch.randn(11, h, generator=gen)
     got, want = run_both(hf, x, w13=w13, w2=w2, w13_scale=s13, w2_scale=s2, block=block)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# the rules
+# ---------------------------------------------------------------------------------------------
+
+def test_align_ref_groups_pairs_by_expert() -> None:
+    ids = torch.tensor([[3, 0], [0, 2], [3, 0], [1, 3]])
+    sorted_ids, block_expert = moe_align_ref(ids, num_experts=5, block_m=2)
+    s = sorted_ids.tolist()
+    # expert 0: pairs 1, 2, 5 (two blocks), 1: 6, 2: 3, 3: 0, 4, 7 (two blocks); 8 = padding
+    assert s[:12] == [1, 2, 5, 8, 6, 8, 3, 8, 0, 4, 7, 8]
+    assert block_expert.tolist()[:6] == [0, 0, 1, 2, 3, 3]
+    assert all(e == -1 for e in block_expert.tolist()[6:])
+    assert len(block_expert) == moe_max_blocks(4, 2, 5, 2)
+
+
+@pytest.mark.parametrize("t,k,e,bm", [(1, 8, 128, 16), (3, 2, 4, 4), (64, 8, 128, 16),
+                                      (2048, 8, 128, 64), (5, 2, 8, 3)])
+def test_max_blocks_bounds_every_routing(t: int, k: int, e: int, bm: int) -> None:
+    """moe_max_blocks >= the blocks of the worst routings: every token on its own experts
+    (most groups, each padded), and random ones."""
+    worst = torch.arange(t * k).remainder(e).view(t, k)
+    gen = torch.Generator().manual_seed(t)
+    for ids in [worst] + [torch.rand(t, e, generator=gen).topk(k).indices for _ in range(3)]:
+        blocks = sum(-(-c // bm) for c in torch.bincount(ids.reshape(-1), minlength=e).tolist())
+        assert blocks <= moe_max_blocks(t, k, e, bm)
+
+
+def test_pick_config() -> None:
+    """Token classes: the GEMV (one block per expert), tensor cores, FP8 W8A8 from
+    MOE_W8A8_MIN_TOKENS on; FP8 K steps inside one scale block."""
+    for t in (1, 2, 3, MOE_GEMV_MAX_TOKENS):
+        cfg = pick_moe_config(t, 8, 128, 2048, 768, (128, 128))
+        assert cfg.kind == "gemv" and cfg.block_m >= t
+        for tile in (cfg.up, cfg.down):
+            assert cfg.block_m * tile.block_n * tile.block_k <= 64 * 32 * tile.num_warps
+    for t, fp8_kind in ((MOE_GEMV_MAX_TOKENS + 1, "mma"), (MOE_W8A8_MIN_TOKENS - 1, "mma"),
+                        (MOE_W8A8_MIN_TOKENS, "w8a8"), (8192, "w8a8")):
+        for block in ((128, 128), (16, 16)):
+            cfg = pick_moe_config(t, 8, 128, 2048, 768, block)
+            assert cfg.kind == fp8_kind and 16 <= cfg.block_m <= 64
+            assert block[1] % cfg.up.block_k == 0 and block[1] % cfg.down.block_k == 0
+        assert pick_moe_config(t, 8, 128, 2048, 768, None).kind == "mma"
+
+
+# ---------------------------------------------------------------------------------------------
+# interpreter (CPU): every kernel against its ref on tiny shapes
+# ---------------------------------------------------------------------------------------------
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all(), "NaN/inf in the output"
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def lowest_first_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-k experts, equal probabilities taken lowest expert first (a stable sort)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def check_route(logits: torch.Tensor, k: int, ties: bool) -> None:
+    for renorm in (True, False):
+        weights, ids = moe_route(logits, k, renorm)
+        want_w, want_ids = moe_route_ref(logits, k, renorm)
+        assert ids.dtype == torch.int32 and weights.dtype == logits.dtype
+        if ties:  # (the CPU's torch.topk orders ties its own way: the rule, longhand)
+            assert torch.equal(ids.long(), lowest_first_topk(logits, k))
+            want_w = torch.softmax(logits.float(), -1).gather(1, ids.long())
+            if renorm:
+                want_w = want_w / want_w.sum(-1, keepdim=True)
+            want_w = want_w.to(logits.dtype)
+        else:
+            assert torch.equal(ids.long(), want_ids), (ids, want_ids)
+        # fp32: exp and the sum's order, a few ulps; 16-bit: one rounding of those
+        tol = 1e-6 if logits.dtype == torch.float32 else 2.0 ** -10
+        torch.testing.assert_close(weights, want_w, rtol=tol, atol=0.0)
+
+
+def check_align(ids: torch.Tensor, e: int, bm: int) -> None:
+    sorted_ids, block_expert = moe_align(ids.to(torch.int32), e, bm)
+    want_ids, want_blocks = moe_align_ref(ids, e, bm)
+    assert torch.equal(block_expert, want_blocks), (block_expert, want_blocks)
+    used = int((block_expert >= 0).sum()) * bm
+    assert torch.equal(sorted_ids[:used], want_ids[:used])
+
+
+def make_experts(e: int, h: int, inter: int, gen: torch.Generator,
+                 block: tuple[int, int] | None) -> dict:
+    """Expert weights of unit gain: [E, 2I, H] and [E, H, I]; FP8 with power-of-two block
+    scales where block is given."""
+    w13 = torch.randn(e, 2 * inter, h, generator=gen) * h ** -0.5
+    w2 = torch.randn(e, h, inter, generator=gen) * inter ** -0.5
+    if block is None:
+        return {"w13": w13, "w2": w2}
+    w13, s13 = quantize_blocks(w13, block, gen)
+    w2, s2 = quantize_blocks(w2, block, gen)
+    return {"w13": w13, "w2": w2, "w13_scale": s13, "w2_scale": s2, "block": block}
+
+
+def check_experts(x: torch.Tensor, logits: torch.Tensor, k: int, experts: dict,
+                  cfg: MoeConfig) -> None:
+    weights, ids = moe_route_ref(logits, k, True)
+    got = _moe_experts(x, weights, ids, experts["w13"], experts["w2"],
+                       experts.get("w13_scale"), experts.get("w2_scale"),
+                       experts.get("block"), cfg)
+    what = f"{cfg.kind} T={x.shape[0]} {x.dtype} block={experts.get('block')}"
+    assert got.dtype == x.dtype and got.shape == x.shape, what
+    if cfg.kind == "w8a8":
+        # with the kernel's own activation quantisation (the interpreter rounds to e4m3 its
+        # own way; quantize_fp8_groups is checked against its ref in test_kernels_fp8)
+        want = moe_experts_w8a8_ref(x, weights, ids, **experts, quantize=quantize_fp8_groups)
+    else:
+        want = moe_experts_ref(x, weights, ids, **experts)
+    tol = 1e-5 if x.dtype == torch.float32 else 3e-3
+    assert rel(got, want) < tol, (what, rel(got, want))
+
+
+def interp_check_moe() -> None:
+    """Under TRITON_INTERPRET=1: routing (random and tied logits), the align, and the expert
+    kernels (GEMV, tensor cores; bf16-style and FP8 W8A16 / W8A8 weights with partial scale
+    blocks) against the refs on odd token counts, in fp32 and fp16 (the interpreter's bf16 dots
+    are wrong)."""
+    gen = torch.Generator().manual_seed(8)
+    for dtype in (torch.float32, torch.float16):
+        for t, e, k in ((1, 8, 2), (7, 6, 3), (33, 60, 4), (5, 4, 1)):
+            logits = (torch.randn(t, e, generator=gen) * 2).to(dtype)
+            check_route(logits, k, ties=False)
+        tied = torch.randint(0, 3, (9, 8), generator=gen).to(dtype)
+        tied[0] = 0.0
+        for k in (1, 2, 3):
+            check_route(tied, k, ties=True)
+    for t, e, k, bm in ((1, 8, 2, 1), (3, 4, 2, 4), (7, 8, 2, 16), (33, 5, 2, 4),
+                        (70, 8, 2, 16), (17, 8, 8, 2)):
+        check_align(torch.rand(t, e, generator=gen).topk(k).indices, e, bm)
+    check_align(torch.zeros(5, 1, dtype=torch.long), 4, 2)  # every pair on one expert
+
+    h, inter = 40, 24  # 16-blocks: partial in both projections' K and N
+    tiny = MoeTile(16, 16, num_stages=1)
+    for block, e in ((None, 8), ((16, 16), 4), ((16, 16), 8)):
+        experts = make_experts(e, h, inter, gen, block)
+        for dtype in (torch.float32, torch.float16) if e == 4 or block is None else (torch.float16,):
+            ex = {k: (v.to(dtype) if k in ("w13", "w2") and block is None else v)
+                  for k, v in experts.items()}
+            # (e = 4, 40 tokens: ~20 pairs an expert, groups over two blocks of 16)
+            for t in (1, 3, 17) if e == 8 else (3, 40):
+                x = torch.randn(t, h, generator=gen).to(dtype)
+                logits = torch.randn(t, e, generator=gen).to(dtype)
+                kinds = ["mma"] + (["w8a8"] if block else [])
+                cfgs = [MoeConfig(kind, 16, tiny, tiny) for kind in kinds]
+                if t <= 4:
+                    cfgs.append(MoeConfig("gemv", triton_pow2(t), tiny, tiny))
+                if t == 40:  # wider tiles: N past the projections' widths
+                    cfgs.append(MoeConfig("mma", 16, MoeTile(32, 16), MoeTile(64, 16)))
+                for cfg in cfgs:
+                    check_experts(x, logits, 2, ex, cfg)
+    # the dispatchers: each token class's kernel, routed by moe_route
+    experts = make_experts(8, h, inter, gen, (16, 16))
+    for t in (2, 9, MOE_W8A8_MIN_TOKENS):
+        x = torch.randn(t, h, generator=gen)
+        logits = torch.randn(t, 8, generator=gen)
+        got = fused_moe(x, logits, experts["w13"], experts["w2"], 2, True,
+                        experts["w13_scale"], experts["w2_scale"], (16, 16))
+        w, ids = moe_route(logits, 2, True)
+        cfg = pick_moe_config(t, 2, 8, h, inter, (16, 16))
+        want = _moe_experts(x, w, ids, experts["w13"], experts["w2"], experts["w13_scale"],
+                            experts["w2_scale"], (16, 16), cfg)
+        assert torch.equal(got, want), t
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def test_moe_kernels_interpreter() -> None:
+    run_interpreter_check("test_kernels_moe", "interp_check_moe")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: Qwen3-30B-A3B's experts (E = 128, top-8, H = 2048, I = 768), bf16 and FP8 blocks
+# ---------------------------------------------------------------------------------------------
+
+A3B = {"e": 128, "k": 8, "h": 2048, "inter": 768}
+
+
+def gpu_experts(fp8: bool, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    experts = make_experts(A3B["e"], A3B["h"], A3B["inter"], gen, (128, 128) if fp8 else None)
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in experts.items()}
+
+
+def gpu_inputs(t: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, A3B["h"], generator=gen, device="cuda").bfloat16()
+    logits = (torch.randn(t, A3B["e"], generator=gen, device="cuda") * 2).bfloat16()
+    return x, logits
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 4, 33, 4096])
+def test_route_and_align_gpu(t: int) -> None:
+    _, logits = gpu_inputs(t)
+    for renorm in (True, False):
+        w, ids = moe_route(logits, A3B["k"], renorm)
+        want_w, want_ids = moe_route_ref(logits, A3B["k"], renorm)
+        assert torch.equal(ids.long(), want_ids)
+        torch.testing.assert_close(w.float(), want_w.float(), rtol=2.0 ** -8, atol=0.0)
+        for bm in (16, 64):
+            sorted_ids, blocks = moe_align(ids, A3B["e"], bm)
+            want_sorted, want_blocks = moe_align_ref(ids.cpu(), A3B["e"], bm)
+            assert torch.equal(blocks.cpu(), want_blocks)
+            used = int((want_blocks >= 0).sum()) * bm
+            assert torch.equal(sorted_ids.cpu()[:used], want_sorted[:used])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_route_ties_as_torch_topk_gpu() -> None:
+    """Tied logits: the experts and their order torch.topk gives on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randint(0, 3, (64, A3B["e"]), generator=gen, device="cuda").bfloat16()
+    logits[0] = 0.0
+    w, ids = moe_route(logits, A3B["k"], True)
+    want_w, want_ids = moe_route_ref(logits, A3B["k"], True)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(w, want_w, rtol=2.0 ** -8, atol=0.0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 8, 33, 64, 65, 512, 2048])
+def test_fused_moe_gpu(t: int, fp8: bool) -> None:
+    """fused_moe against the ref (W8A8 against its own ref too) at Qwen3-30B-A3B's shapes."""
+    experts = gpu_experts(fp8)
+    x, logits = gpu_inputs(t)
+    got = fused_moe(x, logits, top_k=A3B["k"], renormalize=True, **experts)
+    want = fused_moe_ref(x, logits, top_k=A3B["k"], renormalize=True, **experts)
+    assert got.dtype == torch.bfloat16
+    cfg = pick_moe_config(t, A3B["k"], A3B["e"], A3B["h"], A3B["inter"], experts.get("block"))
+    if cfg.kind == "w8a8":
+        w, ids = moe_route_ref(logits, A3B["k"], True)
+        assert rel(got, moe_experts_w8a8_ref(x, w, ids, **experts)) < 1e-2
+        assert rel(got, want) < 6e-2
+    else:
+        assert rel(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_expert_kinds_agree_gpu(fp8: bool) -> None:
+    """The same 4 tokens through every kernel kind (GEMV, tensor cores, W8A8 for FP8)."""
+    experts = gpu_experts(fp8, seed=2)
+    x, logits = gpu_inputs(4, seed=2)
+    w, ids = moe_route_ref(logits, A3B["k"], True)
+    want = moe_experts_ref(x, w, ids, **experts)
+    block = experts.get("block")
+    gemv = pick_moe_config(4, A3B["k"], A3B["e"], A3B["h"], A3B["inter"], block)
+    tile = MoeTile(64, 128 if fp8 else 64)
+    cfgs = [gemv, MoeConfig("mma", 16, tile, tile)] + ([MoeConfig("w8a8", 16, tile, tile)]
+                                                       if fp8 else [])
+    for cfg in cfgs:
+        got = _moe_experts(x, w, ids, experts["w13"], experts["w2"], experts.get("w13_scale"),
+                           experts.get("w2_scale"), block, cfg)
+        assert rel(got, want) < (6e-2 if cfg.kind == "w8a8" else 1e-2), cfg
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("t", [1, 8])
+def test_fused_moe_graph_gpu(t: int, fp8: bool) -> None:
+    """Captured in a CUDA graph (a decode step): replays follow new tokens and new routings."""
+    experts = gpu_experts(fp8)
+    x, logits = gpu_inputs(t)
+    graph, out = capture(lambda: fused_moe(x, logits, top_k=A3B["k"], renormalize=True,
+                                           **experts))
+    x2, logits2 = gpu_inputs(t, seed=5)
+    x.copy_(x2)
+    logits.copy_(logits2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_moe(x, logits, top_k=A3B["k"], renormalize=True, **experts))
