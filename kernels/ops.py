@@ -68,7 +68,7 @@ def triton_ops() -> Ops:
         extend_attention=extend_attention.extend_attention,
         greedy_pick=greedy.greedy_pick,
         embed=embed.embed,
-        fused_moe=moe.fused_moe_ref,  # TODO(issue 37): the Triton fused_moe
+        fused_moe=moe.fused_moe,
         gated_delta=deltanet.gated_delta_ref,  # TODO(issue 36): the Triton kernels
         gated_rms_norm=deltanet.gated_rms_norm_ref,
     )
