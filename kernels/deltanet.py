@@ -26,10 +26,15 @@ slot. A row whose slot is negative is padding: it reads and writes no state, its
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import Tensor
+
+from arle_kernels.jit import jit_varying
 
 #: transformers' `l2norm` epsilon for q and k
 L2_EPS = 1e-6
@@ -184,3 +189,534 @@ def gated_rms_norm_ref(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tens
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = weight * h.to(x.dtype)
     return (h * F.silu(z.float())).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: pieces shared by the kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _inv_sqrt(ss, eps):
+    """1 / sqrt(ss + eps), IEEE-rounded (Triton's default `/` and sqrt are approximate)."""
+    one = tl.zeros_like(ss) + 1.0  # the operands of div_rn must be fp32 tensors
+    return tl.div_rn(one, tl.sqrt_rn(ss + eps))
+
+
+@triton.jit
+def _silu_rounded(acc, dtype: tl.constexpr):
+    """The conv's fp32 sum rounded to the model dtype, SiLU in fp32 rounded again (HF's conv
+    in the weight dtype, then its activation), back in fp32."""
+    y = acc.to(dtype).to(tl.float32)
+    return tl.div_rn(y, 1.0 + tl.exp(-y)).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gates(a, b, neg_a, dt_bias, B_DTYPE: tl.constexpr):
+    """(g, beta) in fp32: g = -exp(a_log) * softplus(a + dt_bias) (torch's softplus: the input
+    above 20, else log1p(exp(x)), here with the log1p correction for tiny exp(x)); beta =
+    sigmoid(b) rounded to b's dtype."""
+    x = a.to(tl.float32) + dt_bias
+    u = tl.exp(x)
+    w = 1.0 + u
+    sp = tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0))))
+    bf = b.to(tl.float32)
+    beta = tl.div_rn(tl.zeros_like(bf) + 1.0, 1.0 + tl.exp(-bf)).to(B_DTYPE).to(tl.float32)
+    return neg_a * sp, beta
+
+
+@triton.jit
+def _window(x_row, stride_x, cs_row, stride_cc, stride_ck, i, ch, cmask, taps, tmask,
+            KM1: tl.constexpr):
+    """Conv inputs [channels, taps] at row-relative positions i + tap - KM1 of the sequence
+    [conv state (K-1 entries) | the row's tokens]: negative positions from the slot's conv
+    state, the rest from mixed_qkv (x_row: the row's first token). In the state's dtype."""
+    m = i + taps - KM1
+    in_x = tmask & (m >= 0)
+    in_s = tmask & (m < 0)
+    xv = tl.load(x_row + m[None, :].to(tl.int64) * stride_x + ch[:, None],
+                 mask=cmask[:, None] & in_x[None, :], other=0.0)
+    sv = tl.load(cs_row + ch[:, None] * stride_cc + (m + KM1)[None, :] * stride_ck,
+                 mask=cmask[:, None] & in_s[None, :], other=0.0)
+    return tl.where(in_x[None, :], xv.to(cs_row.dtype.element_ty), sv)
+
+
+@triton.jit
+def _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n, snap,
+                      ch, cmask, taps, KM1: tl.constexpr, BOUNDARY: tl.constexpr):
+    """Channels ch of the slot's conv state (cs_off: its slot's offset) after the row's n
+    tokens, and (BOUNDARY, snap > 0) into the boundary tensor after its first snap tokens.
+    NOTE: the window reads the old state (a row shorter than K-1 keeps some of it): every
+    load is done before any store (the barrier), as a tile's loads and stores may be held by
+    different threads."""
+    wmask = taps < KM1
+    new = _window(x_row, stride_x, cs_ptr + cs_off, stride_cc, stride_ck, n, ch, cmask, taps,
+                  wmask, KM1)
+    if BOUNDARY:
+        bnd = _window(x_row, stride_x, cs_ptr + cs_off, stride_cc, stride_ck, snap, ch, cmask,
+                      taps, wmask, KM1)
+    tl.debug_barrier()
+    offs = cs_off + ch[:, None] * stride_cc + taps[None, :] * stride_ck
+    mask = cmask[:, None] & wmask[None, :]
+    tl.store(cs_ptr + offs, new, mask=mask)
+    if BOUNDARY:
+        # NOTE: the scalar test spelled out at the tile's shape (the interpreter refuses a
+        # mask broadcast from a scalar)
+        tl.store(bcs_ptr + offs, bnd, mask=mask & ((tl.zeros_like(offs) + snap) > 0))
+
+
+@triton.jit
+def _token_rows(cu_ptr, e, num_rows, steps):
+    """The row of each extend token e (< cu[num_rows]): the last j < num_rows with cu[j] <= e
+    (empty rows share their cu entry with the next row), by binary search in `steps` =
+    ceil(log2(num_rows)) halvings."""
+    lo = tl.zeros_like(e)
+    hi = lo + num_rows
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        go = tl.load(cu_ptr + mid) <= e
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: the recurrent kernel (decode rows; extend rows token by token)
+# ---------------------------------------------------------------------------------------------
+
+@jit_varying("x_ptr", "a_ptr", "b_ptr", "slots_ptr", "seq_lens_ptr", "cu_ptr", "row0",
+             "tok_base")
+def _recurrent_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_ptr,
+                      slots_ptr, seq_lens_ptr, cu_ptr, out_ptr, bcs_ptr, bss_ptr, cnt_ptr,
+                      row0, tok_base, page_size, scale, eps,
+                      stride_x, stride_a, stride_b, stride_w, stride_cs, stride_cc, stride_ck,
+                      stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
+                      HK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      NV: tl.constexpr, VARLEN: tl.constexpr, BOUNDARY: tl.constexpr):
+    """Program (row, value head, block of BV value columns): the whole step of that slice of the
+    row, token by token, the state slice [dk, BV] in registers. VARLEN: extend rows (row j's
+    tokens tok_base + cu[j] ..), else decode rows (row i is token i). Each program writes the
+    conv state of its own value channels; the q/k channels of a key head are read by all G * NV
+    programs of the head, so the last of them to finish (a counter per (row, key head), reset
+    by that program) writes them."""
+    pid_r = tl.program_id(0)
+    hv = tl.program_id(1)
+    bv = tl.program_id(2)
+    row = row0 + pid_r
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if VARLEN:
+        c0 = tl.load(cu_ptr + pid_r)
+        n = tl.load(cu_ptr + pid_r + 1) - c0
+        tok0 = (tok_base + c0).to(tl.int64)
+    else:
+        n = 1
+        tok0 = pid_r.to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    offs_v = bv * BV + tl.arange(0, BV)
+    vmask = offs_v < DV
+    out_row = out_ptr + tok0 * stride_ot + hv * stride_oh
+    if slot < 0:  # padding: no state read or written
+        for i in range(n):
+            tl.store(out_row + i * stride_ot + offs_v, tl.zeros([BV], dtype), mask=vmask)
+        return
+    kh = hv // G
+    offs_k = tl.arange(0, BK)
+    kmask = offs_k < DK
+    q_ch = kh * DK + offs_k
+    k_ch = HK * DK + q_ch
+    v_ch = 2 * HK * DK + hv * DV + offs_v
+    taps = tl.arange(0, KP)
+    tmask = taps < K
+    wq = tl.load(w_ptr + q_ch[:, None] * stride_w + taps[None, :],
+                 mask=kmask[:, None] & tmask[None, :], other=0.0).to(tl.float32)
+    wk = tl.load(w_ptr + k_ch[:, None] * stride_w + taps[None, :],
+                 mask=kmask[:, None] & tmask[None, :], other=0.0).to(tl.float32)
+    wv = tl.load(w_ptr + v_ch[:, None] * stride_w + taps[None, :],
+                 mask=vmask[:, None] & tmask[None, :], other=0.0).to(tl.float32)
+    neg_a = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
+    dtb = tl.load(dtb_ptr + hv).to(tl.float32)
+    x_row = x_ptr + tok0 * stride_x
+    cs_off = slot * stride_cs
+    cs_row = cs_ptr + cs_off
+    s_off = slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    smask = kmask[:, None] & vmask[None, :]
+    s = tl.load(ss_ptr + s_off, mask=smask, other=0.0)
+    end = tl.load(seq_lens_ptr + row)
+    snap = end // page_size * page_size - (end - n)  # tokens before the boundary (> 0: one)
+    for i in range(n):
+        q = tl.sum(_window(x_row, stride_x, cs_row, stride_cc, stride_ck, i, q_ch, kmask, taps,
+                           tmask, K - 1).to(tl.float32) * wq, 1)
+        k = tl.sum(_window(x_row, stride_x, cs_row, stride_cc, stride_ck, i, k_ch, kmask, taps,
+                           tmask, K - 1).to(tl.float32) * wk, 1)
+        v = tl.sum(_window(x_row, stride_x, cs_row, stride_cc, stride_ck, i, v_ch, vmask, taps,
+                           tmask, K - 1).to(tl.float32) * wv, 1)
+        q = _silu_rounded(q, dtype)
+        k = _silu_rounded(k, dtype)
+        v = _silu_rounded(v, dtype)
+        q = q * _inv_sqrt(tl.sum(q * q, 0), eps) * scale
+        k = k * _inv_sqrt(tl.sum(k * k, 0), eps)
+        t = tok0 + i
+        g, beta = _gates(tl.load(a_ptr + t * stride_a + hv), tl.load(b_ptr + t * stride_b + hv),
+                         neg_a, dtb, b_ptr.dtype.element_ty)
+        s = s * tl.exp(g)
+        delta = (v - tl.sum(s * k[:, None], 0)) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], 0)
+        tl.store(out_row + i * stride_ot + offs_v, o.to(dtype), mask=vmask)
+        if BOUNDARY:  # noqa: SIM102 (a compile-time if, then a runtime one)
+            if i + 1 == snap:
+                tl.store(bss_ptr + s_off, s, mask=smask)
+    tl.store(ss_ptr + s_off, s, mask=smask)
+    _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n, snap,
+                      v_ch, vmask, taps, K - 1, BOUNDARY)
+    # NOTE: the barrier puts every thread's reads of the q/k state before thread 0's release
+    # (the counter); the acquire side's barrier puts the last program's writes after it.
+    tl.debug_barrier()
+    cnt = cnt_ptr + row * HK + kh
+    if tl.atomic_add(cnt, 1, sem="acq_rel") == G * NV - 1:
+        tl.debug_barrier()
+        _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n,
+                          snap, q_ch, kmask, taps, K - 1, BOUNDARY)
+        _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n,
+                          snap, k_ch, kmask, taps, K - 1, BOUNDARY)
+        tl.store(cnt, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: the chunked extend path (varlen conv, chunk prep, chunked rule)
+# ---------------------------------------------------------------------------------------------
+
+@jit_varying("x_ptr", "slots_ptr", "cu_ptr", "tok_base", "num_rows", "steps")
+def _conv_kernel(x_ptr, w_ptr, cs_ptr, slots_ptr, cu_ptr, y_ptr, tok_base, num_rows, steps, C,
+                 stride_x, stride_w, stride_cs, stride_cc, stride_ck, stride_y,
+                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Program (block of BT extend tokens, block of BC channels): the causal conv + SiLU of
+    those tokens, each continuing its row's conv state (no state is written here: the rule
+    kernel does, once every read is done). Tokens past the rows are skipped."""
+    e = tl.program_id(0) * BT + tl.arange(0, BT)
+    valid = e < tl.load(cu_ptr + num_rows)
+    j = _token_rows(cu_ptr, e, num_rows, steps)
+    i = e - tl.load(cu_ptr + j)
+    slot = tl.load(slots_ptr + j).to(tl.int64)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = ch < C
+    acc = tl.zeros([BT, BC], tl.float32)
+    for d in tl.static_range(K):
+        m = i + d - (K - 1)
+        in_x = valid & (m >= 0)
+        in_s = valid & (m < 0) & (slot >= 0)
+        xv = tl.load(x_ptr + (tok_base + e + d - (K - 1)).to(tl.int64)[:, None] * stride_x
+                     + ch[None, :], mask=in_x[:, None] & cmask[None, :], other=0.0)
+        sv = tl.load(cs_ptr + slot[:, None] * stride_cs + ch[None, :] * stride_cc
+                     + (m + K - 1)[:, None] * stride_ck,
+                     mask=in_s[:, None] & cmask[None, :], other=0.0)
+        w = tl.load(w_ptr + ch * stride_w + d, mask=cmask, other=0.0).to(tl.float32)
+        acc += tl.where(in_x[:, None], xv.to(tl.float32), sv.to(tl.float32)) * w[None, :]
+    y = _silu_rounded(acc, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + e.to(tl.int64)[:, None] * stride_y + ch[None, :], y,
+             mask=valid[:, None] & cmask[None, :])
+
+
+@jit_varying("a_ptr", "b_ptr", "cu_ptr", "tok_base", "num_rows", "steps")
+def _chunk_prep_kernel(y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_ptr, ainv_ptr, tok_base,
+                       num_rows, steps, eps, stride_y, stride_a, stride_b, stride_it,
+                       stride_ih, HK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+                       BK: tl.constexpr, BT: tl.constexpr, DOT: tl.constexpr):
+    """Program (block of BT extend tokens, value head): the block's UT transform
+    (I + L)^-1, L[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for j < i of the same row (G: the
+    cumulative g), by forward substitution in fp32. The blocks are the extend tokens' own
+    BT-aligned blocks, so a block may hold the pieces of several rows: L has no term across
+    rows and the inverse is block-diagonal, one block per piece (the rule kernel's chunks)."""
+    blk = tl.program_id(0)
+    hv = tl.program_id(1)
+    r = tl.arange(0, BT)
+    e = blk * BT + r
+    valid = e < tl.load(cu_ptr + num_rows)
+    j = _token_rows(cu_ptr, e, num_rows, steps)
+    offs_k = tl.arange(0, BK)
+    k_ch = HK * DK + (hv // G) * DK + offs_k
+    k = tl.load(y_ptr + e.to(tl.int64)[:, None] * stride_y + k_ch[None, :],
+                mask=valid[:, None] & (offs_k < DK)[None, :], other=0.0).to(tl.float32)
+    k = k * _inv_sqrt(tl.sum(k * k, 1), eps)[:, None]
+    t = (tok_base + e).to(tl.int64)
+    g, beta = _gates(tl.load(a_ptr + t * stride_a + hv, mask=valid, other=0.0),
+                     tl.load(b_ptr + t * stride_b + hv, mask=valid, other=0.0),
+                     -tl.exp(tl.load(alog_ptr + hv).to(tl.float32)),
+                     tl.load(dtb_ptr + hv).to(tl.float32), b_ptr.dtype.element_ty)
+    g = tl.where(valid, g, 0.0)
+    cg = tl.cumsum(g, 0)
+    lower = (r[:, None] > r[None, :]) & (j[:, None] == j[None, :]) & valid[:, None]
+    decay = tl.exp(tl.where(lower, cg[:, None] - cg[None, :], 0.0))
+    kk = tl.dot(k, tl.trans(k), input_precision=DOT)
+    low = tl.where(lower, beta[:, None] * kk * decay, 0.0)
+    # row i of the inverse: e_i - sum_{j < i} L[i, j] X[j, :] (rows j < i already final)
+    x = tl.zeros([BT, BT], tl.float32)
+    for i in range(BT):
+        li = tl.sum(tl.where(r[:, None] == i, low, 0.0), 0)
+        xi = tl.where(r == i, 1.0, 0.0) - tl.sum(li[:, None] * x, 0)
+        x = tl.where(r[:, None] == i, xi[None, :], x)
+    tl.store(ainv_ptr + e.to(tl.int64)[:, None] * stride_it + hv * stride_ih + r[None, :], x,
+             mask=valid[:, None])
+
+
+@jit_varying("x_ptr", "a_ptr", "b_ptr", "slots_ptr", "seq_lens_ptr", "cu_ptr", "row0",
+             "tok_base")
+def _chunk_rule_kernel(x_ptr, y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_ptr, ainv_ptr,
+                       slots_ptr, seq_lens_ptr, cu_ptr, out_ptr, bcs_ptr, bss_ptr,
+                       row0, tok_base, page_size, scale, eps,
+                       stride_x, stride_y, stride_a, stride_b, stride_cs, stride_cc,
+                       stride_ck, stride_ss, stride_sh, stride_sk, stride_it, stride_ih,
+                       stride_ot, stride_oh,
+                       HK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       BT: tl.constexpr, BOUNDARY: tl.constexpr, DOT: tl.constexpr):
+    """Program (extend row, value head, block of BV value columns): the row's delta rule chunk
+    by chunk (its pieces of the BT-aligned token blocks), the state slice [dk, BV] in
+    registers. Per chunk, with G the cumulative g, D[i, j] = exp(G_i - G_j) (i >= j):
+      U = (I + L)^-1 (beta * (V - exp(G) K S))    each token's correction (the prep's inverse)
+      O = exp(G) Q S + ((Q K^T) * D) U
+      S = exp(G_last) S + (K * exp(G_last - G))^T U
+    and at a page boundary inside the chunk (after its token m) the state exp(G_m) S +
+    (K * exp(G_m - G) [j <= m])^T U. Then the slot's conv state (this program's value
+    channels; the q/k channels by the key head's first program: nothing reads the conv
+    state here)."""
+    j = tl.program_id(0)
+    hv = tl.program_id(1)
+    bv = tl.program_id(2)
+    row = row0 + j
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    c0 = tl.load(cu_ptr + j)
+    c1 = tl.load(cu_ptr + j + 1)
+    dtype = out_ptr.dtype.element_ty
+    offs_v = bv * BV + tl.arange(0, BV)
+    vmask = offs_v < DV
+    r = tl.arange(0, BT)
+    if slot < 0:  # padding: no state read or written
+        for blk in range(c0 // BT, tl.cdiv(c1, BT)):
+            e = blk * BT + r
+            seg = (e >= c0) & (e < c1)
+            tl.store(out_ptr + (tok_base + e).to(tl.int64)[:, None] * stride_ot
+                     + hv * stride_oh + offs_v[None, :], tl.zeros([BT, BV], dtype),
+                     mask=seg[:, None] & vmask[None, :])
+        return
+    n = c1 - c0
+    if n == 0:
+        return
+    kh = hv // G
+    offs_k = tl.arange(0, BK)
+    kmask = offs_k < DK
+    q_ch = kh * DK + offs_k
+    k_ch = HK * DK + q_ch
+    v_ch = 2 * HK * DK + hv * DV + offs_v
+    neg_a = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
+    dtb = tl.load(dtb_ptr + hv).to(tl.float32)
+    s_off = slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    smask = kmask[:, None] & vmask[None, :]
+    s = tl.load(ss_ptr + s_off, mask=smask, other=0.0)
+    end = tl.load(seq_lens_ptr + row)
+    snap = end // page_size * page_size - (end - n)  # tokens before the boundary (> 0: one)
+    snap_e = tl.where(snap > 0, c0 + snap - 1, -1)  # the extend token that completes it
+    causal = r[:, None] >= r[None, :]
+    for blk in range(c0 // BT, tl.cdiv(c1, BT)):
+        e = blk * BT + r
+        seg = (e >= c0) & (e < c1)
+        ey = e.to(tl.int64)[:, None] * stride_y
+        q = tl.load(y_ptr + ey + q_ch[None, :], mask=seg[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        k = tl.load(y_ptr + ey + k_ch[None, :], mask=seg[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        v = tl.load(y_ptr + ey + v_ch[None, :], mask=seg[:, None] & vmask[None, :],
+                    other=0.0).to(tl.float32)
+        q = q * (_inv_sqrt(tl.sum(q * q, 1), eps) * scale)[:, None]
+        k = k * _inv_sqrt(tl.sum(k * k, 1), eps)[:, None]
+        t = (tok_base + e).to(tl.int64)
+        g, beta = _gates(tl.load(a_ptr + t * stride_a + hv, mask=seg, other=0.0),
+                         tl.load(b_ptr + t * stride_b + hv, mask=seg, other=0.0),
+                         neg_a, dtb, b_ptr.dtype.element_ty)
+        g = tl.where(seg, g, 0.0)
+        beta = tl.where(seg, beta, 0.0)
+        cg = tl.cumsum(g, 0)
+        g_last = tl.sum(g, 0)
+        ainv = tl.load(ainv_ptr + e.to(tl.int64)[:, None] * stride_it + hv * stride_ih
+                       + r[None, :], mask=seg[:, None], other=0.0)
+        rhs = beta[:, None] * (v - tl.dot(k * tl.exp(cg)[:, None], s, input_precision=DOT))
+        u = tl.dot(ainv, rhs, input_precision=DOT)
+        decay = tl.exp(tl.where(causal, cg[:, None] - cg[None, :], 0.0))
+        p = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=DOT) * decay, 0.0)
+        o = (tl.dot(q * tl.exp(cg)[:, None], s, input_precision=DOT)
+             + tl.dot(p, u, input_precision=DOT))
+        tl.store(out_ptr + t[:, None] * stride_ot + hv * stride_oh + offs_v[None, :],
+                 o.to(dtype), mask=seg[:, None] & vmask[None, :])
+        if BOUNDARY:  # noqa: SIM102 (a compile-time if, then a runtime one)
+            if (snap_e >= blk * BT) & (snap_e < blk * BT + BT):
+                cg_m = tl.sum(tl.where(e == snap_e, cg, 0.0), 0)
+                wm = tl.where(e <= snap_e, tl.exp(cg_m - cg), 0.0)
+                s_m = s * tl.exp(cg_m) + tl.dot(tl.trans(k * wm[:, None]), u,
+                                                input_precision=DOT)
+                tl.store(bss_ptr + s_off, s_m, mask=smask)
+        s = s * tl.exp(g_last) + tl.dot(tl.trans(k * tl.exp(g_last - cg)[:, None]), u,
+                                        input_precision=DOT)
+    tl.store(ss_ptr + s_off, s, mask=smask)
+    x_row = x_ptr + (tok_base + c0).to(tl.int64) * stride_x
+    cs_off = slot * stride_cs
+    taps = tl.arange(0, KP)
+    _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n, snap,
+                      v_ch, vmask, taps, K - 1, BOUNDARY)
+    if (hv % G == 0) & (bv == 0):
+        _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n,
+                          snap, q_ch, kmask, taps, K - 1, BOUNDARY)
+        _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n,
+                          snap, k_ch, kmask, taps, K - 1, BOUNDARY)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: the gated RMSNorm
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, n_rows, d, stride_x, stride_z,
+                           stride_y, eps, BR: tl.constexpr, BD: tl.constexpr,
+                           W_FP32: tl.constexpr):
+    """Program (block of BR rows): HF's rounding order (module docstring of the ref)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BD)
+    mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    z = tl.load(z_ptr + rows64 * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    ss = tl.sum(xf * xf, 1)
+    inv = _inv_sqrt(tl.div_rn(ss, tl.zeros_like(ss) + d), eps)
+    h = (xf * inv[:, None]).to(dtype).to(tl.float32) * w[None, :]
+    if not W_FP32:
+        h = h.to(dtype).to(tl.float32)
+    y = h * tl.div_rn(z, 1.0 + tl.exp(-z))
+    tl.store(y_ptr + rows64 * stride_y + cols[None, :], y.to(dtype), mask=mask)
+
+
+def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x, z [N, D] (rows strided, last dim contiguous), weight [D] -> [N, D] in x's dtype."""
+    n, d = x.shape
+    assert z.shape == x.shape and x.stride(1) == 1 and z.stride(1) == 1, (x.shape, z.shape)
+    assert weight.dtype in (x.dtype, torch.float32), (weight.dtype, x.dtype)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    bd = triton.next_power_of_2(d)
+    br = max(1, min(16, 4096 // bd))
+    _gated_rms_norm_kernel[(triton.cdiv(n, br),)](
+        x, z, weight, y, n, d, x.stride(0), z.stride(0), y.stride(0), eps, BR=br, BD=bd,
+        W_FP32=weight.dtype == torch.float32 and x.dtype != torch.float32, num_warps=4)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------
+
+#: the chunk of the extend path (tokens per UT transform)
+CHUNK = 64
+#: fp32 dots of the chunked path: TF32 on the tensor cores (10-bit mantissa; the state, the
+#: decays and the inverse stay fp32)
+DOT_PRECISION = "tf32"
+
+_counters: dict[torch.device, list[Tensor]] = {}
+_counters_lock = threading.Lock()
+
+
+def _counter_buffer(device: torch.device, n: int) -> Tensor:
+    """Zeroed int32 counters (the recurrent kernel leaves them zero), at least n, one buffer per
+    device made on first use. NOTE: a buffer outgrown is kept: a CUDA graph may hold it."""
+    with _counters_lock:
+        bufs = _counters.setdefault(device, [])
+        if not bufs or bufs[-1].numel() < n:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("gated_delta: run it once eagerly at this batch size before "
+                                   "capturing it (its counters are made on first use)")
+            bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+        return bufs[-1]
+
+
+def _block_v(work: int, dv: int, small: int, large: int) -> int:
+    """Value columns per program: `small` while there are few (row, head) pairs (more programs
+    to fill the SMs), `large` beyond, never past dv's power of two."""
+    return min(small if work < 512 else large, max(16, triton.next_power_of_2(dv)))
+
+
+def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_log: Tensor,
+                dt_bias: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,
+                seq_lens: Tensor, cu_q_lens: Tensor, num_decode: int, max_q_len: int,
+                num_k_heads: int, page_size: int, boundary_conv: Tensor | None = None,
+                boundary_ssm: Tensor | None = None, *, chunked: bool = True,
+                block_v: int | None = None) -> Tensor:
+    """`gated_delta_ref` in Triton: the decode rows by `_recurrent_kernel` (one launch), the
+    extend rows by the chunked path (`_conv_kernel`, `_chunk_prep_kernel`,
+    `_chunk_rule_kernel`; chunked=False: `_recurrent_kernel` token by token). Tokens of no row
+    are left unwritten. Reads no device tensor on the host; grids from shapes and host ints
+    (max_q_len unused): safe to capture in a CUDA graph once run eagerly (`_counter_buffer`).
+    block_v: value columns per program (tests)."""
+    t, c = mixed_qkv.shape
+    hv, dk, dv = a.shape[1], ssm_state.shape[2], ssm_state.shape[3]
+    hk, kw = num_k_heads, conv_weight.shape[1]
+    assert c == 2 * hk * dk + hv * dv and hv % hk == 0, (c, hk, hv, dk, dv)
+    assert conv_state.shape[1:] == (c, kw - 1) and ssm_state.dtype == torch.float32
+    assert mixed_qkv.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1
+    assert ssm_state.stride(3) == 1 and conv_weight.stride(1) == 1
+    boundary = boundary_ssm is not None
+    if boundary:
+        assert boundary_conv is not None and boundary_ssm is not None
+        assert boundary_conv.stride() == conv_state.stride()
+        assert boundary_ssm.stride() == ssm_state.stride()
+    bcs = boundary_conv if boundary_conv is not None else conv_state
+    bss = boundary_ssm if boundary_ssm is not None else ssm_state
+    rows = slots.shape[0]
+    n_ext = rows - num_decode
+    out = torch.empty(t, hv, dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    if t == 0:
+        return out
+    bk, kp = max(16, triton.next_power_of_2(dk)), triton.next_power_of_2(kw)
+    consts = {"HK": hk, "G": hv // hk, "DK": dk, "DV": dv, "K": kw, "KP": kp, "BK": bk,
+              "BOUNDARY": boundary}
+    strides = (*conv_state.stride(), *ssm_state.stride()[:3])
+
+    def recurrent(nrows: int, row0: int, varlen: bool) -> None:
+        bv = block_v or _block_v(nrows * hv, dv, 16, 32)
+        nv = triton.cdiv(dv, bv)
+        _recurrent_kernel[(nrows, hv, nv)](
+            mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_state, ssm_state, slots,
+            seq_lens, cu_q_lens, out, bcs, bss, _counter_buffer(out.device, rows * hk),
+            row0, num_decode, page_size, dk ** -0.5, L2_EPS,
+            mixed_qkv.stride(0), a.stride(0), b.stride(0), conv_weight.stride(0), *strides,
+            out.stride(0), out.stride(1), **consts, BV=bv, NV=nv, VARLEN=varlen,
+            num_warps=2 if bv <= 16 else 4)
+
+    if num_decode:
+        recurrent(num_decode, 0, varlen=False)
+    te = t - num_decode
+    if n_ext <= 0 or te <= 0:
+        return out
+    if not chunked:
+        recurrent(n_ext, num_decode, varlen=True)
+        return out
+    y = torch.empty(te, c, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    ainv = torch.empty(te, hv, CHUNK, dtype=torch.float32, device=mixed_qkv.device)
+    steps = max(1, (n_ext - 1).bit_length())
+    ext_slots = slots[num_decode:]
+    tok_x = mixed_qkv[num_decode:]
+    bc = 128
+    _conv_kernel[(triton.cdiv(te, 32), triton.cdiv(c, bc))](
+        tok_x, conv_weight, conv_state, ext_slots, cu_q_lens, y, 0, n_ext, steps, c,
+        tok_x.stride(0), conv_weight.stride(0), *conv_state.stride(), y.stride(0),
+        K=kw, BT=32, BC=bc, num_warps=4)
+    _chunk_prep_kernel[(triton.cdiv(te, CHUNK), hv)](
+        y, a, b, a_log, dt_bias, cu_q_lens, ainv, num_decode, n_ext, steps, L2_EPS,
+        y.stride(0), a.stride(0), b.stride(0), ainv.stride(0), ainv.stride(1),
+        HK=hk, G=hv // hk, DK=dk, BK=bk, BT=CHUNK, DOT=DOT_PRECISION, num_warps=4)
+    bv = block_v or _block_v(n_ext * hv, dv, 32, 64)
+    _chunk_rule_kernel[(n_ext, hv, triton.cdiv(dv, bv))](
+        mixed_qkv, y, a, b, a_log, dt_bias, conv_state, ssm_state, ainv, slots, seq_lens,
+        cu_q_lens, out, bcs, bss, num_decode, num_decode, page_size, dk ** -0.5, L2_EPS,
+        mixed_qkv.stride(0), y.stride(0), a.stride(0), b.stride(0), *strides,
+        ainv.stride(0), ainv.stride(1), out.stride(0), out.stride(1),
+        **consts, BV=bv, BT=CHUNK, DOT=DOT_PRECISION, num_warps=4)
+    return out

@@ -69,8 +69,8 @@ def triton_ops() -> Ops:
         greedy_pick=greedy.greedy_pick,
         embed=embed.embed,
         fused_moe=moe.fused_moe,
-        gated_delta=deltanet.gated_delta_ref,  # TODO(issue 36): the Triton kernels
-        gated_rms_norm=deltanet.gated_rms_norm_ref,
+        gated_delta=deltanet.gated_delta,
+        gated_rms_norm=deltanet.gated_rms_norm,
     )
 
 

@@ -15,13 +15,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_interpreter_check
 from torch import Tensor
 
 from arle_kernels import deltanet
 from arle_kernels.deltanet import (
     chunk_delta_rule_ref,
     delta_rule_ref,
+    gated_delta,
     gated_delta_ref,
+    gated_rms_norm,
     gated_rms_norm_ref,
 )
 
@@ -69,8 +72,10 @@ def make_layer(shape: Shape, dtype: torch.dtype, slots: int = 4, seed: int = 0,
     gen = torch.Generator().manual_seed(seed)
     c, hv = shape.c, shape.hv
     conv_weight = (torch.randn(c, shape.k, generator=gen) / shape.k ** 0.5).to(dtype)
-    a_log = torch.empty(hv).uniform_(1.0, 16.0, generator=gen).log().to(dtype)
-    dt_bias = (torch.randn(hv, generator=gen) * 0.5).to(dtype)
+    # decays from long memory (g ~ -0.001 a token) to short (~ -1): the state must carry
+    # across chunks for a test to see it
+    a_log = torch.empty(hv).uniform_(-5.0, 0.5, generator=gen).to(dtype)
+    dt_bias = (torch.randn(hv, generator=gen) * 0.5 - 2.0).to(dtype)
     conv_state = torch.randn(slots, c, shape.k - 1, generator=gen).to(dtype)
     ssm_state = torch.randn(slots, hv, shape.dk, shape.dv, generator=gen) * 0.3
     if zero_states:
@@ -316,3 +321,114 @@ def test_chunked_ref_equals_recurrence(n: int) -> None:
         o2, s2 = chunk_delta_rule_ref(q, k, v, g, beta, s0, chunk)
         torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(s2, s1, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton vs the refs
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    """A step's rows: decode rows (slot, seq_len), then extend rows (slot, seq_len, tokens);
+    pad_tokens past the rows (an extend graph's padding)."""
+
+    decode: tuple[tuple[int, int], ...] = ()
+    extend: tuple[tuple[int, int, int], ...] = ()
+    pad_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, _, n in self.extend) + self.pad_tokens
+
+    def tensors(self, device: str) -> tuple[Tensor, Tensor, Tensor]:
+        """(slots, seq_lens, cu_q_lens), int32."""
+        slots = [s for s, _ in self.decode] + [s for s, _, _ in self.extend]
+        lens = [e for _, e in self.decode] + [e for _, e, _ in self.extend]
+        cu = [0]
+        for _, _, n in self.extend:
+            cu.append(cu[-1] + n)
+
+        def i32(v: list[int]) -> Tensor:
+            return torch.tensor(v, dtype=torch.int32, device=device)
+        return i32(slots), i32(lens), i32(cu)
+
+    def row_tokens(self) -> Tensor:
+        """The tokens that belong to a row (the rest are left unwritten)."""
+        return torch.arange(self.num_tokens - self.pad_tokens)
+
+
+def compare_step(shape: Shape, step: Step, dtype: torch.dtype, device: str, page_size: int,
+                 boundary: bool = True, slots: int = 8, seed: int = 0,
+                 **kw: object) -> None:
+    """The Triton op against gated_delta_ref on one step: outputs, both states of every slot,
+    and the boundary tensors (NaN where nothing may be written)."""
+    layer = make_layer(shape, dtype, slots=slots, seed=seed)
+    x, a, b = make_inputs(shape, step.num_tokens, dtype, seed=seed + 1)
+    args = [t.to(device) for t in (x, a, b, layer.conv_weight, layer.a_log, layer.dt_bias)]
+    idx = step.tensors(device)
+    results = []
+    for op in (gated_delta_ref, gated_delta):
+        conv, ssm = (t.to(device) for t in layer.clone_states())
+        bnd = ((torch.full_like(conv, float("nan")), torch.full_like(ssm, float("nan")))
+               if boundary else (None, None))
+        extra = kw if op is gated_delta else {}
+        out = op(*args, conv, ssm, *idx, len(step.decode),
+                 max((n for _, _, n in step.extend), default=1), shape.hk, page_size, *bnd,
+                 **extra)
+        results.append((out, conv, ssm, *bnd))
+    (o_r, c_r, s_r, bc_r, bs_r), (o_t, c_t, s_t, bc_t, bs_t) = results
+    rows = step.row_tokens().to(device)
+    assert_close(o_t[rows].cpu(), o_r[rows].cpu(), dtype, f"out {step}")
+    assert torch.equal(c_t, c_r), f"conv state {step}"
+    assert_close(s_t.cpu(), s_r.cpu(), torch.float32 if dtype == torch.float32 else dtype,
+                 f"ssm state {step}")
+    if boundary:
+        assert bc_t is not None and bc_r is not None and bs_t is not None and bs_r is not None
+        assert torch.equal(bc_t.isnan(), bc_r.isnan()) and torch.equal(bs_t.isnan(), bs_r.isnan())
+        assert torch.equal(bc_t.nan_to_num(), bc_r.nan_to_num()), f"boundary conv {step}"
+        assert_close(bs_t.nan_to_num().cpu(), bs_r.nan_to_num().cpu(), torch.float32,
+                     f"boundary ssm {step}")
+
+
+#: decode rows: some land on a page boundary (seq_len a multiple of 4), one padding row
+DECODE = Step(decode=((3, 9), (0, 8), (-1, 1), (5, 1), (6, 16)))
+#: extend rows of odd lengths from fresh and continued slots: shorter than the conv, crossing
+#: no / one / several page boundaries, an empty row, a padding row, padding tokens
+EXTEND = Step(extend=((2, 7, 7), (4, 70, 67), (1, 3, 2), (7, 5, 0), (-1, 9, 5), (0, 150, 131)),
+              pad_tokens=3)
+MIXED = Step(decode=((3, 40), (6, 12)), extend=((0, 21, 1), (5, 100, 35), (1, 64, 64)))
+
+
+def interp_check_deltanet() -> None:
+    """Under TRITON_INTERPRET=1: every path of the op against the ref, fp32."""
+    for page_size in (4, 16):
+        for step in (DECODE, EXTEND, MIXED):
+            compare_step(TINY, step, torch.float32, "cpu", page_size)
+    compare_step(TINY, MIXED, torch.float32, "cpu", 16, boundary=False)
+    compare_step(TINY, EXTEND, torch.float32, "cpu", 16, chunked=False)
+    wide = Shape(hk=2, hv=4, dk=32, dv=32)  # two blocks of value columns per head
+    compare_step(wide, MIXED, torch.float32, "cpu", 4, block_v=16)
+    compare_step(wide, EXTEND, torch.float32, "cpu", 16, block_v=16, chunked=False)
+    for step in (DECODE, EXTEND):  # one key head for 3 value heads, conv of 3, dv 24
+        compare_step(ODD, step, torch.float32, "cpu", 4)
+
+
+def interp_check_gated_rms_norm() -> None:
+    gen = torch.Generator().manual_seed(5)
+    for n, d in ((7, 16), (33, 24)):
+        x = torch.randn(n, d, generator=gen)
+        z = torch.randn(n, d, generator=gen)
+        w = torch.randn(d, generator=gen)
+        got, want = gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        xs = torch.randn(n, 2 * d, generator=gen)[:, :d]  # strided rows
+        torch.testing.assert_close(gated_rms_norm(xs, z, w, 1e-6),
+                                   gated_rms_norm_ref(xs, z, w, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+def test_deltanet_kernels_interpreted() -> None:
+    run_interpreter_check("test_kernels_deltanet", "interp_check_deltanet")
+
+
+def test_gated_rms_norm_interpreted() -> None:
+    run_interpreter_check("test_kernels_deltanet", "interp_check_gated_rms_norm")
