@@ -10,7 +10,17 @@ fake.
     python scripts/make_random_model.py qwen3-4b /tmp/models/qwen3-4b \\
         [--dtype bfloat16] [--seed 0] [--device cuda] [--shard-gb 4] [--check] [--force]
 
-Names: qwen3-0.6b, qwen3-4b, qwen3-8b, and `tiny` (2 layers, hidden 256: quick tests).
+Names: qwen3-0.6b, qwen3-4b, qwen3-8b, and `tiny` (2 layers, hidden 256: quick tests); the
+mixture-of-experts Qwen3-30B-A3B (`qwen3-30b-a3b`, experts stored one by one, as released) and
+the block-FP8 releases `qwen3-30b-a3b-fp8` (the Instruct-2507-FP8 layout) and `qwen3-4b-fp8`, with
+`tiny-moe` / `tiny-moe-fp8` at test size.
+
+FP8 (the Qwen FP8 releases' format): every linear weight but lm_head and the routers' gates is
+float8_e4m3fn with `weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)] beside it. Each block's
+scale is a power of two (1, 2 or 4 times the smallest that holds 4.5 std of the weight), drawn
+per block: the real weights keep their N(0, 1/fan_in) spread, a kernel that reads the wrong
+block's scale shows, and any dequantisation (transformers' included) is exact. --dtype is the
+dtype of the unquantized tensors.
 
 Weights (why these scales): linear weights are N(0, 1/fan_in) (std 0.0198 for Qwen3-4B's q_proj:
 the usual 0.02 at these sizes, but it keeps `tiny` from going flat), so every projection keeps its
@@ -96,6 +106,48 @@ def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: in
             "num_key_value_heads": kv_heads, "max_window_layers": layers,
             "tie_word_embeddings": tied, **extra}
 
+#: The FP8 releases' quantization_config (Qwen/Qwen3-*-FP8).
+FP8_BLOCK = (128, 128)
+
+
+def _qwen3_moe(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+               experts: int, active: int, expert_size: int, **extra: Any) -> dict[str, Any]:
+    """A Qwen3-MoE config.json (Qwen/Qwen3-30B-A3B-Instruct-2507's fields)."""
+    return {**_qwen3(hidden, intermediate, layers, heads, kv_heads, tied=False),
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_experts": experts, "num_experts_per_tok": active,
+            "moe_intermediate_size": expert_size, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+            "router_aux_loss_coef": 0.001, **extra}
+
+
+def _fp8(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` with the FP8 releases' quantization_config: lm_head and each MoE layer's router
+    gate stay unquantized."""
+    gates = [f"model.layers.{i}.mlp.gate" for i in range(cfg["num_hidden_layers"])
+             if _is_moe(cfg, i)]
+    return {**cfg, "quantization_config": {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": ["lm_head", *gates]}}
+
+
+def _is_moe(cfg: dict[str, Any], layer: int) -> bool:
+    """transformers' qwen3_moe rule: every decoder_sparse_step-th layer, but mlp_only_layers."""
+    return (cfg.get("num_experts", 0) > 0 and layer not in cfg.get("mlp_only_layers", ())
+            and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+
+
+#: name -> config of the MoE models (bf16), and of the block-FP8 models (name + "-fp8" where
+#: the release is also FP8)
+_MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b-fp8": _qwen3_moe(2048, 6144, 48, 32, 4, 128, 8, 768, rope_theta=10000000,
+                                    max_position_embeddings=262144),
+    "qwen3-4b-fp8": _qwen3(2560, 9728, 36, 32, 8, tied=True),
+    # Not a real model: the Qwen3-MoE layout at test size, layer 1 dense (mlp_only_layers).
+    "tiny-moe-fp8": _qwen3_moe(256, 512, 3, 4, 2, 8, 2, 128, head_dim=64, mlp_only_layers=[1]),
+}
+_UNQUANTIZED = {"qwen3-30b-a3b": "qwen3-30b-a3b-fp8", "tiny-moe": "tiny-moe-fp8"}
+
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, tied=True),
@@ -103,6 +155,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, tied=False),
     # Not a real model: the Qwen3 layout at test size (same vocab, tokenizer and special ids).
     "tiny": _qwen3(256, 512, 2, 4, 2, tied=True, head_dim=64),
+    **{name: _fp8(cfg) for name, cfg in _MOE_CONFIGS.items()},
+    **{name: _MOE_CONFIGS[fp8] for name, fp8 in _UNQUANTIZED.items()},
 }
 
 #: Qwen3's generation_config.json.
@@ -127,7 +181,8 @@ _CORPUS_CHARS = 4_000_000
 
 LOGIT_STD = 3.0  # target std of the logits over the vocab (see the module docstring)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+              torch.float8_e4m3fn: "F8_E4M3"}
 
 
 @dataclass(frozen=True)
@@ -136,11 +191,22 @@ class TensorSpec:
     shape: tuple[int, ...]
     #: normal std for weights; None for norm weights (1 + 0.1*N(0,1))
     std: float | None
+    #: "weight": an FP8 weight (of std `std`); "scale": the fp32 block scales of the FP8 weight
+    #: `name` without "_scale_inv" (`shape` is its grid); "": a tensor in the model's dtype
+    fp8: str = ""
+
+    def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return {"weight": torch.float8_e4m3fn, "scale": torch.float32}.get(self.fp8, model_dtype)
+
+    def nbytes(self, element_size: int) -> int:
+        """Bytes in a file whose unquantized tensors take `element_size` bytes per element."""
+        size = {"weight": 1, "scale": 4}.get(self.fp8, element_size)
+        return math.prod(self.shape) * size
 
 
 def tensor_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
     """Every tensor of the HF Qwen3 checkpoint, in the order HF writes them."""
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    h = cfg["hidden_size"]
     hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     emb_std = LOGIT_STD / math.sqrt(h)
 
@@ -159,18 +225,73 @@ def tensor_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
             TensorSpec(p + "self_attn.q_norm.weight", (hd,), None),
             TensorSpec(p + "self_attn.k_norm.weight", (hd,), None),
             TensorSpec(p + "post_attention_layernorm.weight", (h,), None),
-            linear(p + "mlp.gate_proj.weight", inter, h),
-            linear(p + "mlp.up_proj.weight", inter, h),
-            linear(p + "mlp.down_proj.weight", h, inter),
+            *_mlp_specs(cfg, i),
         ]
     specs.append(TensorSpec("model.norm.weight", (h,), None))
     if not cfg["tie_word_embeddings"]:
         specs.append(TensorSpec("lm_head.weight", (cfg["vocab_size"], h), emb_std))
-    return specs
+    return _fp8_specs(specs) if cfg.get("quantization_config") else specs
+
+
+def _mlp_specs(cfg: dict[str, Any], layer: int) -> list[TensorSpec]:
+    """A layer's MLP: dense, or (`_is_moe`) the router gate and the experts one by one."""
+    h, p = cfg["hidden_size"], f"model.layers.{layer}.mlp."
+
+    def swiglu(prefix: str, inter: int) -> list[TensorSpec]:
+        return [TensorSpec(prefix + "gate_proj.weight", (inter, h), h ** -0.5),
+                TensorSpec(prefix + "up_proj.weight", (inter, h), h ** -0.5),
+                TensorSpec(prefix + "down_proj.weight", (h, inter), inter ** -0.5)]
+
+    if not _is_moe(cfg, layer):
+        return swiglu(p, cfg["intermediate_size"])
+    experts = cfg["num_experts"]
+    return [TensorSpec(p + "gate.weight", (experts, h), h ** -0.5),
+            *(s for e in range(experts)
+              for s in swiglu(f"{p}experts.{e}.", cfg["moe_intermediate_size"]))]
+
+
+def _fp8_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """The FP8 releases' tensors: each projection's weight FP8, its block scales after it."""
+    out = []
+    for spec in specs:
+        if not spec.name.endswith("_proj.weight"):
+            out.append(spec)
+            continue
+        out += [TensorSpec(spec.name, spec.shape, spec.std, "weight"),
+                TensorSpec(spec.name + "_scale_inv", _fp8_grid(spec.shape), spec.std, "scale")]
+    return out
+
+
+def _fp8_grid(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(-(-n // b) for n, b in zip(shape, FP8_BLOCK, strict=True))
+
+
+def _fp8_scales(weight: str, grid: tuple[int, ...], std: float, seed: int,
+                device: torch.device) -> torch.Tensor:
+    """The block scales of FP8 weight `weight` (the same whichever of the weight and its scale
+    asks): 1, 2 or 4 times the smallest power of two that holds 4.5 std in e4m3's range."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(zlib.crc32(f"{seed}/{weight}/scale".encode()))
+    smallest = 2.0 ** math.ceil(math.log2(4.5 * std / 448.0))
+    return smallest * torch.exp2(torch.randint(0, 3, grid, generator=gen, device=device).float())
+
+
+def _make_fp8(spec: TensorSpec, seed: int, device: torch.device) -> torch.Tensor:
+    assert spec.std is not None
+    if spec.fp8 == "scale":
+        return _fp8_scales(spec.name.removesuffix("_scale_inv"), spec.shape, spec.std, seed,
+                           device)
+    w = make_tensor(TensorSpec(spec.name, spec.shape, spec.std), seed, torch.float32, device)
+    n, k = spec.shape
+    scale = _fp8_scales(spec.name, _fp8_grid(spec.shape), spec.std, seed, device)
+    per_element = scale.repeat_interleave(FP8_BLOCK[0], 0).repeat_interleave(FP8_BLOCK[1], 1)
+    return (w / per_element[:n, :k]).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 def make_tensor(spec: TensorSpec, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Draw one tensor; its values depend only on (seed, name, shape, device type)."""
+    if spec.fp8:
+        return _make_fp8(spec, seed, device)
     gen = torch.Generator(device=device)
     # NOTE: 32 bits: the CPU generator (mt19937) ignores the seed's higher bits.
     gen.manual_seed(zlib.crc32(f"{seed}/{spec.name}".encode()))
@@ -188,7 +309,7 @@ def plan_shards(specs: list[TensorSpec], element_size: int,
     shards: list[list[TensorSpec]] = [[]]
     size = 0
     for spec in specs:
-        n = math.prod(spec.shape) * element_size
+        n = spec.nbytes(element_size)
         if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
@@ -203,8 +324,8 @@ def write_safetensors(path: Path, specs: list[TensorSpec], dtype: torch.dtype,
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for spec in specs:
-        n = math.prod(spec.shape) * dtype.itemsize
-        header[spec.name] = {"dtype": _ST_DTYPES[dtype], "shape": list(spec.shape),
+        n = spec.nbytes(dtype.itemsize)
+        header[spec.name] = {"dtype": _ST_DTYPES[spec.dtype(dtype)], "shape": list(spec.shape),
                              "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -214,7 +335,7 @@ def write_safetensors(path: Path, specs: list[TensorSpec], dtype: torch.dtype,
         f.write(raw)
         for spec in specs:
             t = produce(spec).contiguous().cpu()
-            assert tuple(t.shape) == spec.shape and t.dtype == dtype, spec.name
+            assert tuple(t.shape) == spec.shape and t.dtype == spec.dtype(dtype), spec.name
             f.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
@@ -237,7 +358,7 @@ def write_weights(out: Path, cfg: dict[str, Any], dtype: torch.dtype, seed: int,
                 for name, shard in zip(names, shards, strict=True)]
         for job in jobs:
             job.result()
-    total = sum(math.prod(s.shape) for s in specs) * dtype.itemsize
+    total = sum(s.nbytes(dtype.itemsize) for s in specs)
     if len(shards) > 1:
         index = {"metadata": {"total_size": total,
                               "total_parameters": sum(math.prod(s.shape) for s in specs)},

@@ -190,6 +190,79 @@ def test_unread_formats_are_refused_by_name(fp8_dirs: Any, tmp_path: Path,
     assert f"unsupported quantization {says}" in lines[0], lines[0]
 
 
+# ---- scripts/make_random_model.py: the real configs, for the GPU figures ------------------
+
+RANDOM_MODELS = ("qwen3-30b-a3b", "qwen3-30b-a3b-fp8", "qwen3-4b-fp8", "tiny-moe", "tiny-moe-fp8")
+
+
+def _released_layout(state: dict[str, tuple[int, ...]], fp8: bool) -> dict[str, tuple[int, ...]]:
+    """transformers' in-memory tensors as a release stores them: experts one by one (its
+    `experts.gate_up_proj` [E, 2I, H] is each expert's gate rows, then its up rows) and, in
+    FP8, a `weight_scale_inv` grid of 128 x 128 blocks beside each projection."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(shape[0]):
+                for proj in ("gate_proj", "up_proj"):
+                    out[f"{name.removesuffix('gate_up_proj')}{e}.{proj}.weight"] = (
+                        shape[1] // 2, shape[2])
+        elif name.endswith("experts.down_proj"):
+            for e in range(shape[0]):
+                out[f"{name.removesuffix('down_proj')}{e}.down_proj.weight"] = shape[1:]
+        else:
+            out[name] = shape
+    if fp8:
+        out.update({f"{n}_scale_inv": (-(-s[0] // 128), -(-s[1] // 128))
+                    for n, s in list(out.items()) if n.endswith("_proj.weight")})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RANDOM_MODELS)
+def test_random_model_layout_matches_the_releases(name: str) -> None:
+    """Names and shapes: transformers' model of the config (on the meta device), in the
+    releases' layout; FP8 weights and fp32 scales where the FP8 releases have them."""
+    mrm = load_script("make_random_model")
+    cfg = mrm.CONFIGS[name]
+    fp8 = "quantization_config" in cfg
+    config = transformers.AutoConfig.for_model(
+        **{k: v for k, v in cfg.items() if k != "quantization_config"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    state = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg["tie_word_embeddings"]:
+        state.pop("lm_head.weight")
+    specs = mrm.tensor_specs(cfg)
+    assert {s.name: s.shape for s in specs} == _released_layout(state, fp8)
+    kinds = {s.fp8 for s in specs}
+    assert kinds == ({"", "weight", "scale"} if fp8 else {""})
+    if name == "qwen3-30b-a3b-fp8":  # the release's ~31 GB
+        assert 31.0e9 < sum(s.nbytes(2) for s in specs) < 31.3e9
+
+
+@pytest.mark.slow
+def test_random_fp8_moe_loads_as_transformers_dequantises_it(tmp_path: Path) -> None:
+    """`tiny-moe-fp8` (dense layer 1, 128 x 128 blocks): per-block power-of-two scales that vary
+    (1, 2 or 4 times the smallest), and arle's logits within 1e-4 of transformers', which
+    dequantises the directory itself."""
+    mrm = load_script("make_random_model")
+    mrm.write_model_dir("tiny-moe-fp8", tmp_path, "bfloat16", device="cpu")
+    flat = {k: v for ts in read_tensors(tmp_path).values() for k, v in ts.items()}
+    scale = flat["model.layers.0.mlp.experts.3.down_proj.weight_scale_inv"]
+    assert scale.dtype == torch.float32 and scale.shape == (2, 1)
+    ratios = set()
+    for scales in (v for k, v in flat.items() if k.endswith("_scale_inv")):
+        assert torch.equal(scales.log2(), scales.log2().round())
+        ratios |= set((scales / scales.min()).flatten().tolist())
+    assert ratios == {1.0, 2.0, 4.0}
+    assert flat["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
+    ours = load_model(tmp_path, "float32")
+    assert isinstance(ours.model.layers[0].mlp, SparseMoE)
+    assert not isinstance(ours.model.layers[1].mlp, SparseMoE)
+    ids = torch.randint(0, 151936, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert_logits_match(ours, hf_from_dir(tmp_path), ids, chunks=(None, 16))
+
+
 # ---- on the GPU (skipped without one: the lent H200 runs these) -----------------------------
 
 #: Real kernel shapes: the FP8 releases' 128 x 128 blocks, head dim 128, 16 experts of 256.
