@@ -152,7 +152,7 @@ def _pick_fp8_config(m: int, n: int, k: int, block: tuple[int, int]) -> Fp8Confi
     tuning): a small table by row class."""
     bk = block[1]
     if m <= GEMV_MAX_M:
-        m_pad = triton.next_power_of_2(m)
+        m_pad = triton.next_power_of_2(max(1, m))
         # NOTE: M_PAD x BLOCK_N x BLOCK_K fp32 products per program: 64 registers a thread
         block_k = min(bk, 256 // m_pad)
         return Fp8Config("gemv", m_pad, 16, block_k, num_warps=4, num_stages=1)
@@ -240,6 +240,7 @@ def _launch_fp8_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
     bn, bk = block
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert weight_scale_inv.shape == (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    assert weight_scale_inv.stride(1) == 1
     assert bk % cfg.block_k == 0, "a K step must stay inside one scale block"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:

@@ -76,7 +76,7 @@ def moe_experts_ref(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Te
         gate, up = gate_up.chunk(2, dim=-1)
         h = F.linear(F.silu(gate) * up, _expert_weight(w2, w2_scale, block, e, x.dtype))
         pair_out[pairs] = h * weights.reshape(-1)[pairs, None].to(x.dtype)
-    return pair_out.view(t, k, -1).float().sum(dim=1).to(x.dtype)
+    return pair_out.view(t, k, x.shape[1]).float().sum(dim=1).to(x.dtype)
 
 
 def fused_moe_ref(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
@@ -107,7 +107,7 @@ def moe_experts_w8a8_ref(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w
     pair_out = torch.stack([F.linear(hq[p], fp8_dequant_ref(w2[e], w2_scale[e], block))
                             for p, e in enumerate(experts)]).to(x.dtype)
     pair_out = pair_out * weights.reshape(-1, 1).to(x.dtype)
-    return pair_out.view(t, k, -1).float().sum(dim=1).to(x.dtype)
+    return pair_out.view(t, k, x.shape[1]).float().sum(dim=1).to(x.dtype)
 
 
 def moe_align_ref(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -414,7 +414,7 @@ def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
     class, no tuning while serving). block: the FP8 block (None: bf16 weights)."""
     bk = block[1] if block is not None else 128
     if num_tokens <= MOE_GEMV_MAX_TOKENS:
-        m_pad = triton.next_power_of_2(num_tokens)
+        m_pad = triton.next_power_of_2(max(1, num_tokens))
         # NOTE: M_PAD x BLOCK_N x BLOCK_K fp32 products per accumulator: <= 64 registers a
         # thread at 4 warps (gate_up has two)
         return MoeConfig("gemv", m_pad, MoeTile(16, min(bk, 128 // m_pad), num_stages=1),
@@ -441,6 +441,8 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
     bn, bk = block if block is not None else (1, 1)
     if w_scale is not None:
         assert bk % tile.block_k == 0, "a K step must stay inside one scale block"
+        assert w_scale.stride(2) == 1 and w_scale.shape[1:] == (triton.cdiv(w.shape[1], bn),
+                                                               triton.cdiv(k, bk))
     ws = w_scale if w_scale is not None else w  # a dummy pointer without scales
     grid = (triton.cdiv(n, tile.block_n), block_expert.shape[0])
     meta = {"ROW_DIV": row_div, "GLU": glu, "MUL_WEIGHT": not glu, "W8": w_scale is not None,

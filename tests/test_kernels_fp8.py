@@ -170,6 +170,7 @@ def interp_check_fp8() -> None:
         cfg = _pick_fp8_config(m, 40, 70, (16, 32))
         want = _launch_fp8_linear(x, w, ws, (16, 32), None, cfg)
         assert torch.equal(fp8_linear(x, w, ws, (16, 32)), want)
+    assert fp8_linear(x[:0], w, ws, (16, 32)).shape == (0, 40)
 
 
 def check_fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,

@@ -308,6 +308,9 @@ def interp_check_moe() -> None:
         want = _moe_experts(x, w, ids, experts["w13"], experts["w2"], experts["w13_scale"],
                             experts["w2_scale"], (16, 16), cfg)
         assert torch.equal(got, want), t
+    empty = fused_moe(x[:0], logits[:0], experts["w13"], experts["w2"], 2, True,
+                      experts["w13_scale"], experts["w2_scale"], (16, 16))
+    assert empty.shape == (0, h)
 
 
 def triton_pow2(n: int) -> int:
