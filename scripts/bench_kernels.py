@@ -5,10 +5,14 @@
     python3 scripts/bench_kernels.py fused [--out f.json]    # the fused glue ops against their refs
     python3 scripts/bench_kernels.py decode [--out d.json]   # decode attention's configs x splits
     python3 scripts/bench_kernels.py extend [--out e.json]   # extend attention against SDPA flash
+    python3 scripts/bench_kernels.py moe [--out m.json]      # Qwen3-30B-A3B's experts, each kernel kind
+    python3 scripts/bench_kernels.py fp8 [--out f.json]      # block-FP8 linears, each kind, vs cuBLAS bf16
 
 Each prints a table; --out writes its rows as JSON. `gemv`, `sweep` and `decode` time calls as a
 decode step runs them: back to back in a CUDA graph, each on another copy of its weights (or KV
-cache), the copies together well past L2, so that every call reads from HBM.
+cache), the copies together well past L2, so that every call reads from HBM. `moe` and `fp8`
+time their kernel kinds at each token count (the table their `pick_*_config` chooses from) the
+same way: `moe` rotates routings over 128 experts (1.2 GB of bf16 weights), `fp8` weight copies.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stamp import stamp
 
 from arle_kernels import extend_attention as extend
+from arle_kernels import fp8 as fp8_kernels
+from arle_kernels import moe as moe_kernels
 from arle_kernels.decode_attention import decode_attention, default_config, pick_num_splits
 from arle_kernels.fused import (
     add_rms_norm,
@@ -311,6 +317,127 @@ def bench_fused(tokens: tuple[int, ...], batches: tuple[int, ...],
 
 
 # ---------------------------------------------------------------------------------------------
+# MoE experts and FP8 linears (Qwen3-30B-A3B)
+# ---------------------------------------------------------------------------------------------
+
+#: Qwen3-30B-A3B: experts, top-k, hidden, expert width; (N, K) of its FP8 dense linears
+A3B_E, A3B_K, A3B_H, A3B_I = 128, 8, 2048, 768
+A3B_LINEARS: dict[str, tuple[int, int]] = {"qkv": (5120, 2048), "o_proj": (2048, 4096)}
+FP8_BLOCK = (128, 128)
+
+
+def _fp8_weight(shape: tuple[int, ...], gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Random FP8 weights [..., N, K] and their 128 x 128 block scales."""
+    *lead, n, k = shape
+    w = (torch.randn(shape, generator=gen, device="cuda") * 64).clamp(-448, 448)
+    scale = torch.full((*lead, -(-n // 128), -(-k // 128)), 2.0 ** -6 / k ** 0.5, device="cuda")
+    return w.to(fp8_kernels.FP8), scale
+
+
+def _moe_kinds(t: int, fp8: bool) -> list[moe_kernels.MoeConfig]:
+    """The chosen config and every other kernel kind at t tokens (the GEMV up to 16 tokens)."""
+    block = FP8_BLOCK if fp8 else None
+    chosen = moe_kernels.pick_moe_config(t, A3B_K, A3B_E, A3B_H, A3B_I, block)
+    cfgs = [chosen]
+    if chosen.kind != "gemv" and t <= 16:  # (pick_moe_config's GEMV tiles, for more rows)
+        m_pad = triton.next_power_of_2(t)
+        cfgs.append(moe_kernels.MoeConfig(
+            "gemv", m_pad, moe_kernels.MoeTile(16, max(16, 128 // m_pad), num_stages=1),
+            moe_kernels.MoeTile(16, max(16, 256 // m_pad), num_stages=1)))
+    bk = 128 if fp8 else 64
+    tile = moe_kernels.MoeTile(64 if t <= 64 else 128, bk)
+    for kind in ["mma"] + (["w8a8"] if fp8 else []):
+        if chosen.kind != kind:
+            cfgs.append(moe_kernels.MoeConfig(kind, max(16, chosen.block_m), tile, tile))
+    return cfgs
+
+
+def _moe_experts_call(weights: dict[str, Any], cfg: moe_kernels.MoeConfig,
+                      inputs: tuple[Tensor, ...]) -> Tensor:
+    x, _, w, ids = inputs
+    return moe_kernels._moe_experts(x, w, ids, weights["w13"], weights["w2"],
+                                    weights.get("w13_scale"), weights.get("w2_scale"),
+                                    weights.get("block"), cfg)
+
+
+def _fp8_linear_call(x: Tensor, cfg: fp8_kernels.Fp8Config, ws: tuple[Tensor, Tensor]) -> Tensor:
+    return fp8_kernels._launch_fp8_linear(x, ws[0], ws[1], FP8_BLOCK, None, cfg)
+
+
+def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...]) -> list[Row]:
+    """Each MoE kernel kind on Qwen3-30B-A3B's experts (routing and the top-k sum included;
+    the router's softmax / top-k timed apart), in a CUDA graph, over 8 random routings. GB/s:
+    the weights of the experts the tokens chose, read once; TFLOP/s: the pairs' projections."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out: list[Row] = []
+    expert_bytes = 3 * A3B_H * A3B_I
+    for fp8 in fp8s:
+        if fp8:
+            w13, s13 = _fp8_weight((A3B_E, 2 * A3B_I, A3B_H), gen)
+            w2, s2 = _fp8_weight((A3B_E, A3B_H, A3B_I), gen)
+            weights = {"w13": w13, "w2": w2, "w13_scale": s13, "w2_scale": s2,
+                       "block": FP8_BLOCK}
+        else:
+            weights = {"w13": (torch.randn(A3B_E, 2 * A3B_I, A3B_H, generator=gen,
+                                           device="cuda") * A3B_H ** -0.5).bfloat16(),
+                       "w2": (torch.randn(A3B_E, A3B_H, A3B_I, generator=gen,
+                                          device="cuda") * A3B_I ** -0.5).bfloat16()}
+        for t in tokens:
+            inputs = []
+            for _ in range(8):
+                logits = torch.randn(t, A3B_E, generator=gen, device="cuda").bfloat16()
+                w, ids = moe_kernels.moe_route(logits, A3B_K, True)
+                inputs.append((_x(t, A3B_H, gen), logits, w, ids))
+            used = sum(int(i[3].unique().numel()) for i in inputs) / len(inputs)
+            nbytes = used * expert_bytes * (1 if fp8 else 2)
+            flops = 2 * t * A3B_K * 3 * A3B_H * A3B_I
+            us = _time_us(lambda i: moe_kernels.moe_route(i[1], A3B_K, True), inputs)
+            out.append({"op": "route", "fp8": fp8, "T": t, "kind": "-", "us": us,
+                        "GBps": 0.0, "TFLOPs": 0.0, "chosen": True})
+            for j, cfg in enumerate(_moe_kinds(t, fp8)):
+                us = _time_us(partial(_moe_experts_call, weights, cfg), inputs)
+                out.append({"op": "experts", "fp8": fp8, "T": t, "kind": cfg.kind,
+                            "block_m": cfg.block_m, "us": us, "GBps": nbytes / us / 1e3,
+                            "TFLOPs": flops / us / 1e6, "chosen": j == 0})
+    print(f"{'op':8} {'w':>4} {'T':>5} {'kind':>5} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8}")
+    for r in out:
+        print(f"{r['op']:8} {'fp8' if r['fp8'] else 'bf16':>4} {r['T']:5} {r['kind']:>5} "
+              f"{r['us']:9.1f} {r['GBps']:7.0f} {r['TFLOPs']:8.1f}{' *' if r['chosen'] else ''}")
+    return out
+
+
+def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
+    """Each FP8 linear kind per shape and M, and F.linear on the same weights in bf16 (cuBLAS),
+    in a CUDA graph over weight copies past L2. GB/s counts the FP8 weight's bytes."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out: list[Row] = []
+    for name in shapes:
+        n, k = A3B_LINEARS[name]
+        copies = [_fp8_weight((n, k), gen) for _ in range(_copies(n * k))]
+        bf16 = [fp8_kernels.fp8_dequant_ref(w, s, FP8_BLOCK, torch.bfloat16)
+                for w, s in copies[:_copies(2 * n * k)]]
+        for m in rows:
+            x = _x(m, k, gen)
+            chosen = fp8_kernels._pick_fp8_config(m, n, k, FP8_BLOCK)
+            kinds = [chosen] + [
+                dataclasses.replace(chosen, kind=kind, block_m=max(16, chosen.block_m),
+                                    block_n=64 if m <= 64 else 128, block_k=128, num_stages=3)
+                for kind in ("w8a16", "w8a8") if kind != chosen.kind]
+            for j, cfg in enumerate(kinds):
+                us = _time_us(partial(_fp8_linear_call, x, cfg), copies)
+                out.append({"shape": name, "M": m, "kind": cfg.kind, "us": us,
+                            "GBps": n * k / us / 1e3, "chosen": j == 0})
+            us = _time_us(partial(F.linear, x), bf16)
+            out.append({"shape": name, "M": m, "kind": "cublas_bf16", "us": us,
+                        "GBps": 2 * n * k / us / 1e3, "chosen": False})
+    print(f"{'shape':8} {'M':>5} {'kind':>12} {'us':>8} {'GB/s':>7}")
+    for r in out:
+        print(f"{r['shape']:8} {r['M']:5} {r['kind']:>12} {r['us']:8.1f} {r['GBps']:7.0f}"
+              f"{' *' if r['chosen'] else ''}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------
 
@@ -463,6 +590,10 @@ def run(args: argparse.Namespace) -> list[Row]:
         return bench_fused(tuple(args.tokens), tuple(args.batches))
     if args.cmd == "decode":
         return bench_decode(tuple(args.batches), tuple(args.contexts))
+    if args.cmd == "moe":
+        return bench_moe(tuple(args.tokens), tuple(w == "fp8" for w in args.weights))
+    if args.cmd == "fp8":
+        return bench_fp8(tuple(args.rows), args.shapes)
     return [row for prefix in args.prefix for kv in args.kv
             for row in bench_extend(args.seq_len, prefix, kv == "fp8", args.configs)]
 
@@ -498,6 +629,13 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--kv", choices=["bf16", "fp8"], nargs="+", default=["bf16", "fp8"])
     c.add_argument("--configs", type=_ints, nargs="+", default=[],
                    help="also BLOCK_M,BLOCK_N,num_warps,num_stages ...")
+    c = sub.add_parser("moe", help="Qwen3-30B-A3B's experts: each kernel kind per token count")
+    c.add_argument("--tokens", type=int, nargs="+",
+                   default=[1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192])
+    c.add_argument("--weights", choices=["bf16", "fp8"], nargs="+", default=["bf16", "fp8"])
+    c = sub.add_parser("fp8", help="block-FP8 linears: each kernel kind, and cuBLAS bf16")
+    c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 2048])
+    c.add_argument("--shapes", nargs="+", choices=list(A3B_LINEARS), default=list(A3B_LINEARS))
     for c in sub.choices.values():
         c.add_argument("--out", help="write the rows as JSON to this file")
     args = p.parse_args(argv)
