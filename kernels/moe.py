@@ -96,17 +96,20 @@ def moe_experts_w8a8_ref(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w
     rounded once to x's dtype."""
     t, k = ids.shape
     gk = block[1]
+    flat = ids.reshape(-1)
     xq = fp8_dequant_groups_ref(*quantize(x, gk), gk)
-    experts = ids.reshape(-1).tolist()
-    h = []
-    for p, e in enumerate(experts):
-        gate_up = F.linear(xq[p // k], fp8_dequant_ref(w13[e], w13_scale[e], block)).to(x.dtype)
-        gate, up = gate_up.chunk(2)
-        h.append(F.silu(gate) * up)
-    hq = fp8_dequant_groups_ref(*quantize(torch.stack(h), gk), gk)
-    pair_out = torch.stack([F.linear(hq[p], fp8_dequant_ref(w2[e], w2_scale[e], block))
-                            for p, e in enumerate(experts)]).to(x.dtype)
-    pair_out = pair_out * weights.reshape(-1, 1).to(x.dtype)
+    h = x.new_zeros(t * k, w2.shape[2])
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero()[:, 0]
+        w = fp8_dequant_ref(w13[e], w13_scale[e], block)
+        gate, up = F.linear(xq[pairs // k], w).to(x.dtype).chunk(2, dim=-1)
+        h[pairs] = F.silu(gate) * up
+    hq = fp8_dequant_groups_ref(*quantize(h, gk), gk)
+    pair_out = x.new_zeros(t * k, x.shape[1])
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero()[:, 0]
+        out = F.linear(hq[pairs], fp8_dequant_ref(w2[e], w2_scale[e], block)).to(x.dtype)
+        pair_out[pairs] = out * weights.reshape(-1)[pairs, None].to(x.dtype)
     return pair_out.view(t, k, x.shape[1]).float().sum(dim=1).to(x.dtype)
 
 
