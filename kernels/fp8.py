@@ -7,6 +7,12 @@ the real weight is `weight * scale` per (bn, bk) block, edge blocks partial.
 - `fp8_dequant_ref`: the dequantised weight (fp32 products, then the asked dtype), as
   transformers dequantises an FP8 checkpoint on a machine without a GPU.
 - `fp8_linear_ref`: x @ dequant(weight)^T (+ bias) through F.linear, in x's dtype.
+- `quantize_fp8_groups(_ref)`: a W8A8 GEMM's activations, per row and bk-column group.
+
+`fp8_linear` (Triton) picks a kernel by row count (`_pick_fp8_config`, shapes only): an FMA
+GEMV for a few rows (W8A16: each weight tile dequantised in registers, W read once), the same
+on tensor cores up to W8A16_MAX_M rows, and W8A8 beyond (FP8 x FP8 dots, each K step scaled by
+the activation's and the weight's block scales). Graph-safe: no host reads of device tensors.
 """
 
 from __future__ import annotations

@@ -11,6 +11,20 @@ Triton kernels beside them.
   transformers' default `grouped_mm` experts do.
 FP8 weights (float8_e4m3fn, with per-(bn, bk)-block scales [E, ceil(N/bn), ceil(K/bk)]) are
 dequantised to x's dtype first (kernels/fp8.py's rule).
+
+The Triton version (`fused_moe` = `moe_route` + `moe_experts`), as vLLM's and SGLang's:
+- `moe_route`: one kernel, softmax + top-k (equal probabilities: the lowest expert, the set
+  torch.topk picks on CUDA) + renormalise; ids int32.
+- `moe_align`: one program sorts the pairs p = token * top_k + j into per-expert groups, each
+  padded to block_m, and names each block's expert (-1 past the last group).
+- `_moe_mma_kernel`: the grouped GEMM over those blocks on tensor cores (bf16; FP8 weights
+  dequantised in registers, W8A16; or FP8 x FP8 with activations quantised per token and bk
+  columns, W8A8), silu(gate) * up in the gate_up projection's epilogue and the routing
+  weight in down's; `_moe_gemv_kernel`: the same contract for a few tokens with FMAs, one
+  block per expert, so each chosen expert's weights are read once for all its rows.
+- the per-pair outputs [T * top_k, H] summed over top_k by torch (fp32 accumulation).
+`pick_moe_config` chooses the kind and tiles from the token count (a small table; never tuned
+while serving). Buffers and grids come from shapes: no host reads, safe to capture.
 """
 
 from __future__ import annotations
