@@ -170,6 +170,15 @@ def _pick_fp8_config(m: int, n: int, k: int, block: tuple[int, int]) -> Fp8Confi
                      num_stages=3)
 
 
+def fp8_row_classes(n: int, k: int, block: tuple[int, int], max_rows: int) -> tuple[int, ...]:
+    """One row count per launch configuration `_pick_fp8_config` gives up to max_rows (the
+    kernels compile per config): what a warm-up runs to build every FP8 linear variant."""
+    seen: dict[Fp8Config, int] = {}
+    for m in range(1, max_rows + 1):
+        seen.setdefault(_pick_fp8_config(m, n, k, block), m)
+    return tuple(seen.values())
+
+
 @jit_varying("M")
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
                      stride_xm, stride_wn, stride_wsn, stride_ym,

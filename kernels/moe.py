@@ -264,7 +264,8 @@ def moe_align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tens
     if max_blocks > 0:
         pairs = t * top_k
         e_pad = triton.next_power_of_2(num_experts)
-        chunk = max(16, min(triton.next_power_of_2(pairs), 16384 // e_pad))
+        # NOTE: one chunk size per expert count (not per token count): one variant per block_m
+        chunk = max(16, 16384 // e_pad)
         _align_kernel[(1,)](ids, sorted_ids, block_expert, pairs, num_experts, max_blocks,
                             E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk,
                             BLOCKS_CHUNK=max(16, 4096 // e_pad), num_warps=8)
@@ -447,6 +448,16 @@ def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
         return MoeConfig("mma", block_m, tile, tile)
     tile = MoeTile(64 if block_m <= 32 else 128, 64, num_warps=4, num_stages=3)
     return MoeConfig("mma", block_m, tile, tile)
+
+
+def moe_token_classes(top_k: int, num_experts: int, hidden: int, inter: int,
+                      block: tuple[int, int] | None, max_tokens: int) -> tuple[int, ...]:
+    """One token count per launch configuration `pick_moe_config` gives up to max_tokens (the
+    kernels compile per config): what a warm-up runs to build every MoE variant."""
+    seen: dict[MoeConfig, int] = {}
+    for t in range(1, max_tokens + 1):
+        seen.setdefault(pick_moe_config(t, top_k, num_experts, hidden, inter, block), t)
+    return tuple(seen.values())
 
 
 def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor | None,

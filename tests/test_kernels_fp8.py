@@ -22,6 +22,7 @@ from arle_kernels.fp8 import (
     fp8_linear,
     fp8_linear_ref,
     fp8_linear_w8a8_ref,
+    fp8_row_classes,
     quantize_fp8_groups,
     quantize_fp8_groups_ref,
 )
@@ -127,6 +128,14 @@ def test_pick_config() -> None:
                 assert cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.block_k >= 16
             else:
                 assert cfg.block_m * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
+
+
+def test_row_classes_cover_every_config() -> None:
+    """A warm-up running fp8_row_classes meets every config of 1..max_rows rows once."""
+    classes = fp8_row_classes(5120, 2048, (128, 128), 4096)
+    cfgs = [_pick_fp8_config(m, 5120, 2048, (128, 128)) for m in classes]
+    assert len(set(cfgs)) == len(cfgs) and classes[0] == 1
+    assert {_pick_fp8_config(m, 5120, 2048, (128, 128)) for m in range(1, 4097)} == set(cfgs)
 
 
 # ---- interpreter (CPU): every kernel against its ref on tiny shapes -----------------------

@@ -30,6 +30,7 @@ from arle_kernels.moe import (
     moe_max_blocks,
     moe_route,
     moe_route_ref,
+    moe_token_classes,
     pick_moe_config,
 )
 
@@ -184,6 +185,16 @@ def test_pick_config() -> None:
             assert cfg.kind == fp8_kind and 16 <= cfg.block_m <= 64
             assert block[1] % cfg.up.block_k == 0 and block[1] % cfg.down.block_k == 0
         assert pick_moe_config(t, 8, 128, 2048, 768, None).kind == "mma"
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_token_classes_cover_every_config(block: tuple[int, int] | None) -> None:
+    """A warm-up running moe_token_classes meets every config of 1..max_tokens tokens once."""
+    args = (8, 128, 2048, 768, block)
+    classes = moe_token_classes(*args, max_tokens=4096)
+    cfgs = [pick_moe_config(t, *args) for t in classes]
+    assert len(set(cfgs)) == len(cfgs) and classes[0] == 1
+    assert {pick_moe_config(t, *args) for t in range(1, 4097)} == set(cfgs)
 
 
 # ---------------------------------------------------------------------------------------------
