@@ -13,7 +13,18 @@ fake.
 Names: qwen3-0.6b, qwen3-4b, qwen3-8b, and `tiny` (2 layers, hidden 256: quick tests); the
 mixture-of-experts Qwen3-30B-A3B (`qwen3-30b-a3b`, experts stored one by one, as released) and
 the block-FP8 releases `qwen3-30b-a3b-fp8` (the Instruct-2507-FP8 layout) and `qwen3-4b-fp8`, with
-`tiny-moe` / `tiny-moe-fp8` at test size.
+`tiny-moe` / `tiny-moe-fp8` at test size; the hybrid Qwen3.5 models `qwen3.5-0.8b`,
+`qwen3.5-4b`, `qwen3.5-9b`, with `tiny-qwen3.5` at test size.
+
+Qwen3.5 (Gated DeltaNet + gated attention): the published layout, `Qwen3_5ForConditionalGeneration`
+with the text config under `text_config` (the fields of the released config.json files: 3 linear
+layers then a full one, head dim 256 with a quarter rotating, rope theta 1e7, linear attention of
+16 key heads of 128 and 16 or 32 value heads) and the text weights under
+`model.language_model.*`. The vision tower's and the MTP head's weights are not written (a text
+engine does not read them; transformers' AutoModelForCausalLM loads the directory without them),
+only its `vision_config`. Qwen3.5's vocabulary (248320) and special ids (<|endoftext|> 248044,
+<|im_start|> 248045, <|im_end|> 248046). Its zero-centred norms (x * (1 + w)) get w =
+0.1*N(0,1); A_log and dt_bias transformers' initialisation (log U(0.01, 16), ones).
 
 FP8 (the Qwen FP8 releases' format): every linear weight but lm_head and the routers' gates is
 float8_e4m3fn with `weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)] beside it. Each block's
@@ -75,6 +86,10 @@ VOCAB_SIZE = 151936
 SPECIAL_TOKENS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
 BOS_ID, EOS_ID = 151643, 151645
 
+#: Qwen3.5's vocabulary and special tokens (its tokenizer has 248077 ids; the embedding 248320).
+QWEN3_5_VOCAB_SIZE = 248320
+QWEN3_5_SPECIAL_TOKENS = {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046}
+
 #: Fields shared by the real Qwen3 config.json files (Qwen/Qwen3-*, transformers 4.51 era).
 _QWEN3_BASE: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -105,6 +120,59 @@ def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: in
             "num_hidden_layers": layers, "num_attention_heads": heads,
             "num_key_value_heads": kv_heads, "max_window_layers": layers,
             "tie_word_embeddings": tied, **extra}
+
+
+def _qwen3_5(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+             value_heads: int, tied: bool, vision: dict[str, Any], head_dim: int = 256,
+             key_heads: int = 16, linear_dim: int = 128) -> dict[str, Any]:
+    """A Qwen3.5 config.json as released (Qwen/Qwen3.5-*): the multimodal wrapper, the text
+    model's fields under `text_config`, every 4th layer full attention."""
+    eos = QWEN3_5_SPECIAL_TOKENS["<|endoftext|>"]
+    text = {
+        "model_type": "qwen3_5_text", "attention_bias": False, "attention_dropout": 0.0,
+        "attn_output_gate": True, "bos_token_id": eos, "eos_token_id": eos, "dtype": "bfloat16",
+        "full_attention_interval": 4, "head_dim": head_dim, "hidden_act": "silu",
+        "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": intermediate,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                        for i in range(layers)],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": linear_dim,
+        "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": linear_dim, "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False, "num_attention_heads": heads,
+        "num_hidden_layers": layers, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                            "rope_type": "default", "rope_theta": 10000000,
+                            "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": tied, "use_cache": True, "vocab_size": QWEN3_5_VOCAB_SIZE,
+    }
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "image_token_id": 248056, "video_token_id": 248057,
+            "vision_start_token_id": 248053, "vision_end_token_id": 248054,
+            "tie_word_embeddings": tied, "transformers_version": "4.57.0.dev0",
+            "text_config": text,
+            "vision_config": {"model_type": "qwen3_5", "deepstack_visual_indexes": [],
+                              "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+                              "initializer_range": 0.02, "num_position_embeddings": 2304,
+                              "patch_size": 16, "spatial_merge_size": 2,
+                              "temporal_patch_size": 2, **vision, "out_hidden_size": hidden}}
+
+
+def _vision(depth: int, hidden: int, heads: int, intermediate: int) -> dict[str, Any]:
+    return {"depth": depth, "hidden_size": hidden, "num_heads": heads,
+            "intermediate_size": intermediate}
+
+
+#: The Qwen3.5 releases (their config.json fields; the 4B's vision tower from copies of it).
+_QWEN3_5_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3.5-0.8b": _qwen3_5(1024, 3584, 24, 8, 2, 16, True, _vision(12, 768, 12, 3072)),
+    "qwen3.5-4b": _qwen3_5(2560, 9216, 32, 16, 4, 32, True, _vision(24, 1024, 16, 4096)),
+    "qwen3.5-9b": _qwen3_5(4096, 12288, 32, 16, 4, 32, False, _vision(27, 1152, 16, 4304)),
+    # Not a real model: the Qwen3.5 layout at test size (4 layers, the last full attention).
+    "tiny-qwen3.5": _qwen3_5(256, 512, 4, 4, 2, 8, True, _vision(1, 64, 2, 128), head_dim=64,
+                             key_heads=4, linear_dim=32),
+}
+
 
 #: The FP8 releases' quantization_config (Qwen/Qwen3-*-FP8).
 FP8_BLOCK = (128, 128)
@@ -157,6 +225,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": _qwen3(256, 512, 2, 4, 2, tied=True, head_dim=64),
     **{name: _fp8(cfg) for name, cfg in _MOE_CONFIGS.items()},
     **{name: _MOE_CONFIGS[fp8] for name, fp8 in _UNQUANTIZED.items()},
+    **_QWEN3_5_CONFIGS,
 }
 
 #: Qwen3's generation_config.json.
@@ -165,6 +234,17 @@ GENERATION_CONFIG: dict[str, Any] = {
     "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
     "transformers_version": "4.51.0",
 }
+#: Qwen3.5's: the same sampling, its own ids (it stops at <|im_end|> or <|endoftext|>).
+QWEN3_5_GENERATION_CONFIG: dict[str, Any] = {
+    **GENERATION_CONFIG, "bos_token_id": QWEN3_5_SPECIAL_TOKENS["<|endoftext|>"],
+    "pad_token_id": QWEN3_5_SPECIAL_TOKENS["<|endoftext|>"],
+    "eos_token_id": [QWEN3_5_SPECIAL_TOKENS["<|im_end|>"],
+                     QWEN3_5_SPECIAL_TOKENS["<|endoftext|>"]],
+}
+
+
+def is_qwen3_5(cfg: dict[str, Any]) -> bool:
+    return "text_config" in cfg
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -189,11 +269,15 @@ _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    #: normal std for weights; None for norm weights (1 + 0.1*N(0,1))
+    #: normal std for weights; None for norm weights (1 + 0.1*N(0,1), or `init`'s)
     std: float | None
     #: "weight": an FP8 weight (of std `std`); "scale": the fp32 block scales of the FP8 weight
     #: `name` without "_scale_inv" (`shape` is its grid); "": a tensor in the model's dtype
     fp8: str = ""
+    #: the values of a tensor with no std: "" norm weights 1 + 0.1*N(0,1); "zero_centred"
+    #: 0.1*N(0,1) (Qwen3.5's norms scale by 1 + w); "a_log" log U(0.01, 16), "ones" (Gated
+    #: DeltaNet's A_log and dt_bias, as transformers initialises them)
+    init: str = ""
 
     def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return {"weight": torch.float8_e4m3fn, "scale": torch.float32}.get(self.fp8, model_dtype)
@@ -206,6 +290,8 @@ class TensorSpec:
 
 def tensor_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
     """Every tensor of the HF Qwen3 checkpoint, in the order HF writes them."""
+    if is_qwen3_5(cfg):
+        return _qwen3_5_specs(cfg)
     h = cfg["hidden_size"]
     hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     emb_std = LOGIT_STD / math.sqrt(h)
@@ -233,9 +319,62 @@ def tensor_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
     return _fp8_specs(specs) if cfg.get("quantization_config") else specs
 
 
-def _mlp_specs(cfg: dict[str, Any], layer: int) -> list[TensorSpec]:
+def _qwen3_5_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
+    """The text model's tensors of a Qwen3.5 release (`model.language_model.*`, lm_head when
+    untied), per layer its mixer's (Gated DeltaNet or gated attention), MLP and norms."""
+    t = cfg["text_config"]
+    h, hd = t["hidden_size"], t["head_dim"]
+    nq, nkv = t["num_attention_heads"], t["num_key_value_heads"]
+    hk, hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+    dk, dv, kernel = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]
+    conv = 2 * hk * dk + hv * dv
+    emb_std = LOGIT_STD / math.sqrt(h)
+
+    def linear(name: str, out: int, inp: int) -> TensorSpec:
+        return TensorSpec(name, (out, inp), inp ** -0.5)
+
+    def norm(name: str, n: int) -> TensorSpec:
+        return TensorSpec(name, (n,), None, init="zero_centred")
+
+    root = "model.language_model."
+    specs = [TensorSpec(root + "embed_tokens.weight", (t["vocab_size"], h), emb_std)]
+    for i, kind in enumerate(t["layer_types"]):
+        p = f"{root}layers.{i}."
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            mixer = [
+                linear(a + "in_proj_qkv.weight", conv, h),
+                linear(a + "in_proj_z.weight", hv * dv, h),
+                linear(a + "in_proj_b.weight", hv, h),
+                linear(a + "in_proj_a.weight", hv, h),
+                TensorSpec(a + "conv1d.weight", (conv, 1, kernel), kernel ** -0.5),
+                TensorSpec(a + "dt_bias", (hv,), None, init="ones"),
+                TensorSpec(a + "A_log", (hv,), None, init="a_log"),
+                TensorSpec(a + "norm.weight", (dv,), None),  # gated: not zero-centred
+                linear(a + "out_proj.weight", h, hv * dv),
+            ]
+        else:
+            a = p + "self_attn."
+            mixer = [
+                linear(a + "q_proj.weight", 2 * nq * hd, h),  # query and gate per head
+                linear(a + "k_proj.weight", nkv * hd, h),
+                linear(a + "v_proj.weight", nkv * hd, h),
+                linear(a + "o_proj.weight", h, nq * hd),
+                norm(a + "q_norm.weight", hd),
+                norm(a + "k_norm.weight", hd),
+            ]
+        specs += [norm(p + "input_layernorm.weight", h), *mixer,
+                  norm(p + "post_attention_layernorm.weight", h),
+                  *_mlp_specs({**t, "num_experts": 0}, i, root)]
+    specs.append(norm(root + "norm.weight", h))
+    if not t["tie_word_embeddings"]:
+        specs.append(TensorSpec("lm_head.weight", (t["vocab_size"], h), emb_std))
+    return specs
+
+
+def _mlp_specs(cfg: dict[str, Any], layer: int, root: str = "model.") -> list[TensorSpec]:
     """A layer's MLP: dense, or (`_is_moe`) the router gate and the experts one by one."""
-    h, p = cfg["hidden_size"], f"model.layers.{layer}.mlp."
+    h, p = cfg["hidden_size"], f"{root}layers.{layer}.mlp."
 
     def swiglu(prefix: str, inter: int) -> list[TensorSpec]:
         return [TensorSpec(prefix + "gate_proj.weight", (inter, h), h ** -0.5),
@@ -296,7 +435,13 @@ def make_tensor(spec: TensorSpec, seed: int, dtype: torch.dtype, device: torch.d
     # NOTE: 32 bits: the CPU generator (mt19937) ignores the seed's higher bits.
     gen.manual_seed(zlib.crc32(f"{seed}/{spec.name}".encode()))
     x = torch.randn(spec.shape, generator=gen, device=device, dtype=torch.float32)
-    if spec.std is None:
+    if spec.init == "zero_centred":
+        x = (0.1 * x).clamp_(min=-0.9)
+    elif spec.init == "a_log":
+        x = torch.empty(spec.shape, device=device).uniform_(0.01, 16, generator=gen).log_()
+    elif spec.init == "ones":
+        x = torch.ones(spec.shape, device=device)
+    elif spec.std is None:
         x = (1.0 + 0.1 * x).clamp_(min=0.1)
     else:
         x *= spec.std
@@ -383,12 +528,14 @@ def _corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
+def build_tokenizer(vocab_size: int = VOCAB_SIZE,
+                    special_tokens: dict[str, int] | None = None) -> Any:
     """A Qwen-style byte-level BPE (NFC, Qwen's split regex, byte-level) trained on a local
     corpus, with Qwen's special tokens at their real ids (beyond the trained ids, a gap)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    assert max(SPECIAL_TOKENS.values()) < vocab_size
+    special = special_tokens or SPECIAL_TOKENS
+    assert max(special.values()) < vocab_size
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -403,7 +550,7 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
     # putting them in the BPE vocab is what pins their ids (an added token would get id 16000).
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
-    vocab.update(SPECIAL_TOKENS)
+    vocab.update(special)
     # NOTE: every model id decodes to text: ids the trained BPE does not reach get filler words
     # (" #<id>", never produced by encoding). A random model samples from the whole vocabulary;
     # with empty strings there, a streaming client would see no text and mis-time TTFT/ITL.
@@ -416,15 +563,19 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
         taken.add(word)
     data["added_tokens"] = [
         {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True} for t, i in SPECIAL_TOKENS.items()]
+         "normalized": False, "special": True} for t, i in special.items()]
     tok = Tokenizer.from_str(json.dumps(data))
-    for t, i in SPECIAL_TOKENS.items():
+    for t, i in special.items():
         assert tok.token_to_id(t) == i and tok.encode(t).ids == [i], t
     return tok
 
 
 def write_tokenizer(out: Path, cfg: dict[str, Any]) -> None:
-    build_tokenizer(cfg["vocab_size"]).save(str(out / "tokenizer.json"))
+    if is_qwen3_5(cfg):
+        build_tokenizer(QWEN3_5_VOCAB_SIZE, QWEN3_5_SPECIAL_TOKENS).save(
+            str(out / "tokenizer.json"))
+    else:
+        build_tokenizer(cfg["vocab_size"]).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         # NOTE: not Qwen2Tokenizer: transformers 5 rebuilds that class's pipeline from the vocab
         # instead of reading tokenizer.json; this one reads tokenizer.json as it is.
@@ -448,7 +599,8 @@ def write_model_dir(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0
         path.unlink()
     cfg = {**CONFIGS[name], "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+    gen_config = QWEN3_5_GENERATION_CONFIG if is_qwen3_5(cfg) else GENERATION_CONFIG
+    (out / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
     write_tokenizer(out, cfg)
     with torch.no_grad():
         return write_weights(out, cfg, _DTYPES[dtype], seed, torch.device(device),
@@ -469,9 +621,10 @@ def check_logits(out: Path, device: str, seq_len: int = 64) -> dict[str, float]:
         model = auto.from_pretrained(out, **kw).to(device)
     model.eval()
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (4, seq_len), generator=gen).to(device)
+    vocab = model.get_output_embeddings().weight.shape[0]  # (a multimodal config nests it)
+    ids = torch.randint(0, vocab, (4, seq_len), generator=gen).to(device)
     changed = ids.clone()
-    changed[:, 0] = (changed[:, 0] + 1) % model.config.vocab_size
+    changed[:, 0] = (changed[:, 0] + 1) % vocab
     with torch.no_grad():
         logits = model(ids).logits.float()
         logits2 = model(changed).logits.float()

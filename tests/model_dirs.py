@@ -201,3 +201,94 @@ def write_fp8_model_dir(path: Path, config: Any, twin: Path, block: tuple[int, i
         "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in layers)]}
     (path / "config.json").write_text(json.dumps(cfg))
 
+
+# ---- Qwen3.5 (hybrid: Gated DeltaNet + gated attention) -------------------------------------
+
+#: The tiny Qwen3.5 text model: 5 layers, full attention at 1 and 4 (so a layer's index among
+#: its kind differs from its index), head dim 64 with a quarter (16) rotating, Gated DeltaNet
+#: with 2 key heads of 32 serving 4 value heads of 24 (dk != dv), kernel 4; tied embeddings.
+QWEN3_5_TEXT: dict[str, Any] = {
+    **BASE_CONFIG, "num_hidden_layers": 5, "head_dim": 64,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                    "linear_attention", "full_attention"],
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 24, "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
+                        "mrope_interleaved": True},
+}
+#: A vision tower stub for the multimodal layout (arle skips its weights).
+QWEN3_5_VISION: dict[str, Any] = {"depth": 1, "hidden_size": 32, "num_heads": 2,
+                                  "intermediate_size": 64, "patch_size": 4,
+                                  "temporal_patch_size": 2, "spatial_merge_size": 2,
+                                  "out_hidden_size": 128, "num_position_embeddings": 16}
+QWEN3_5_LAYOUTS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
+#: Tensors the published checkpoints carry beside the text model's: the multi-token
+#: prediction head (transformers and arle both skip them; only their names matter).
+QWEN3_5_MTP = ("mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.input_layernorm.weight")
+
+
+def qwen3_5_config(arch: str = "Qwen3_5ForConditionalGeneration", **overrides: Any) -> Any:
+    """A transformers Qwen3.5 config in one of the two layouts (`QWEN3_5_LAYOUTS`): the
+    published multimodal one (text under `text_config`, a vision stub) or the text-only one."""
+    import transformers
+
+    text = {**QWEN3_5_TEXT, **overrides}
+    if arch == "Qwen3_5ForCausalLM":
+        return transformers.Qwen3_5TextConfig(**text, architectures=[arch])
+    assert arch == "Qwen3_5ForConditionalGeneration", arch
+    return transformers.Qwen3_5Config(
+        text_config=text, vision_config=QWEN3_5_VISION, architectures=[arch],
+        tie_word_embeddings=text["tie_word_embeddings"])
+
+
+def random_qwen3_5_model(config: Any, seed: int = 0) -> Any:
+    """`random_hf_model`, with Qwen3.5's own parameters drawn for a useful test: zero-centred
+    norms (stored w, scaling by 1 + w) around 0 (gain ~1: logits of std ~3, as the other tiny
+    models'), decays exp(g) mostly in 0.3-0.98 (the state carries several tokens and none is
+    forgotten at once)."""
+    model = random_hf_model(config, seed)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    zero_centred = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+    for name, p in model.named_parameters():
+        if "visual" in name:
+            continue
+        if any(f".{n}." in name for n in zero_centred) or name.endswith("model.norm.weight"):
+            value = 0.2 * torch.randn(p.shape, generator=gen)
+        elif name.endswith("A_log"):
+            value = torch.empty(p.shape).uniform_(0.05, 0.8, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            value = 0.5 * torch.randn(p.shape, generator=gen)
+        else:
+            continue
+        with torch.no_grad():
+            p.copy_(value)
+    return model
+
+
+def write_qwen3_5_dir(path: Path, arch: str = "Qwen3_5ForConditionalGeneration", seed: int = 0,
+                      **overrides: Any) -> Any:
+    """A random tiny Qwen3.5 checkpoint as transformers saves it (sharded), in `arch`'s layout,
+    with tokenizer files; the multimodal layout also carries `QWEN3_5_MTP` tensors (a shard
+    of their own, in the index). Returns the in-memory transformers model."""
+    config = qwen3_5_config(arch, **overrides)
+    model = random_qwen3_5_model(config, seed)
+    model.save_pretrained(path, max_shard_size="400KB")
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
+    }))
+    (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    if arch == "Qwen3_5ForConditionalGeneration":
+        from safetensors.torch import save_file
+
+        hidden = config.text_config.hidden_size
+        mtp = {name: torch.randn(hidden, 2 * hidden if name == "mtp.fc.weight" else 1
+                                 ).squeeze(-1).contiguous() for name in QWEN3_5_MTP}
+        save_file(mtp, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+        index_path = path / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
+        index_path.write_text(json.dumps(index))
+    return model

@@ -37,6 +37,9 @@ class AttentionBackend(Protocol):
     positions, this step's K/V into the paged cache, then attention over each row's pages.
     `layer` is the layer's index among the full-attention layers (its KV cache entry)."""
 
+    #: the model's kernels (a mixer's glue beside what the backend does: the gated norm)
+    ops: Ops
+
     def attend(self, layer: int, qkv: torch.Tensor | SplitSums, q_norm: torch.Tensor | None,
                k_norm: torch.Tensor | None) -> torch.Tensor:
         """qkv [T, (H + 2 KVH) * D] (or its SplitSums) -> attention output [T, H * D]."""
@@ -56,15 +59,58 @@ class AttentionBackend(Protocol):
 
 class RMSNorm(nn.Module):
     """A weight holder: the norm itself is `ops.rms_norm` / `ops.add_rms_norm` (fp32 statistics,
-    scaled in the model dtype, as HF Llama/Qwen do)."""
+    scaled in the model dtype, as HF Llama/Qwen do).
 
-    def __init__(self, dim: int, eps: float) -> None:
+    zero_centered (Qwen3.5): checkpoints store w and the norm scales by 1 + w in fp32 with one
+    rounding at the end (HF's Qwen3_5RMSNorm). The weight holds 1 + w, made at load, in fp32:
+    the ops scale by an fp32 weight in fp32 before they round (arle_kernels.fused)."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        dtype = torch.float32 if zero_centered else None  # None: the model's (default) dtype
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        if zero_centered:
+            self.weight.weight_loader = load_one_plus  # type: ignore[attr-defined]
+
+
+def load_one_plus(param: nn.Parameter, loaded: torch.Tensor, shard: str | int | None = None
+                  ) -> None:
+    """A zero-centred norm's checkpoint weight w in as 1 + w (fp32, as HF's `1.0 + w.float()`)."""
+    if loaded.shape != param.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+    param.data.copy_(1.0 + loaded.float())
+
+
+class QKVGateLinear(MergedColumnParallelLinear):
+    """Gated attention's q, k, v and output gate in one GEMM, each row [q | k | v | gate]: the
+    backend reads q, k, v as one block of the row, the gate follows. The checkpoint's q_proj
+    (shard "q") holds query and gate interleaved per head ([heads, 2, head_dim] rows, HF's
+    `view(..., -1, head_dim * 2).chunk(2)`): its loader takes them apart."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool, tp: TPGroup) -> None:
+        self.head_dim = head_dim
+        super().__init__(hidden, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
+                                  "v": num_kv_heads * head_dim, "gate": num_heads * head_dim},
+                         bias=bias, tp=tp)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard: str | int | None = None) -> None:
+        if shard != "q":
+            return super().load_shard(param, loaded, shard)
+        d = self.head_dim
+        if loaded.shape[0] % (2 * d):
+            raise ValueError(f"q_proj with {loaded.shape[0]} rows is not query | gate per head")
+        pairs = loaded.reshape(-1, 2, d, *loaded.shape[1:])  # [heads, (query, gate), D, ...]
+        for i, key in enumerate(("q", "gate")):
+            super().load_shard(param, pairs[:, i].reshape(-1, *loaded.shape[1:]), key)
 
 
 class Attention(nn.Module):
+    """Full attention over the paged KV cache; with `attn_output_gate` (Qwen3.5) the query
+    projection also gives a gate per head: o_proj(attention * sigmoid(gate))."""
+
     HF_SHARDS: ClassVar[HFShards] = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"),
                                                   ("v_proj", "v"))}
 
@@ -76,26 +122,42 @@ class Attention(nn.Module):
         self.num_kv_heads = max(1, cfg.num_kv_heads // tp.size)
         self.head_dim = cfg.head_dim
         d = cfg.head_dim
-        self.qkv_proj = MergedColumnParallelLinear(
-            cfg.hidden_size,
-            {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d},
-            bias=cfg.attention_bias, tp=tp)
+        self.gated = cfg.attn_output_gate
+        self.qkv_width = (self.num_heads + 2 * self.num_kv_heads) * d  # this rank's q, k, v
+        self.qkv_proj = (
+            QKVGateLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d,
+                          cfg.attention_bias, tp) if self.gated else
+            MergedColumnParallelLinear(
+                cfg.hidden_size,
+                {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d},
+                bias=cfg.attention_bias, tp=tp))
         # Llama/Qwen3 `attention_bias` covers o_proj too; Qwen2's q/k/v biases do not.
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=o_bias, tp=tp)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        zc = cfg.norm_zero_centered
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zc) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zc) if cfg.qk_norm else None
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The per-head q / k RMSNorm weights (Qwen3), or None, None."""
         return (self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor | SplitSums, torch.Tensor | None]:
+        """(q | k | v [T, qkv_width] for `backend.attend`, the output gate [T, H * D] or
+        None). NOTE: ungated, qkv may stay split sums: the backend's q/k norm + rope adds them
+        up (arle_kernels.split_sums); gated, both are column slices of one GEMM's output."""
+        if not self.gated:
+            return self.qkv_proj.forward_unreduced(x), None
+        y = self.qkv_proj(x)
+        return y[:, :self.qkv_width], y[:, self.qkv_width:]
+
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor | SplitSums:
-        # NOTE: qkv and the output may stay split sums: their consumers (the backend's q/k
-        # norm + rope, the next add_rms_norm) add them up (arle_kernels.split_sums)
-        qkv = self.qkv_proj.forward_unreduced(x)
+        # NOTE: the output may stay split sums: the next add_rms_norm adds them up
+        qkv, gate = self.project(x)
         attn = backend.attend(self.layer, qkv, *self.qk_norm_weights())
+        if gate is not None:  # in the model's dtype, as HF: sigmoid rounded, then the product
+            attn = attn * torch.sigmoid(gate)
         return self.o_proj.forward_unreduced(attn)
 
 
@@ -135,7 +197,8 @@ def make_mlp(cfg: ModelConfig, layer: int, tp: TPGroup) -> nn.Module:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        zc = cfg.norm_zero_centered
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
         # NOTE: named as the checkpoints name them (`self_attn` / `linear_attn`), so the
         # parameter names are the checkpoint's
         mixer = make_mixer(cfg, layer, tp)
@@ -143,7 +206,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = mixer
         else:
             self.self_attn = mixer
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
         self.mlp = make_mlp(cfg, layer, tp)
 
     @property
@@ -176,8 +239,9 @@ class DecoderLM(nn.Module):
         self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_zero_centered)
+        # NOTE: partial rotary (Qwen3.5) turns the first rotary_dim dims of each head only
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         #: The kernels (`ops_for` its device: set on loading and by the executor).
@@ -198,8 +262,9 @@ class DecoderLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def rotary_table(self, max_positions: int) -> torch.Tensor:
-        """cos | sin for positions [0, max_positions): [max_positions, head_dim] float32, the
-        table `ops.qk_norm_rope_store_kv` reads."""
+        """cos | sin for positions [0, max_positions): [max_positions, rotary_dim] float32 (the
+        rotary_dim / 2 pairs of the rotated dims), the table `ops.qk_norm_rope_store_kv`
+        reads."""
         cos, sin = self.rotary.cos_sin(torch.arange(max_positions,
                                                     device=self.rotary.inv_freq.device))
         return torch.cat([cos, sin], dim=-1).contiguous()

@@ -11,7 +11,9 @@ from torch import nn
 
 def inverse_frequencies(head_dim: int, theta: float,
                         scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
-    """Per-pair inverse frequencies and the attention factor (yarn scales cos/sin by it)."""
+    """Per-pair inverse frequencies and the attention factor (yarn scales cos/sin by it).
+    head_dim: the dims that rotate (with partial rotary, those of a head that do: as
+    transformers, every formula here sees that width only)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv.float(), 1.0
@@ -54,12 +56,14 @@ def inverse_frequencies(head_dim: int, theta: float,
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary frequencies (halves). `DecoderLM.rotary_table` turns them into the
-    cos | sin table the kernels read (`ops.qk_norm_rope_store_kv` applies the rotation)."""
+    """Neox-style rotary frequencies (halves) over `dim` dims: a head's, or its first
+    `rotary_dim` (partial rotary: the rest pass through). `DecoderLM.rotary_table` turns them
+    into the cos | sin table the kernels read (`ops.qk_norm_rope_store_kv` applies the
+    rotation)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv, self.attention_factor = inverse_frequencies(head_dim, theta, scaling)
+        inv, self.attention_factor = inverse_frequencies(dim, theta, scaling)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv, persistent=False)
 
