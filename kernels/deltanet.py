@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -233,9 +234,9 @@ def _window(x_row, stride_x, cs_row, stride_cc, stride_ck, i, ch, cmask, taps, t
     m = i + taps - KM1
     in_x = tmask & (m >= 0)
     in_s = tmask & (m < 0)
-    xv = tl.load(x_row + m[None, :].to(tl.int64) * stride_x + ch[:, None],
+    xv = tl.load(x_row + (m[None, :] * stride_x + ch[:, None]),
                  mask=cmask[:, None] & in_x[None, :], other=0.0)
-    sv = tl.load(cs_row + ch[:, None] * stride_cc + (m + KM1)[None, :] * stride_ck,
+    sv = tl.load(cs_row + (ch[:, None] * stride_cc + (m + KM1)[None, :] * stride_ck),
                  mask=cmask[:, None] & in_s[None, :], other=0.0)
     return tl.where(in_x[None, :], xv.to(cs_row.dtype.element_ty), sv)
 
@@ -338,9 +339,10 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_
     x_row = x_ptr + tok0 * stride_x
     cs_off = slot * stride_cs
     cs_row = cs_ptr + cs_off
-    s_off = slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    s_base = slot * stride_ss + hv * stride_sh
+    s_off = offs_k[:, None] * stride_sk + offs_v[None, :]
     smask = kmask[:, None] & vmask[None, :]
-    s = tl.load(ss_ptr + s_off, mask=smask, other=0.0)
+    s = tl.load(ss_ptr + s_base + s_off, mask=smask, other=0.0)
     end = tl.load(seq_lens_ptr + row)
     snap = end // page_size * page_size - (end - n)  # tokens before the boundary (> 0: one)
     for i in range(n):
@@ -365,8 +367,8 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_
         tl.store(out_row + i * stride_ot + offs_v, o.to(dtype), mask=vmask)
         if BOUNDARY:  # noqa: SIM102 (a compile-time if, then a runtime one)
             if i + 1 == snap:
-                tl.store(bss_ptr + s_off, s, mask=smask)
-    tl.store(ss_ptr + s_off, s, mask=smask)
+                tl.store(bss_ptr + s_base + s_off, s, mask=smask)
+    tl.store(ss_ptr + s_base + s_off, s, mask=smask)
     _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n, snap,
                       v_ch, vmask, taps, K - 1, BOUNDARY)
     # NOTE: the barrier puts every thread's reads of the q/k state before thread 0's release
@@ -397,7 +399,7 @@ def _conv_kernel(x_ptr, w_ptr, cs_ptr, slots_ptr, cu_ptr, y_ptr, tok_base, num_r
     valid = e < tl.load(cu_ptr + num_rows)
     j = _token_rows(cu_ptr, e, num_rows, steps)
     i = e - tl.load(cu_ptr + j)
-    slot = tl.load(slots_ptr + j).to(tl.int64)
+    slot = tl.load(slots_ptr + j)
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = ch < C
     acc = tl.zeros([BT, BC], tl.float32)
@@ -405,28 +407,35 @@ def _conv_kernel(x_ptr, w_ptr, cs_ptr, slots_ptr, cu_ptr, y_ptr, tok_base, num_r
         m = i + d - (K - 1)
         in_x = valid & (m >= 0)
         in_s = valid & (m < 0) & (slot >= 0)
-        xv = tl.load(x_ptr + (tok_base + e + d - (K - 1)).to(tl.int64)[:, None] * stride_x
-                     + ch[None, :], mask=in_x[:, None] & cmask[None, :], other=0.0)
-        sv = tl.load(cs_ptr + slot[:, None] * stride_cs + ch[None, :] * stride_cc
-                     + (m + K - 1)[:, None] * stride_ck,
+        xv = tl.load(x_ptr + ((tok_base + e + d - (K - 1))[:, None] * stride_x + ch[None, :]),
+                     mask=in_x[:, None] & cmask[None, :], other=0.0)
+        sv = tl.load(cs_ptr + (slot[:, None] * stride_cs + ch[None, :] * stride_cc
+                               + (m + K - 1)[:, None] * stride_ck),
                      mask=in_s[:, None] & cmask[None, :], other=0.0)
         w = tl.load(w_ptr + ch * stride_w + d, mask=cmask, other=0.0).to(tl.float32)
         acc += tl.where(in_x[:, None], xv.to(tl.float32), sv.to(tl.float32)) * w[None, :]
     y = _silu_rounded(acc, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + e.to(tl.int64)[:, None] * stride_y + ch[None, :], y,
+    tl.store(y_ptr + (e[:, None] * stride_y + ch[None, :]), y,
              mask=valid[:, None] & cmask[None, :])
 
 
 @jit_varying("a_ptr", "b_ptr", "cu_ptr", "tok_base", "num_rows", "steps")
-def _chunk_prep_kernel(y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_ptr, ainv_ptr, tok_base,
-                       num_rows, steps, eps, stride_y, stride_a, stride_b, stride_it,
-                       stride_ih, HK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
-                       BK: tl.constexpr, BT: tl.constexpr, DOT: tl.constexpr):
-    """Program (block of BT extend tokens, value head): the block's UT transform
-    (I + L)^-1, L[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) for j < i of the same row (G: the
-    cumulative g), by forward substitution in fp32. The blocks are the extend tokens' own
-    BT-aligned blocks, so a block may hold the pieces of several rows: L has no term across
-    rows and the inverse is block-diagonal, one block per piece (the rule kernel's chunks)."""
+def _chunk_prep_kernel(y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_ptr, w_ptr, u_ptr, qg_ptr,
+                       kd_ptr, p_ptr, g_ptr, tok_base, num_rows, steps, scale, eps,
+                       stride_y, stride_a, stride_b, stride_wt, stride_wh, stride_ut,
+                       stride_uh, stride_pt, stride_ph, stride_gt,
+                       HK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr,
+                       DOT: tl.constexpr):
+    """Program (block of BT extend tokens, value head): everything of the block's chunks that
+    does not depend on the state, for `_chunk_rule_kernel`. The chunks are the rows' pieces
+    of the extend tokens' BT-aligned blocks (a block may hold several rows' pieces; no term
+    crosses rows). Per piece, with G the piece's cumulative g, D[i, j] = exp(G_i - G_j) for
+    j <= i, and the UT transform A = (I + L)^-1, L[i, j] = beta_i (k_i . k_j) D[i, j] for
+    j < i (inverted by forward substitution, fp32):
+      W = A (beta exp(G) K)     U = A (beta V)     QG = exp(G) Q     KD = exp(G_last - G) K
+      P = (Q K^T) * D (j <= i)  and G itself.
+    Then a piece's corrections are U - W S and its outputs QG S + P (U - W S)."""
     blk = tl.program_id(0)
     hv = tl.program_id(1)
     r = tl.arange(0, BT)
@@ -434,52 +443,70 @@ def _chunk_prep_kernel(y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cu_ptr, ainv_ptr,
     valid = e < tl.load(cu_ptr + num_rows)
     j = _token_rows(cu_ptr, e, num_rows, steps)
     offs_k = tl.arange(0, BK)
-    k_ch = HK * DK + (hv // G) * DK + offs_k
-    k = tl.load(y_ptr + e.to(tl.int64)[:, None] * stride_y + k_ch[None, :],
-                mask=valid[:, None] & (offs_k < DK)[None, :], other=0.0).to(tl.float32)
-    k = k * _inv_sqrt(tl.sum(k * k, 1), eps)[:, None]
-    t = (tok_base + e).to(tl.int64)
+    kmask = valid[:, None] & (offs_k < DK)[None, :]
+    q_ch = (hv // G) * DK + offs_k
+    t = tok_base + e
     g, beta = _gates(tl.load(a_ptr + t * stride_a + hv, mask=valid, other=0.0),
                      tl.load(b_ptr + t * stride_b + hv, mask=valid, other=0.0),
                      -tl.exp(tl.load(alog_ptr + hv).to(tl.float32)),
                      tl.load(dtb_ptr + hv).to(tl.float32), b_ptr.dtype.element_ty)
     g = tl.where(valid, g, 0.0)
-    cg = tl.cumsum(g, 0)
-    lower = (r[:, None] > r[None, :]) & (j[:, None] == j[None, :]) & valid[:, None]
-    decay = tl.exp(tl.where(lower, cg[:, None] - cg[None, :], 0.0))
-    kk = tl.dot(k, tl.trans(k), input_precision=DOT)
-    low = tl.where(lower, beta[:, None] * kk * decay, 0.0)
-    # row i of the inverse: e_i - sum_{j < i} L[i, j] X[j, :] (rows j < i already final)
-    x = tl.zeros([BT, BT], tl.float32)
+    beta = tl.where(valid, beta, 0.0)
+    same = (j[:, None] == j[None, :]) & valid[:, None] & valid[None, :]
+    upto = same & (r[:, None] >= r[None, :])  # j <= i in i's piece
+    gi = tl.sum(tl.where(upto, g[None, :], 0.0), 1)  # G: cumulative within the piece
+    g_last = tl.sum(tl.where(same, g[None, :], 0.0), 1)  # the piece's total, per token
+    decay = tl.exp(tl.where(upto, gi[:, None] - gi[None, :], 0.0))
+    eg = tl.exp(gi)
+    row_off = e[:, None] * stride_wt + offs_k[None, :]
+    k = tl.load(y_ptr + (e[:, None] * stride_y + HK * DK + q_ch[None, :]), mask=kmask,
+                other=0.0).to(tl.float32)
+    k = k * _inv_sqrt(tl.sum(k * k, 1), eps)[:, None]
+    q = tl.load(y_ptr + (e[:, None] * stride_y + q_ch[None, :]), mask=kmask,
+                other=0.0).to(tl.float32)
+    q = q * (_inv_sqrt(tl.sum(q * q, 1), eps) * scale)[:, None]
+    p = tl.where(upto, tl.dot(q, tl.trans(k), input_precision=DOT) * decay, 0.0)
+    tl.store(p_ptr + hv * stride_ph + (e[:, None] * stride_pt + r[None, :]), p,
+             mask=valid[:, None])
+    tl.store(qg_ptr + hv * stride_wh + row_off, q * eg[:, None], mask=kmask)
+    tl.store(kd_ptr + hv * stride_wh + row_off, k * tl.exp(g_last - gi)[:, None], mask=kmask)
+    tl.store(g_ptr + e * stride_gt + hv, gi, mask=valid)
+    low = tl.where(upto & (r[:, None] > r[None, :]),
+                   beta[:, None] * tl.dot(k, tl.trans(k), input_precision=DOT) * decay, 0.0)
+    # row i of the inverse: e_i - sum_{j < i} L[i, j] A[j, :] (rows j < i already final)
+    inv = tl.zeros([BT, BT], tl.float32)
     for i in range(BT):
         li = tl.sum(tl.where(r[:, None] == i, low, 0.0), 0)
-        xi = tl.where(r == i, 1.0, 0.0) - tl.sum(li[:, None] * x, 0)
-        x = tl.where(r[:, None] == i, xi[None, :], x)
-    tl.store(ainv_ptr + e.to(tl.int64)[:, None] * stride_it + hv * stride_ih + r[None, :], x,
-             mask=valid[:, None])
+        xi = tl.where(r == i, 1.0, 0.0) - tl.sum(li[:, None] * inv, 0)
+        inv = tl.where(r[:, None] == i, xi[None, :], inv)
+    w = tl.dot(inv, k * (beta * eg)[:, None], input_precision=DOT)
+    tl.store(w_ptr + hv * stride_wh + row_off, w, mask=kmask)
+    offs_v = tl.arange(0, BDV)
+    vmask = valid[:, None] & (offs_v < DV)[None, :]
+    v = tl.load(y_ptr + (e[:, None] * stride_y + 2 * HK * DK + hv * DV + offs_v[None, :]),
+                mask=vmask, other=0.0).to(tl.float32)
+    u = tl.dot(inv, v * beta[:, None], input_precision=DOT)
+    tl.store(u_ptr + hv * stride_uh + (e[:, None] * stride_ut + offs_v[None, :]), u, mask=vmask)
 
 
-@jit_varying("x_ptr", "a_ptr", "b_ptr", "slots_ptr", "seq_lens_ptr", "cu_ptr", "row0",
-             "tok_base")
-def _chunk_rule_kernel(x_ptr, y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_ptr, ainv_ptr,
+@jit_varying("x_ptr", "slots_ptr", "seq_lens_ptr", "cu_ptr", "row0", "tok_base")
+def _chunk_rule_kernel(x_ptr, y_ptr, cs_ptr, ss_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, p_ptr, g_ptr,
                        slots_ptr, seq_lens_ptr, cu_ptr, out_ptr, bcs_ptr, bss_ptr,
-                       row0, tok_base, page_size, scale, eps,
-                       stride_x, stride_y, stride_a, stride_b, stride_cs, stride_cc,
-                       stride_ck, stride_ss, stride_sh, stride_sk, stride_it, stride_ih,
-                       stride_ot, stride_oh,
+                       row0, tok_base, page_size, eps,
+                       stride_x, stride_y, stride_cs, stride_cc, stride_ck, stride_ss,
+                       stride_sh, stride_sk, stride_wt, stride_wh, stride_ut, stride_uh,
+                       stride_pt, stride_ph, stride_gt, stride_ot, stride_oh,
                        HK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        BT: tl.constexpr, BOUNDARY: tl.constexpr, DOT: tl.constexpr):
     """Program (extend row, value head, block of BV value columns): the row's delta rule chunk
-    by chunk (its pieces of the BT-aligned token blocks), the state slice [dk, BV] in
-    registers. Per chunk, with G the cumulative g, D[i, j] = exp(G_i - G_j) (i >= j):
-      U = (I + L)^-1 (beta * (V - exp(G) K S))    each token's correction (the prep's inverse)
-      O = exp(G) Q S + ((Q K^T) * D) U
-      S = exp(G_last) S + (K * exp(G_last - G))^T U
-    and at a page boundary inside the chunk (after its token m) the state exp(G_m) S +
-    (K * exp(G_m - G) [j <= m])^T U. Then the slot's conv state (this program's value
-    channels; the q/k channels by the key head's first program: nothing reads the conv
-    state here)."""
+    by chunk (its pieces of the BT-aligned token blocks, `_chunk_prep_kernel`'s outputs), the
+    state slice S [dk, BV] in registers:
+      V' = U - W S        O = QG S + P V'        S = exp(G_last) S + KD^T V'
+    and at a page boundary inside the chunk (after its token m) the state
+    exp(G_m) S + (K exp(G_m - G) [j <= m])^T V' (K re-read from the conv output). Then the
+    slot's conv state (this program's value channels; the q/k channels by the key head's
+    first program: nothing reads the conv state any more)."""
     j = tl.program_id(0)
     hv = tl.program_id(1)
     bv = tl.program_id(2)
@@ -495,8 +522,8 @@ def _chunk_rule_kernel(x_ptr, y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cs_ptr, ss
         for blk in range(c0 // BT, tl.cdiv(c1, BT)):
             e = blk * BT + r
             seg = (e >= c0) & (e < c1)
-            tl.store(out_ptr + (tok_base + e).to(tl.int64)[:, None] * stride_ot
-                     + hv * stride_oh + offs_v[None, :], tl.zeros([BT, BV], dtype),
+            tl.store(out_ptr + hv * stride_oh + ((tok_base + e)[:, None] * stride_ot
+                                                 + offs_v[None, :]), tl.zeros([BT, BV], dtype),
                      mask=seg[:, None] & vmask[None, :])
         return
     n = c1 - c0
@@ -505,68 +532,55 @@ def _chunk_rule_kernel(x_ptr, y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, cs_ptr, ss
     kh = hv // G
     offs_k = tl.arange(0, BK)
     kmask = offs_k < DK
-    q_ch = kh * DK + offs_k
-    k_ch = HK * DK + q_ch
-    v_ch = 2 * HK * DK + hv * DV + offs_v
-    neg_a = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
-    dtb = tl.load(dtb_ptr + hv).to(tl.float32)
-    s_off = slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    s_base = slot * stride_ss + hv * stride_sh
+    s_off = offs_k[:, None] * stride_sk + offs_v[None, :]
     smask = kmask[:, None] & vmask[None, :]
-    s = tl.load(ss_ptr + s_off, mask=smask, other=0.0)
+    s = tl.load(ss_ptr + s_base + s_off, mask=smask, other=0.0)
     end = tl.load(seq_lens_ptr + row)
     snap = end // page_size * page_size - (end - n)  # tokens before the boundary (> 0: one)
     snap_e = tl.where(snap > 0, c0 + snap - 1, -1)  # the extend token that completes it
-    causal = r[:, None] >= r[None, :]
     for blk in range(c0 // BT, tl.cdiv(c1, BT)):
         e = blk * BT + r
         seg = (e >= c0) & (e < c1)
-        ey = e.to(tl.int64)[:, None] * stride_y
-        q = tl.load(y_ptr + ey + q_ch[None, :], mask=seg[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        k = tl.load(y_ptr + ey + k_ch[None, :], mask=seg[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        v = tl.load(y_ptr + ey + v_ch[None, :], mask=seg[:, None] & vmask[None, :],
-                    other=0.0).to(tl.float32)
-        q = q * (_inv_sqrt(tl.sum(q * q, 1), eps) * scale)[:, None]
-        k = k * _inv_sqrt(tl.sum(k * k, 1), eps)[:, None]
-        t = (tok_base + e).to(tl.int64)
-        g, beta = _gates(tl.load(a_ptr + t * stride_a + hv, mask=seg, other=0.0),
-                         tl.load(b_ptr + t * stride_b + hv, mask=seg, other=0.0),
-                         neg_a, dtb, b_ptr.dtype.element_ty)
-        g = tl.where(seg, g, 0.0)
-        beta = tl.where(seg, beta, 0.0)
-        cg = tl.cumsum(g, 0)
-        g_last = tl.sum(g, 0)
-        ainv = tl.load(ainv_ptr + e.to(tl.int64)[:, None] * stride_it + hv * stride_ih
-                       + r[None, :], mask=seg[:, None], other=0.0)
-        rhs = beta[:, None] * (v - tl.dot(k * tl.exp(cg)[:, None], s, input_precision=DOT))
-        u = tl.dot(ainv, rhs, input_precision=DOT)
-        decay = tl.exp(tl.where(causal, cg[:, None] - cg[None, :], 0.0))
-        p = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=DOT) * decay, 0.0)
-        o = (tl.dot(q * tl.exp(cg)[:, None], s, input_precision=DOT)
-             + tl.dot(p, u, input_precision=DOT))
-        tl.store(out_ptr + t[:, None] * stride_ot + hv * stride_oh + offs_v[None, :],
-                 o.to(dtype), mask=seg[:, None] & vmask[None, :])
+        rows_k = seg[:, None] & kmask[None, :]
+        rows_v = seg[:, None] & vmask[None, :]
+        wk_off = hv * stride_wh + (e[:, None] * stride_wt + offs_k[None, :])
+        gi = tl.load(g_ptr + e * stride_gt + hv, mask=seg, other=0.0)
+        w = tl.load(w_ptr + wk_off, mask=rows_k, other=0.0)
+        u = tl.load(u_ptr + hv * stride_uh + (e[:, None] * stride_ut + offs_v[None, :]),
+                    mask=rows_v, other=0.0)
+        u = u - tl.dot(w, s, input_precision=DOT)
+        qg = tl.load(qg_ptr + wk_off, mask=rows_k, other=0.0)
+        p = tl.load(p_ptr + hv * stride_ph + (e[:, None] * stride_pt + r[None, :]),
+                    mask=seg[:, None], other=0.0)
+        o = tl.dot(qg, s, input_precision=DOT) + tl.dot(p, u, input_precision=DOT)
+        tl.store(out_ptr + hv * stride_oh + ((tok_base + e)[:, None] * stride_ot
+                                             + offs_v[None, :]), o.to(dtype), mask=rows_v)
         if BOUNDARY:  # noqa: SIM102 (a compile-time if, then a runtime one)
             if (snap_e >= blk * BT) & (snap_e < blk * BT + BT):
-                cg_m = tl.sum(tl.where(e == snap_e, cg, 0.0), 0)
-                wm = tl.where(e <= snap_e, tl.exp(cg_m - cg), 0.0)
-                s_m = s * tl.exp(cg_m) + tl.dot(tl.trans(k * wm[:, None]), u,
-                                                input_precision=DOT)
-                tl.store(bss_ptr + s_off, s_m, mask=smask)
-        s = s * tl.exp(g_last) + tl.dot(tl.trans(k * tl.exp(g_last - cg)[:, None]), u,
-                                        input_precision=DOT)
-    tl.store(ss_ptr + s_off, s, mask=smask)
+                k = tl.load(y_ptr + (e[:, None] * stride_y + HK * DK + kh * DK
+                                     + offs_k[None, :]), mask=rows_k, other=0.0)
+                k = k.to(tl.float32)
+                k = k * _inv_sqrt(tl.sum(k * k, 1), eps)[:, None]
+                g_m = tl.sum(tl.where(e == snap_e, gi, 0.0), 0)
+                wm = tl.where(seg & (e <= snap_e), tl.exp(g_m - gi), 0.0)
+                s_m = s * tl.exp(g_m) + tl.dot(tl.trans(k * wm[:, None]), u,
+                                               input_precision=DOT)
+                tl.store(bss_ptr + s_base + s_off, s_m, mask=smask)
+        g_last = tl.min(tl.where(seg, gi, float("inf")), 0)  # g <= 0: G falls along the piece
+        kd = tl.load(kd_ptr + wk_off, mask=rows_k, other=0.0)
+        s = s * tl.exp(g_last) + tl.dot(tl.trans(kd), u, input_precision=DOT)
+    tl.store(ss_ptr + s_base + s_off, s, mask=smask)
     x_row = x_ptr + (tok_base + c0).to(tl.int64) * stride_x
     cs_off = slot * stride_cs
     taps = tl.arange(0, KP)
     _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n, snap,
-                      v_ch, vmask, taps, K - 1, BOUNDARY)
+                      2 * HK * DK + hv * DV + offs_v, vmask, taps, K - 1, BOUNDARY)
     if (hv % G == 0) & (bv == 0):
         _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n,
-                          snap, q_ch, kmask, taps, K - 1, BOUNDARY)
+                          snap, kh * DK + offs_k, kmask, taps, K - 1, BOUNDARY)
         _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n,
-                          snap, k_ch, kmask, taps, K - 1, BOUNDARY)
+                          snap, HK * DK + kh * DK + offs_k, kmask, taps, K - 1, BOUNDARY)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,7 +595,7 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, n_rows, d, stride_x, stri
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
+    rows64 = rows.to(tl.int64)[:, None]  # N * D may pass 2^31 (N: tokens x heads)
     x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
     z = tl.load(z_ptr + rows64 * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
@@ -620,6 +634,32 @@ CHUNK = 64
 #: decays and the inverse stay fp32)
 DOT_PRECISION = "tf32"
 
+
+@dataclass(frozen=True)
+class Launch:
+    """A kernel's block of value columns (0: unused) and its warps and pipeline stages.
+    NOTE: chosen from ptxas's register and shared-memory reports for sm_90 at Qwen3.5's
+    shapes (dk = dv = 128): none spills or only a few hundred bytes, and each fits H200's
+    shared memory; the timing is for the GPU benchmarks (scripts/bench_kernels.py deltanet)."""
+
+    block_v: int
+    num_warps: int
+    num_stages: int = 3
+
+
+#: the recurrent kernel while (rows x value heads) < 512 (more, smaller programs: batch 1 has
+#: 32 of them) and beyond
+DECODE_SMALL = Launch(16, 4)
+DECODE_LARGE = Launch(32, 8)
+CONV = Launch(0, 4)
+#: one stage: the chunk loops' loads pipelined kept several [64, 128] fp32 tiles in shared
+#: memory, past what a block may have
+PREP = Launch(0, 8, 1)
+RULE = Launch(32, 8, 1)
+#: tokens and channels per `_conv_kernel` program
+CONV_TOKENS, CONV_CHANNELS = 32, 64
+
+
 _counters: dict[torch.device, list[Tensor]] = {}
 _counters_lock = threading.Lock()
 
@@ -637,10 +677,9 @@ def _counter_buffer(device: torch.device, n: int) -> Tensor:
         return bufs[-1]
 
 
-def _block_v(work: int, dv: int, small: int, large: int) -> int:
-    """Value columns per program: `small` while there are few (row, head) pairs (more programs
-    to fill the SMs), `large` beyond, never past dv's power of two."""
-    return min(small if work < 512 else large, max(16, triton.next_power_of_2(dv)))
+def _block_v(launch: Launch, dv: int) -> int:
+    """The launch's value columns, never past dv's power of two (a dot needs 16)."""
+    return min(launch.block_v, max(16, triton.next_power_of_2(dv)))
 
 
 def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_log: Tensor,
@@ -680,7 +719,8 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
     strides = (*conv_state.stride(), *ssm_state.stride()[:3])
 
     def recurrent(nrows: int, row0: int, varlen: bool) -> None:
-        bv = block_v or _block_v(nrows * hv, dv, 16, 32)
+        launch = DECODE_SMALL if nrows * hv < 512 else DECODE_LARGE
+        bv = block_v or _block_v(launch, dv)
         nv = triton.cdiv(dv, bv)
         _recurrent_kernel[(nrows, hv, nv)](
             mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_state, ssm_state, slots,
@@ -688,7 +728,7 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
             row0, num_decode, page_size, dk ** -0.5, L2_EPS,
             mixed_qkv.stride(0), a.stride(0), b.stride(0), conv_weight.stride(0), *strides,
             out.stride(0), out.stride(1), **consts, BV=bv, NV=nv, VARLEN=varlen,
-            num_warps=2 if bv <= 16 else 4)
+            num_warps=launch.num_warps, num_stages=launch.num_stages)
 
     if num_decode:
         recurrent(num_decode, 0, varlen=False)
@@ -698,25 +738,34 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
     if not chunked:
         recurrent(n_ext, num_decode, varlen=True)
         return out
-    y = torch.empty(te, c, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
-    ainv = torch.empty(te, hv, CHUNK, dtype=torch.float32, device=mixed_qkv.device)
+    dev = mixed_qkv.device
+    y = torch.empty(te, c, dtype=mixed_qkv.dtype, device=dev)
+    # the prep's outputs: W, QG, KD [te, Hv, dk], U [te, Hv, dv], P [te, Hv, CHUNK], G [te, Hv]
+    wqk = torch.empty(3, te, hv, dk, dtype=torch.float32, device=dev)
+    u = torch.empty(te, hv, dv, dtype=torch.float32, device=dev)
+    p = torch.empty(te, hv, CHUNK, dtype=torch.float32, device=dev)
+    gcum = torch.empty(te, hv, dtype=torch.float32, device=dev)
     steps = max(1, (n_ext - 1).bit_length())
     ext_slots = slots[num_decode:]
     tok_x = mixed_qkv[num_decode:]
-    bc = 128
-    _conv_kernel[(triton.cdiv(te, 32), triton.cdiv(c, bc))](
+    _conv_kernel[(triton.cdiv(te, CONV_TOKENS), triton.cdiv(c, CONV_CHANNELS))](
         tok_x, conv_weight, conv_state, ext_slots, cu_q_lens, y, 0, n_ext, steps, c,
         tok_x.stride(0), conv_weight.stride(0), *conv_state.stride(), y.stride(0),
-        K=kw, BT=32, BC=bc, num_warps=4)
+        K=kw, BT=CONV_TOKENS, BC=CONV_CHANNELS, num_warps=CONV.num_warps,
+        num_stages=CONV.num_stages)
     _chunk_prep_kernel[(triton.cdiv(te, CHUNK), hv)](
-        y, a, b, a_log, dt_bias, cu_q_lens, ainv, num_decode, n_ext, steps, L2_EPS,
-        y.stride(0), a.stride(0), b.stride(0), ainv.stride(0), ainv.stride(1),
-        HK=hk, G=hv // hk, DK=dk, BK=bk, BT=CHUNK, DOT=DOT_PRECISION, num_warps=4)
-    bv = block_v or _block_v(n_ext * hv, dv, 32, 64)
+        y, a, b, a_log, dt_bias, cu_q_lens, wqk[0], u, wqk[1], wqk[2], p, gcum, num_decode,
+        n_ext, steps, dk ** -0.5, L2_EPS, y.stride(0), a.stride(0), b.stride(0),
+        wqk.stride(1), wqk.stride(2), u.stride(0), u.stride(1), p.stride(0), p.stride(1),
+        gcum.stride(0), HK=hk, G=hv // hk, DK=dk, DV=dv, BK=bk,
+        BDV=max(16, triton.next_power_of_2(dv)), BT=CHUNK, DOT=DOT_PRECISION,
+        num_warps=PREP.num_warps, num_stages=PREP.num_stages)
+    bv = block_v or _block_v(RULE, dv)
     _chunk_rule_kernel[(n_ext, hv, triton.cdiv(dv, bv))](
-        mixed_qkv, y, a, b, a_log, dt_bias, conv_state, ssm_state, ainv, slots, seq_lens,
-        cu_q_lens, out, bcs, bss, num_decode, num_decode, page_size, dk ** -0.5, L2_EPS,
-        mixed_qkv.stride(0), y.stride(0), a.stride(0), b.stride(0), *strides,
-        ainv.stride(0), ainv.stride(1), out.stride(0), out.stride(1),
-        **consts, BV=bv, BT=CHUNK, DOT=DOT_PRECISION, num_warps=4)
+        mixed_qkv, y, conv_state, ssm_state, wqk[0], u, wqk[1], wqk[2], p, gcum, slots,
+        seq_lens, cu_q_lens, out, bcs, bss, num_decode, num_decode, page_size, L2_EPS,
+        mixed_qkv.stride(0), y.stride(0), *strides, wqk.stride(1), wqk.stride(2), u.stride(0),
+        u.stride(1), p.stride(0), p.stride(1), gcum.stride(0), out.stride(0), out.stride(1),
+        **consts, BV=bv, BT=CHUNK, DOT=DOT_PRECISION, num_warps=RULE.num_warps,
+        num_stages=RULE.num_stages)
     return out

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -432,3 +434,65 @@ def test_deltanet_kernels_interpreted() -> None:
 
 def test_gated_rms_norm_interpreted() -> None:
     run_interpreter_check("test_kernels_deltanet", "interp_check_gated_rms_norm")
+
+
+# ---------------------------------------------------------------------------------------------
+# sm_90 builds of what the op launches at Qwen3.5-4B's shapes (no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+#: Qwen3.5-4B's Gated DeltaNet: 16 key heads, 32 value heads, head dims 128, conv kernel 4
+QWEN35_4B = Shape(hk=16, hv=32, dk=128, dv=128, k=4)
+#: an H100/H200 block's shared memory
+SM90_SHARED = 227 * 1024
+
+
+def _sm90_build(kernel: object, launch: deltanet.Launch, consts: dict[str, object],
+                fp32: tuple[str, ...] = ()) -> int:
+    """Compile `kernel` for sm_90 with these constexprs (pointers: int32 metadata, fp32 where
+    named, the rest bf16): its shared memory in bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(kernel.fn).parameters)  # type: ignore[attr-defined]
+    ints = ("slots_ptr", "seq_lens_ptr", "cu_ptr", "cnt_ptr")
+    sig: dict[str, str] = {}
+    values: dict[tuple[int, ...], object] = {}
+    for i, name in enumerate(names):
+        if name in consts:
+            sig[name], values[(i,)] = "constexpr", consts[name]
+        elif name.endswith("_ptr"):
+            sig[name] = "*i32" if name in ints else "*fp32" if name in fp32 else "*bf16"
+        else:
+            sig[name] = "fp32" if name in ("scale", "eps") else "i32"
+    built = triton.compile(ASTSource(kernel, sig, values, {}), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": launch.num_warps,
+                                    "num_stages": launch.num_stages})
+    return int(built.metadata.shared)
+
+
+def test_kernels_build_for_sm90(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    sh = QWEN35_4B
+    heads = {"HK": sh.hk, "G": sh.hv // sh.hk, "DK": sh.dk, "DV": sh.dv, "BK": sh.dk}
+    conv = {"K": sh.k, "KP": sh.k}
+    state = ("ss_ptr", "bss_ptr")
+    prep = ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "p_ptr", "g_ptr")
+    builds = {
+        **{f"recurrent {launch}": (deltanet._recurrent_kernel, launch, {
+            **heads, **conv, "BV": launch.block_v, "NV": sh.dv // launch.block_v,
+            "VARLEN": False, "BOUNDARY": True}, state)
+           for launch in (deltanet.DECODE_SMALL, deltanet.DECODE_LARGE)},
+        "conv": (deltanet._conv_kernel, deltanet.CONV, {
+            "K": sh.k, "BT": deltanet.CONV_TOKENS, "BC": deltanet.CONV_CHANNELS}, ()),
+        "prep": (deltanet._chunk_prep_kernel, deltanet.PREP, {
+            **heads, "BDV": sh.dv, "BT": deltanet.CHUNK, "DOT": deltanet.DOT_PRECISION}, prep),
+        "rule": (deltanet._chunk_rule_kernel, deltanet.RULE, {
+            **heads, **conv, "BV": deltanet.RULE.block_v, "BT": deltanet.CHUNK,
+            "BOUNDARY": True, "DOT": deltanet.DOT_PRECISION}, state + prep),
+        "norm": (deltanet._gated_rms_norm_kernel, deltanet.Launch(0, 4), {
+            "BR": 16, "BD": sh.dv, "W_FP32": False}, ()),
+    }
+    for name, (kernel, launch, consts, fp32) in builds.items():
+        shared = _sm90_build(kernel, launch, consts, fp32)
+        assert shared <= SM90_SHARED, f"{name}: {shared} bytes of shared memory"
