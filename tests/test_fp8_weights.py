@@ -80,16 +80,28 @@ def test_checkpoints_hold_fp8_weights_with_scales_in_both_orders(fp8_dirs: Any) 
     assert flat["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"].shape == (2, 3)
 
 
+class _Events:
+    """Stands in for a module's logger: the events it was given."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.events.append((event, fields))
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp8_logits_match_transformers(fp8_dirs: Any, case: str,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Against transformers on the dequantised twin; for the exact-block cases also against
     transformers' own dequantisation of the FP8 directory (identical logits: the same weights).
     Measured max |diff| <= 8e-6, top-1 100%."""
     path, twin = fp8_dirs[case]
-    capsys.readouterr()
+    log = _Events()
+    monkeypatch.setattr(loader, "log", log)
     loaded = load_model(path, "float32")
-    assert capsys.readouterr().err.count("fp8_weights_dequantized") == 1  # one log line
+    said = [fields for event, fields in log.events if event == "fp8_weights_dequantized"]
+    assert len(said) == 1 and said[0]["dtype"] == "float32", log.events  # one log line
     assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
     ref = hf_from_dir(twin)
     ids = random_ids(70)
@@ -117,6 +129,28 @@ def test_fp8_kept_as_on_cuda(fp8_dirs: Any, case: str, monkeypatch: pytest.Monke
         bn, bk = CASES[case][2]
         assert mlp.experts.block == ((1, bk) if case == "moe_edge" else (bn, bk))
     assert_logits_match(loaded, hf_from_dir(twin), random_ids(70), chunks=(None, 23))
+
+
+def test_modules_to_not_convert_stay_unquantized(fp8_dirs: Any, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where FP8 is kept, a module that `modules_to_not_convert` names (transformers' rule: from
+    the start to a dot boundary, or a suffix) holds the compute dtype (its checkpoint weight,
+    quantized here, is dequantised at load); "mlp.gate" does not name "mlp.gate_proj"."""
+    monkeypatch.setattr(loader, "_keeps_fp8", lambda device: True)
+    path, twin = fp8_dirs["dense_edge"]
+    path = Path(shutil.copytree(path, tmp_path / "model"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = [
+        "lm_head", "model.layers.0.self_attn.o_proj", "down_proj", "mlp.gate"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(path, "float32")
+    dtypes = {n: p.dtype for n, p in loaded.model.named_parameters()}
+    assert dtypes["layers.0.self_attn.o_proj.weight"] == torch.float32
+    assert dtypes["layers.1.self_attn.o_proj.weight"] == FP8
+    assert dtypes["layers.1.mlp.down_proj.weight"] == torch.float32
+    assert dtypes["layers.1.mlp.gate_up_proj.weight"] == FP8
+    assert "layers.0.self_attn.o_proj.weight_scale_inv" not in dtypes
+    assert_logits_match(loaded, hf_from_dir(twin), random_ids(70), chunks=(23,))
 
 
 @pytest.mark.parametrize("case", ["moe_edge", "dense_edge"])

@@ -81,7 +81,7 @@ def load_model(path: str | Path, dtype: str = "auto",
         tokenizer = Tokenizer.from_hf_dir(path)
         gen_defaults = _read_json(path / "generation_config.json", required=False)
         files = _safetensors_files(path)  # checks files before allocating
-        if config.quant is not None:
+        if config.quant is not None and _keeps_fp8(dev):
             names = _checkpoint_names(files)
         tensors = _iter_safetensors(files)
     elif path.suffix == ".gguf" or _looks_like_gguf(path):
@@ -94,14 +94,13 @@ def load_model(path: str | Path, dtype: str = "auto",
     else:
         raise ModelLoadError(path, "not a model directory (config.json + *.safetensors) "
                                    "or a .gguf file")
-    keep_fp8 = config.quant is not None and _keeps_fp8(dev)
-    fp8: AbstractContextManager[None] = (fp8_weights(config.quant.block)
-                                         if config.quant is not None and keep_fp8
-                                         else nullcontext())
+    kept = config.quant if _keeps_fp8(dev) else None  # FP8 weights that stay FP8 here
+    fp8: AbstractContextManager[None] = (nullcontext() if kept is None
+                                         else fp8_weights(kept.block))
     with _default_dtype(torch_dtype), dev, fp8:
         model = DecoderLM(config)
-    if config.quant is not None and keep_fp8:
-        _settle_fp8(model, names, config.quant, torch_dtype)
+    if kept is not None:
+        _settle_fp8(model, names, kept, torch_dtype)
     _load_weights(model, tensors, path, _HostToDevice(dev) if dev.type == "cuda" else None)
     model.ops = ops_for(dev)
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
