@@ -7,12 +7,15 @@
     python3 scripts/bench_kernels.py extend [--out e.json]   # extend attention against SDPA flash
     python3 scripts/bench_kernels.py moe [--out m.json]      # Qwen3-30B-A3B's experts, each kernel kind
     python3 scripts/bench_kernels.py fp8 [--out f.json]      # block-FP8 linears, each kind, vs cuBLAS bf16
+    python3 scripts/bench_kernels.py deltanet [--out g.json] # Gated DeltaNet: decode steps, a prefill
 
 Each prints a table; --out writes its rows as JSON. `gemv`, `sweep` and `decode` time calls as a
 decode step runs them: back to back in a CUDA graph, each on another copy of its weights (or KV
 cache), the copies together well past L2, so that every call reads from HBM. `moe` and `fp8`
 time their kernel kinds at each token count (the table their `pick_*_config` chooses from) the
 same way: `moe` rotates routings over 128 experts (1.2 GB of bf16 weights), `fp8` weight copies.
+`deltanet` times a Gated DeltaNet layer's recurrence at Qwen3.5-4B's shapes: decode steps the
+same way (on copies of the state slots), and one prefill row.
 """
 
 from __future__ import annotations
@@ -573,6 +576,79 @@ def bench_extend(seq_len: int, prefix: int, fp8: bool,
 
 
 # ---------------------------------------------------------------------------------------------
+# Gated DeltaNet (Qwen3.5-4B)
+# ---------------------------------------------------------------------------------------------
+
+#: Qwen3.5-4B's Gated DeltaNet layers: key heads, value heads, head dim, conv kernel
+GDN_HK, GDN_HV, GDN_D, GDN_K = 16, 32, 128, 4
+
+
+def bench_deltanet(batches: tuple[int, ...], prefill: int) -> list[Row]:
+    """One layer's `gated_delta`, bf16 with fp32 states: decode steps of `batches` rows in a CUDA
+    graph, each call on another copy of the slots' states (together past L2, as a step's 24
+    layers are), GB/s counting the states read and written once; one `prefill`-token row from
+    zero states, the chunked path and the token-by-token one (eager and in a CUDA graph); and
+    `gated_rms_norm` over those tokens' heads."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from arle_kernels.deltanet import gated_delta, gated_rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    c = (2 * GDN_HK + GDN_HV) * GDN_D
+    i32 = torch.int32
+
+    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    conv_w = randn(c, GDN_K) / 2
+    a_log = torch.empty(GDN_HV, device="cuda").uniform_(1, 16, generator=gen).log().bfloat16()
+    dt_bias = randn(GDN_HV)
+    state_bytes = GDN_HV * GDN_D * GDN_D * 4 + c * (GDN_K - 1) * 2
+    out: list[Row] = []
+    print(f"{'case':36} {'us':>10} {'GB/s':>8}")
+
+    def report(case: str, rows: int, tokens: int, us: float, nbytes: int = 0) -> None:
+        gbps = nbytes / us / 1e3 if nbytes else 0.0
+        out.append({"case": case, "rows": rows, "tokens": tokens, "us": us, "GBps": gbps})
+        print(f"{case:36} {us:10.1f} {gbps:8.0f}", flush=True)
+
+    for b in batches:
+        x, a, bb = randn(b, c), randn(b, GDN_HV), randn(b, GDN_HV)
+        slots = torch.arange(b, device="cuda", dtype=i32)
+        seq_lens = torch.randint(1, 4096, (b,), device="cuda", generator=gen, dtype=i32)
+        cu = torch.zeros(1, device="cuda", dtype=i32)
+        states = [(randn(b, c, GDN_K - 1), randn(b, GDN_HV, GDN_D, GDN_D, dtype=torch.float32))
+                  for _ in range(_copies(b * state_bytes))]
+
+        def step(st: tuple[Tensor, Tensor], x: Tensor = x, a: Tensor = a, bb: Tensor = bb,
+                 slots: Tensor = slots, seq_lens: Tensor = seq_lens, cu: Tensor = cu,
+                 b: int = b) -> Tensor:
+            return gated_delta(x, a, bb, conv_w, a_log, dt_bias, *st, slots, seq_lens, cu, b,
+                               1, GDN_HK, PAGE)
+
+        report(f"decode, batch {b}", b, b, _time_us(step, states), 2 * b * state_bytes)
+    t = prefill
+    x, a, bb = randn(t, c), randn(t, GDN_HV), randn(t, GDN_HV)
+    conv = torch.zeros(1, c, GDN_K - 1, device="cuda", dtype=torch.bfloat16)
+    ssm = torch.zeros(1, GDN_HV, GDN_D, GDN_D, device="cuda")
+    idx = (torch.zeros(1, device="cuda", dtype=i32), torch.full((1,), t, device="cuda", dtype=i32),
+           torch.tensor([0, t], device="cuda", dtype=i32))
+    for chunked in (True, False):
+        def run(chunked: bool = chunked) -> Tensor:
+            return gated_delta(x, a, bb, conv_w, a_log, dt_bias, conv, ssm, *idx, 0, t, GDN_HK,
+                               PAGE, chunked=chunked)
+        name = "chunked" if chunked else "token by token"
+        report(f"prefill {t}, {name}", 1, t, do_bench(run) * 1e3)
+        report(f"prefill {t}, {name} (CUDA graph)", 1, t, do_bench_cudagraph(run) * 1e3)
+    for tokens in (*batches, t):
+        h, z = randn(tokens * GDN_HV, GDN_D), randn(tokens * GDN_HV, GDN_D)
+        w = randn(GDN_D)
+        report(f"gated_rms_norm, {tokens} tokens", 0, tokens,
+               do_bench(partial(gated_rms_norm, h, z, w, 1e-6)) * 1e3, 3 * h.numel() * 2)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
 
@@ -594,6 +670,8 @@ def run(args: argparse.Namespace) -> list[Row]:
         return bench_moe(tuple(args.tokens), tuple(w == "fp8" for w in args.weights))
     if args.cmd == "fp8":
         return bench_fp8(tuple(args.rows), args.shapes)
+    if args.cmd == "deltanet":
+        return bench_deltanet(tuple(args.batches), args.prefill)
     return [row for prefix in args.prefix for kv in args.kv
             for row in bench_extend(args.seq_len, prefix, kv == "fp8", args.configs)]
 
@@ -636,6 +714,9 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("fp8", help="block-FP8 linears: each kernel kind, and cuBLAS bf16")
     c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 2048])
     c.add_argument("--shapes", nargs="+", choices=list(A3B_LINEARS), default=list(A3B_LINEARS))
+    c = sub.add_parser("deltanet", help="Gated DeltaNet (Qwen3.5-4B): decode steps, a prefill")
+    c.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode rows")
+    c.add_argument("--prefill", type=int, default=4096, help="tokens of the prefill row")
     for c in sub.choices.values():
         c.add_argument("--out", help="write the rows as JSON to this file")
     args = p.parse_args(argv)

@@ -11,13 +11,15 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_interpreter_check
+from helpers import capture, run_interpreter_check
 from torch import Tensor
 
 from arle_kernels import deltanet
@@ -496,3 +498,118 @@ def test_kernels_build_for_sm90(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     for name, (kernel, launch, consts, fp32) in builds.items():
         shared = _sm90_build(kernel, launch, consts, fp32)
         assert shared <= SM90_SHARED, f"{name}: {shared} bytes of shared memory"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: Qwen3.5-4B's shapes
+# ---------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def decode_step(batch: int, seed: int) -> Step:
+    """batch decode rows on shuffled slots, some landing on a page boundary (seq_len a
+    multiple of 16), the last a padding row (slot -1) when batch > 1."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(batch + 4, generator=gen)[:batch].tolist()
+    lens = torch.randint(1, 5000, (batch,), generator=gen)
+    lens[::3] = lens[::3] // 16 * 16 + 16
+    rows = [(s, int(n)) for s, n in zip(slots, lens.tolist(), strict=True)]
+    if batch > 1:
+        rows[-1] = (-1, 1)
+    return Step(decode=tuple(rows))
+
+
+#: a 4096-token prompt from a fresh slot, continued prompts (one crossing many page
+#: boundaries, one a single token), decode rows, padding tokens
+GPU_MIXED = Step(decode=((5, 300), (2, 32)),
+                 extend=((0, 4096, 4096), (1, 700, 123), (3, 17, 1), (4, 250, 37)),
+                 pad_tokens=5)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_gpu_decode_qwen35_4b(batch: int) -> None:
+    compare_step(QWEN35_4B, decode_step(batch, batch), torch.bfloat16, "cuda", 16,
+                 slots=batch + 4)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "recurrent"])
+def test_gpu_extend_qwen35_4b(chunked: bool) -> None:
+    compare_step(QWEN35_4B, GPU_MIXED, torch.bfloat16, "cuda", 16, chunked=chunked)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_fp32_with_ieee_dots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 data and IEEE dots: the kernels agree with the ref to fp32 rounding (the TF32
+    default is the only approximation of the bf16 tests above)."""
+    monkeypatch.setattr(deltanet, "DOT_PRECISION", "ieee")
+    compare_step(QWEN35_4B, GPU_MIXED, torch.float32, "cuda", 16)
+    compare_step(QWEN35_4B, decode_step(64, 3), torch.float32, "cuda", 16, slots=68)
+
+
+def check_graph_replay(sh: Shape, step: Step, dtype: torch.dtype, device: str,
+                       record: Callable[[Callable[[], Tensor]], tuple[Any, Tensor]]) -> None:
+    """The op recorded once (`record`: a CUDA graph's capture) on static buffers; each replay
+    with new inputs, slots (the same rows and tokens) and states follows the ref."""
+    layer = make_layer(sh, dtype, slots=16, seed=7)
+    static = [t.to(device) for t in make_inputs(sh, step.num_tokens, dtype)]
+    weights = [t.to(device) for t in (layer.conv_weight, layer.a_log, layer.dt_bias)]
+    conv, ssm = (t.to(device) for t in layer.clone_states())
+    bc, bs = torch.zeros_like(conv), torch.zeros_like(ssm)
+    idx = [t.clone() for t in step.tensors(device)]
+    nd, mq = len(step.decode), max((n for _, _, n in step.extend), default=1)
+
+    def run() -> Tensor:
+        return gated_delta(*static, *weights, conv, ssm, *idx, nd, mq, sh.hk, 16, bc, bs)
+
+    graph, out = record(run)
+    rows = step.row_tokens().to(device)
+    for seed in (1, 2):
+        new = [t.to(device) for t in make_inputs(sh, step.num_tokens, dtype, seed=seed + 10)]
+        fresh = make_layer(sh, dtype, slots=16, seed=seed + 20)
+        for dst, src in zip([*static, conv, ssm], [*new, fresh.conv_state, fresh.ssm_state],
+                            strict=True):
+            dst.copy_(src)
+        perm = torch.randperm(16, generator=torch.Generator().manual_seed(seed)).tolist()
+        idx[0].copy_(torch.tensor([perm[s] if s >= 0 else -1 for s in idx[0].tolist()]))
+        c_ref, s_ref = conv.clone(), ssm.clone()
+        bc_ref, bs_ref = torch.zeros_like(bc), torch.zeros_like(bs)
+        want = gated_delta_ref(*new, *weights, c_ref, s_ref, *idx, nd, mq, sh.hk, 16, bc_ref,
+                               bs_ref)
+        bc.zero_()
+        bs.zero_()
+        graph.replay()
+        assert_close(out[rows].cpu(), want[rows].cpu(), dtype, f"replay {seed}")
+        assert torch.equal(conv, c_ref) and torch.equal(bc, bc_ref)
+        assert_close(ssm.cpu(), s_ref.cpu(), dtype, "ssm")
+        assert_close(bs.cpu(), bs_ref.cpu(), dtype, "boundary ssm")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", [decode_step(8, 1), GPU_MIXED], ids=["decode", "mixed"])
+def test_gpu_cuda_graph_replay(step: Step) -> None:
+    check_graph_replay(QWEN35_4B, step, torch.bfloat16, "cuda", capture)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 7, 4096])
+def test_gpu_gated_rms_norm(t: int) -> None:
+    """Qwen3.5-4B's [T * 32 heads, 128] in bf16: the ref's value, or one bf16 ulp from it
+    (an fp32 intermediate rounded the other way) on at most 1% of the elements."""
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    n, d = t * 32, 128
+    x = (torch.randn(n, d, device="cuda", generator=gen) * 2).bfloat16()
+    z = torch.randn(n, d, device="cuda", generator=gen).bfloat16()
+    w = (torch.rand(d, device="cuda", generator=gen) + 0.5).bfloat16()
+    got, want = gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6)
+    diff = (got.float() - want.float()).abs()
+    ulp = want.float().abs().clamp_min(1e-30) * 2.0 ** -7
+    assert (diff <= ulp).all(), diff.max()
+    assert (diff > 0).float().mean() <= 0.01
