@@ -21,6 +21,30 @@ continue from their slot's states and leave them at the row's end. Prefix cachin
 `boundary_conv/boundary_ssm`, a row that crosses a multiple p of `page_size` (start < p <= end)
 also writes the states after position p - 1 (the last such p) into the boundary tensors at its
 slot. A row whose slot is negative is padding: it reads and writes no state, its output is 0.
+
+The Triton op (`gated_delta`), graph-safe (grids from shapes and host ints, no host reads):
+- Decode rows: `_recurrent_kernel`, ONE launch, one program per (row, value head, block of
+  BV value columns). The state slice [dk, BV] fp32 stays in registers; each program redoes the
+  conv of its key head's q/k channels (2 dk channels x K taps: cheap) and does the whole step:
+  conv update, SiLU, L2 norms, gates, delta rule, output, boundary copy. Why blocks of dv: a
+  decode step is memory-bound on the state (2 MB per row and layer at Qwen3.5-4B's shapes) and
+  at batch 1 (row, head) gives only 32 programs for 132 SMs; BV = 16 gives 256. The q/k conv
+  state of a key head is read by all its G * dv/BV programs, so the last of them to finish
+  (an int32 counter per (row, key head), left zero) shifts it in; each program shifts its own
+  value channels.
+- Extend rows (the chunked form, chunks of CHUNK = 64, the UT transform): `_conv_kernel`
+  (varlen causal conv + SiLU continuing each row's conv state, into a workspace),
+  `_chunk_prep_kernel` (per 64-token block and value head, in parallel: everything that does
+  not depend on the state, including (I + L)^-1 by forward substitution in fp32),
+  `_chunk_rule_kernel` (per row, value head and value block: the chunks in order, the state in
+  registers, 4 dots per chunk; then the conv state). Chunks are the extend tokens' own 64-token
+  blocks cut at row ends, so the prep needs no per-row plan from the host. A page boundary
+  inside a chunk gets its state from that chunk's quantities (no split of the row).
+  `chunked=False` runs the extend rows token by token in `_recurrent_kernel` instead.
+- Known limits: the chunked path keeps fp32 workspaces of ~74 KB per token (W, QG, KD, U, P at
+  Qwen3.5-4B's shapes: ~300 MB for a 4096-token step) besides the conv output; a 1-token
+  extend row (a decode row of an extend graph) costs a whole chunk in the rule kernel; the
+  rule and prep kernels spill a few hundred bytes per thread (ptxas, sm_90); dots in TF32.
 """
 
 from __future__ import annotations
@@ -309,6 +333,8 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_
         c0 = tl.load(cu_ptr + pid_r)
         n = tl.load(cu_ptr + pid_r + 1) - c0
         tok0 = (tok_base + c0).to(tl.int64)
+        if n == 0:
+            return
     else:
         n = 1
         tok0 = pid_r.to(tl.int64)
