@@ -7,6 +7,8 @@ Imported as `model_dirs` (tests/ is on sys.path). transformers is imported lazil
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,9 +143,10 @@ def _per_element(scale: torch.Tensor, block: tuple[int, int], n: int, k: int) ->
 
 
 def fp8_quantized(name: str) -> bool:
-    """Whether the FP8 releases quantize this checkpoint tensor: the linear weights, but the
-    embeddings, lm_head, norms and the routers' gates."""
-    return (name.endswith("_proj.weight")
+    """Whether the FP8 releases quantize this checkpoint tensor: the linear weights (Gated
+    DeltaNet's in_proj_qkv and in_proj_z too), but the embeddings, lm_head, norms, the routers'
+    and shared experts' gates and Gated DeltaNet's in_proj_a / in_proj_b."""
+    return (re.search(r"(_proj|in_proj_qkv|in_proj_z)\.weight$", name) is not None
             and not any(part in name for part in ("embed_tokens", "lm_head", "norm")))
 
 
@@ -171,15 +174,16 @@ def write_tensors(path: Path, files: dict[str, dict[str, torch.Tensor]]) -> None
 
 
 def write_fp8_model_dir(path: Path, config: Any, twin: Path, block: tuple[int, int] = FP8_BLOCK,
-                        seed: int = 0) -> None:
-    """A random model (`write_model_dir`) with its linear weights in block FP8, as the FP8
-    releases store them, and at `twin` the same model with those weights dequantised (fp32,
-    no quantization_config): what transformers runs as the reference.
+                        seed: int = 0,
+                        write: Callable[[Path, Any, int], Any] = write_model_dir) -> None:
+    """A random model (`write(path, config, seed)`) with its linear weights in block FP8, as
+    the FP8 releases store them, and at `twin` the same model with those weights dequantised
+    (fp32, no quantization_config): what transformers runs as the reference.
 
     Scales land in both orders: every other one beside its weight (read after it), the rest in
     a file of scales that sorts first (read before its weight)."""
     for out in (path, twin):
-        write_model_dir(out, config, seed)
+        write(out, config, seed)
     files = read_tensors(path)
     twin_files = read_tensors(twin)
     early: dict[str, torch.Tensor] = {}
@@ -194,7 +198,7 @@ def write_fp8_model_dir(path: Path, config: Any, twin: Path, block: tuple[int, i
     write_tensors(path, {"model-00000-scales.safetensors": early, **files})
     write_tensors(twin, twin_files)
     cfg = json.loads((path / "config.json").read_text())
-    layers = range(cfg["num_hidden_layers"])
+    layers = range(cfg.get("text_config", cfg)["num_hidden_layers"])
     cfg["quantization_config"] = {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
         "weight_block_size": list(block),
@@ -291,4 +295,43 @@ def write_qwen3_5_dir(path: Path, arch: str = "Qwen3_5ForConditionalGeneration",
         index = json.loads(index_path.read_text())
         index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
         index_path.write_text(json.dumps(index))
+    return model
+
+
+# ---- Qwen3.5-MoE (hybrid layers with expert MLPs and a shared expert) ----------------------
+
+#: The tiny Qwen3.5 text model (`QWEN3_5_TEXT`) with the tiny MoE's experts (`MOE_CONFIG`; the
+#: router always renormalises) and a shared expert of width 72.
+QWEN3_5_MOE: dict[str, Any] = {
+    **QWEN3_5_TEXT, **{k: v for k, v in MOE_CONFIG.items() if k != "norm_topk_prob"},
+    "shared_expert_intermediate_size": 72}
+QWEN3_5_MOE_LAYOUTS = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
+
+
+def qwen3_5_moe_config(arch: str = "Qwen3_5MoeForConditionalGeneration",
+                       **overrides: Any) -> Any:
+    """A transformers Qwen3.5-MoE config in one of `QWEN3_5_MOE_LAYOUTS`."""
+    import transformers
+
+    text = {**QWEN3_5_MOE, **overrides}
+    if arch == "Qwen3_5MoeForCausalLM":
+        return transformers.Qwen3_5MoeTextConfig(**text, architectures=[arch])
+    assert arch == "Qwen3_5MoeForConditionalGeneration", arch
+    return transformers.Qwen3_5MoeConfig(
+        text_config=text, vision_config=QWEN3_5_VISION, architectures=[arch],
+        tie_word_embeddings=text["tie_word_embeddings"])
+
+
+def write_qwen3_5_moe_dir(path: Path, config: Any, seed: int = 0) -> Any:
+    """A random tiny Qwen3.5-MoE checkpoint as transformers saves it (sharded, experts one by
+    one) with tokenizer files; weights drawn as `random_qwen3_5_model` draws them. Returns the
+    in-memory transformers model."""
+    model = random_qwen3_5_model(config, seed)
+    model.save_pretrained(path, max_shard_size="400KB")
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
+    }))
+    (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
     return model

@@ -3,7 +3,9 @@
 Tiny random checkpoints written by transformers itself: every layer MoE, MoE every other layer
 with a dense layer forced by `mlp_only_layers`, bf16-stored weights, experts stacked in 3-D
 tensors (transformers 5's own layout), and routers whose logits tie. The SparseMoE module alone
-against transformers' Qwen3MoeSparseMoeBlock and Qwen3_5MoeSparseMoeBlock (shared expert).
+against transformers' Qwen3MoeSparseMoeBlock and Qwen3_5MoeSparseMoeBlock (shared expert), and
+the hybrid Qwen3.5-MoE (Gated DeltaNet and gated attention layers, each with experts and a
+shared expert) whole.
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ from typing import Any
 
 import pytest
 import torch
-from model_dirs import hf_config, read_tensors, write_model_dir, write_tensors
+from model_dirs import (
+    QWEN3_5_MOE_LAYOUTS,
+    hf_config,
+    qwen3_5_moe_config,
+    read_tensors,
+    write_model_dir,
+    write_qwen3_5_moe_dir,
+    write_tensors,
+)
 from moe_checks import (
     assert_cli_and_server_answer,
     assert_greedy_matches,
@@ -213,6 +223,35 @@ def test_sparse_moe_with_shared_expert_matches_qwen3_5_moe_block(dtype: torch.dt
     bound = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
     assert (got - want).abs().max().item() <= bound
     assert (no_shared - want).abs().max().item() > 10 * bound  # the shared path counts
+
+
+# ---- Qwen3.5-MoE: the hybrid layers with expert MLPs ------------------------------------------
+
+@pytest.fixture(scope="module")
+def q35_moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Both checkpoint layouts of one tiny random Qwen3.5-MoE (the same weights)."""
+    root = tmp_path_factory.mktemp("qwen3_5_moe")
+    for arch in QWEN3_5_MOE_LAYOUTS:
+        write_qwen3_5_moe_dir(root / arch, qwen3_5_moe_config(arch), seed=40)
+    return {arch: root / arch for arch in QWEN3_5_MOE_LAYOUTS}
+
+
+@pytest.mark.parametrize("arch", QWEN3_5_MOE_LAYOUTS)
+def test_qwen3_5_moe_logits_match_transformers(q35_moe_dirs: dict[str, Path], arch: str) -> None:
+    """Every layer (3 Gated DeltaNet, 2 full attention) has routed experts and a shared one.
+    Measured max |diff| <= 5.1e-5 (the Gated DeltaNet layers' fp32 recurrences differ in
+    summation order), top-1 100%."""
+    loaded = load_model(q35_moe_dirs[arch], "float32")
+    assert loaded.config.architecture == arch
+    assert all(isinstance(layer.mlp, SparseMoE) and layer.mlp.shared_expert is not None
+               for layer in loaded.model.layers)
+    assert_logits_match(loaded, hf_from_dir(q35_moe_dirs[arch]), random_ids(70))
+
+
+async def test_qwen3_5_moe_greedy_matches_transformers_generate(q35_moe_dirs: dict[str, Path],
+                                                                make_engine: Any) -> None:
+    path = q35_moe_dirs["Qwen3_5MoeForCausalLM"]
+    await assert_greedy_matches(load_model(path, "float32"), hf_from_dir(path), make_engine)
 
 
 @pytest.mark.slow
