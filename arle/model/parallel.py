@@ -92,9 +92,8 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor,
     from arle_kernels import fp8
 
     scale, block = fp8_scale_of(weight)
-    # NOTE: the Triton kernels on CUDA once kernels/fp8.py has them; the torch reference until
-    # then, and on the CPU (where the loader dequantises instead: only tests get here)
-    fn = getattr(fp8, "fp8_linear", fp8.fp8_linear_ref) if x.is_cuda else fp8.fp8_linear_ref
+    # NOTE: the torch reference off CUDA (the loader dequantises there: only tests get here)
+    fn = fp8.fp8_linear if x.is_cuda else fp8.fp8_linear_ref
     return fn(x, weight, scale, block, bias)
 
 
