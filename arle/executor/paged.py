@@ -424,15 +424,16 @@ class StepInputs:
                    list(plan.saves_before), list(plan.saves_after))
 
     def start_states(self, state: StatePool | None) -> None:
-        """Before the step: the new requests' states (zero or restored), then the snapshots
-        of requests released since the last step (NOTE: in this order: a restore reads a
-        snapshot that a save may overwrite)."""
+        """Before the step: the snapshots of requests released since the last step, then the
+        new requests' states (zero, or restored from a snapshot). NOTE: in this order: a new
+        request may restore the snapshot a release just took (a save never targets a
+        snapshot a later restore reads: taking one detaches it from the radix tree first)."""
         if state is None:
             return
-        for slot, snapshot in self.state_starts:
-            state.start(slot, snapshot)
         for slot, snapshot in self.saves_before:
             state.save(slot, snapshot)
+        for slot, snapshot in self.state_starts:
+            state.start(slot, snapshot)
 
     def save_states(self, state: StatePool | None) -> None:
         """After the step: the snapshots at page boundaries its prefill rows reached."""

@@ -47,10 +47,10 @@ class StepPlan:
     rows: list[Row]  # decode rows first, then prefill rows
     new_slots: list[NewSlot] = field(default_factory=list)
     #: (slot, snapshot): a hybrid model's state at the slot's last page boundary, copied into
-    #: the snapshot; `saves_before` before the step's rows run (after the new slots' resets),
-    #: `saves_after` after them.
-    #: NOTE: before: requests released since the last step (their slot may be reused in this
-    #: one, which rewrites it); after: boundaries this step's prefill rows reach.
+    #: the snapshot. NOTE (order on the device): `saves_before` (requests released since the
+    #: last step: their slot may be reused in this one), the new slots' starts (which may
+    #: restore one of those), the rows, then `saves_after` (boundaries this step's prefill rows
+    #: reached).
     saves_before: list[tuple[int, int]] = field(default_factory=list)
     saves_after: list[tuple[int, int]] = field(default_factory=list)
     schedule_us: float = 0.0
