@@ -432,8 +432,8 @@ class StepInputs:
             return
         for slot, snapshot in self.saves_before:
             state.save(slot, snapshot)
-        for slot, snapshot in self.state_starts:
-            state.start(slot, snapshot)
+        for slot, restore in self.state_starts:
+            state.start(slot, restore)
 
     def save_states(self, state: StatePool | None) -> None:
         """After the step: the snapshots at page boundaries its prefill rows reached."""
