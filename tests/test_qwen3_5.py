@@ -23,14 +23,21 @@ import pytest
 import torch
 from conftest import run_many, tokens_of
 from helpers import load_script, run_interpreter_check
-from model_dirs import QWEN3_5_LAYOUTS, qwen3_5_config, write_qwen3_5_dir
+from model_dirs import (
+    QWEN3_5_LAYOUTS,
+    fp8_dequantize,
+    fp8_quantize,
+    qwen3_5_config,
+    write_qwen3_5_dir,
+)
 
 from arle.executor.paged import DeviceStep, KVCache, PagedAttention
 from arle.logging import configure_logging
 from arle.model.config import ModelConfig
-from arle.model.decoder import Attention, DecoderLM, RMSNorm
-from arle.model.deltanet import GatedDeltaNet
+from arle.model.decoder import Attention, DecoderLM, QKVGateLinear, RMSNorm
+from arle.model.deltanet import GatedDeltaNet, QKVZLinear
 from arle.model.loader import LoadedModel, load_model
+from arle.model.parallel import SINGLE, fp8_weights, linear
 from arle_kernels.ops import REFERENCE, Ops
 
 transformers = pytest.importorskip("transformers")
@@ -342,6 +349,38 @@ def test_gated_attention_layer_matches_transformers(causal: tuple[LoadedModel, A
             backend = PagedAttention(kv, one_row_step(start, end, table), rotary, ours.model)
             got = attn(x[start:end], backend)
             assert (got - ref[start:end]).abs().max() < 1e-5, f"tokens {start}:{end}"
+
+
+@pytest.mark.parametrize("block", [(32, 48), (64, 128)])
+def test_fp8_projections_split_their_scale_grids(block: tuple[int, int]) -> None:
+    """Block-FP8 q_proj (query and gate rows per head) and in_proj_qkv (q | k | v) kept FP8: the
+    merged projections take their weights and scale grids apart alike, so each output column
+    is the dequantised checkpoint's (blocks of 32 and 64 rows: 1 and 2 per 64-row head)."""
+    gen = torch.Generator().manual_seed(9)
+    hidden, h, kvh, d = 128, 4, 2, 64
+
+    def fp8(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, scale = fp8_quantize(torch.randn(rows, hidden, generator=gen) / 11, block)
+        return q, scale, fp8_dequantize(q, scale, block)
+
+    with fp8_weights(block):
+        attn = QKVGateLinear(hidden, h, kvh, d, False, SINGLE)
+        dn = QKVZLinear(hidden, {"q": 64, "k": 64, "v": 128, "z": 96}, SINGLE)
+    x = torch.randn(5, hidden, generator=gen)
+    q_proj, k_proj, v_proj = fp8(2 * h * d), fp8(kvh * d), fp8(kvh * d)
+    for shard, (w, scale, _) in zip("qkv", (q_proj, k_proj, v_proj), strict=True):
+        attn.weight.weight_loader(attn.weight, w, shard)  # type: ignore[attr-defined]
+        attn.weight_scale_inv.weight_loader(attn.weight_scale_inv, scale, shard)  # type: ignore
+    query_gate = q_proj[2].view(h, 2, d, hidden)
+    expected = torch.cat([query_gate[:, 0].reshape(-1, hidden), k_proj[2], v_proj[2],
+                          query_gate[:, 1].reshape(-1, hidden)])
+    assert attn.weight.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(linear(x, attn.weight), x @ expected.T)
+    qkv, z = fp8(256), fp8(96)
+    for shard, (w, scale, _) in (("qkv", qkv), ("z", z)):
+        dn.weight.weight_loader(dn.weight, w, shard)  # type: ignore[attr-defined]
+        dn.weight_scale_inv.weight_loader(dn.weight_scale_inv, scale, shard)  # type: ignore
+    torch.testing.assert_close(linear(x, dn.weight), x @ torch.cat([qkv[2], z[2]]).T)
 
 
 # ---- the model: both checkpoint layouts ------------------------------------------------------

@@ -106,6 +106,21 @@ class QKVGateLinear(MergedColumnParallelLinear):
         for i, key in enumerate(("q", "gate")):
             super().load_shard(param, pairs[:, i].reshape(-1, *loaded.shape[1:]), key)
 
+    def load_scale(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard: str | int | None = None) -> None:
+        """An FP8 q_proj's scale grid, taken apart as its rows are: whole blocks of a head's
+        query rows, then of its gate rows (a block straddling the two cannot be split)."""
+        if shard != "q":
+            return super().load_scale(param, loaded, shard)
+        assert self.ckpt_block is not None
+        bn, d = self.ckpt_block[0], self.head_dim
+        if d % bn or loaded.dim() != 2 or loaded.shape[0] % (2 * d // bn):
+            raise ValueError(f"q_proj's scale grid {tuple(loaded.shape)} does not split into "
+                             f"query and gate blocks (head dim {d}, blocks of {bn} rows)")
+        pairs = loaded.reshape(-1, 2, d // bn, loaded.shape[1])
+        for i, key in enumerate(("q", "gate")):
+            super().load_scale(param, pairs[:, i].reshape(-1, loaded.shape[1]), key)
+
 
 class Attention(nn.Module):
     """Full attention over the paged KV cache; with `attn_output_gate` (Qwen3.5) the query

@@ -45,6 +45,22 @@ class QKVZLinear(MergedColumnParallelLinear):
                                strict=True):
             super().load_shard(param, part, key)
 
+    def load_scale(self, param: nn.Parameter, loaded: torch.Tensor,
+                   shard: str | int | None = None) -> None:
+        """An FP8 in_proj_qkv's scale grid, split as its rows are (q and k must fill whole
+        blocks: a block straddling two parts cannot be split)."""
+        if shard != "qkv":
+            return super().load_scale(param, loaded, shard)
+        assert self.ckpt_block is not None
+        bn = self.ckpt_block[0]
+        sizes = list(self.qkv_parts.values())
+        grid = [-(-n // bn) for n in sizes]
+        if any(n % bn for n in sizes[:-1]) or loaded.dim() != 2 or loaded.shape[0] != sum(grid):
+            raise ValueError(f"in_proj_qkv's scale grid {tuple(loaded.shape)} does not split "
+                             f"into q, k, v blocks ({sizes} rows, blocks of {bn})")
+        for key, part in zip(self.qkv_parts, loaded.split(grid), strict=True):
+            super().load_scale(param, part, key)
+
 
 class ConvWeight(nn.Module):
     """The depthwise causal conv's weight, [channels, kernel] (checkpoints: [channels, 1,
