@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import load_script
+from helpers import load_script, run_interpreter_check
 from model_dirs import (
     FP8_BLOCK,
     hf_config,
@@ -211,6 +211,41 @@ def test_qwen3_5_moe_fp8_kept_as_on_cuda(q35_moe_fp8: tuple[Path, Path],
     deltanet = {d for n, d in dtypes.items() if n.startswith("layers.0.linear_attn.")}
     assert {FP8, torch.float32} <= deltanet
     assert_logits_match(loaded, hf_from_dir(twin), random_ids(70), chunks=(23,))
+
+
+def interp_check_fp8_moe() -> None:
+    """A tiny FP8 MoE kept FP8 (`_keeps_fp8` forced) through the Triton kernels (`triton_ops`'
+    fused_moe, `fp8_linear`) against the torch references: prefill whole, in chunks of 16,
+    and 4 tokens one by one. Blocks of 32 x 32 (the kernels take power-of-two blocks, as the
+    releases' 128 x 128): expert width 40 gives w13 one scale row per weight row and w2 a
+    partial column block. Run under TRITON_INTERPRET=1 on the CPU (fp32: the interpreter's bf16
+    dots are wrong)."""
+    import tempfile
+
+    from arle_kernels import fp8
+    from arle_kernels.ops import triton_ops
+
+    loader._keeps_fp8 = lambda device: True  # type: ignore[assignment]
+    with tempfile.TemporaryDirectory() as tmp:
+        path, twin = Path(tmp) / "fp8", Path(tmp) / "twin"
+        write_fp8_model_dir(path, hf_config("Qwen3MoeForCausalLM", num_hidden_layers=2), twin,
+                            (32, 32), seed=3)
+        model = load_model(path, "float32").model
+    assert model.layers[0].mlp.experts.block == (1, 32)
+    ids = random_ids(24)
+    ref = teacher_forced_logits(model, ids)
+    model.ops = triton_ops()
+    fp8.fp8_linear_ref = fp8.fp8_linear  # NOTE: the linears take the Triton kernel off CUDA too
+    for chunk, n in ((None, 24), (16, 24), (1, 4)):
+        got = teacher_forced_logits(model, ids[:n], chunk_size=chunk)
+        assert (got - ref[:n]).abs().max() < 1e-4, chunk
+        assert torch.equal(got.argmax(-1), ref[:n].argmax(-1)), chunk
+
+
+@pytest.mark.slow
+def test_fp8_moe_through_the_triton_kernels_under_the_interpreter() -> None:
+    """Measured max |diff| against the references <= 6e-6."""
+    run_interpreter_check("test_fp8_weights", "interp_check_fp8_moe")
 
 
 # ---- what is refused -----------------------------------------------------------------------
