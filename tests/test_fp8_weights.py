@@ -123,7 +123,7 @@ def test_fp8_kept_as_on_cuda(fp8_dirs: Any, case: str, monkeypatch: pytest.Monke
     """The CUDA layout: FP8 weights and fp32 scales (block rows, or one scale row per weight
     row where merged shards do not meet on a block boundary: width 40 in blocks of 32), the
     router gate and lm_head unquantized; computed by the FP8 torch references."""
-    monkeypatch.setattr(loader, "_keeps_fp8", lambda device: True)
+    monkeypatch.setattr(loader, "_keeps_fp8", lambda device, block: True)
     path, twin = fp8_dirs[case]
     loaded = load_model(path, "float32")
     params = dict(loaded.model.named_parameters())
@@ -144,7 +144,7 @@ def test_modules_to_not_convert_stay_unquantized(fp8_dirs: Any, tmp_path: Path,
     """Where FP8 is kept, a module that `modules_to_not_convert` names (transformers' rule: from
     the start to a dot boundary, or a suffix) holds the compute dtype (its checkpoint weight,
     quantized here, is dequantised at load); "mlp.gate" does not name "mlp.gate_proj"."""
-    monkeypatch.setattr(loader, "_keeps_fp8", lambda device: True)
+    monkeypatch.setattr(loader, "_keeps_fp8", lambda device, block: True)
     path, twin = fp8_dirs["dense_edge"]
     path = Path(shutil.copytree(path, tmp_path / "model"))
     cfg = json.loads((path / "config.json").read_text())
@@ -159,6 +159,15 @@ def test_modules_to_not_convert_stay_unquantized(fp8_dirs: Any, tmp_path: Path,
     assert dtypes["layers.1.mlp.gate_up_proj.weight"] == FP8
     assert "layers.0.self_attn.o_proj.weight_scale_inv" not in dtypes
     assert_logits_match(loaded, hf_from_dir(twin), random_ids(70), chunks=(23,))
+
+
+def test_fp8_kept_where_the_kernels_take_the_block() -> None:
+    """On CUDA, blocks whose columns the FP8 kernels step through (powers of two from 16: the
+    releases' 128 x 128); other blocks are dequantised at load, as on the CPU."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert loader._keeps_fp8(cuda, (128, 128)) and loader._keeps_fp8(cuda, (32, 32))
+    assert not loader._keeps_fp8(cuda, FP8_BLOCK) and not loader._keeps_fp8(cuda, (128, 8))
+    assert not loader._keeps_fp8(cpu, (128, 128))
 
 
 @pytest.mark.parametrize("case", ["moe_edge", "dense_edge"])
@@ -203,7 +212,7 @@ def test_qwen3_5_moe_fp8_kept_as_on_cuda(q35_moe_fp8: tuple[Path, Path],
     """The CUDA layout of the hybrid MoE: gated attention's q_proj scale rows taken apart as
     its weight rows are (query | gate per head), Gated DeltaNet's projections FP8 where the
     checkpoint has scales (in_proj_a / in_proj_b not)."""
-    monkeypatch.setattr(loader, "_keeps_fp8", lambda device: True)
+    monkeypatch.setattr(loader, "_keeps_fp8", lambda device, block: True)
     path, twin = q35_moe_fp8
     loaded = load_model(path, "float32")
     dtypes = {n: p.dtype for n, p in loaded.model.named_parameters()}
@@ -225,7 +234,7 @@ def interp_check_fp8_moe() -> None:
     from arle_kernels import fp8
     from arle_kernels.ops import triton_ops
 
-    loader._keeps_fp8 = lambda device: True  # type: ignore[assignment]
+    loader._keeps_fp8 = lambda device, block: True  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
         path, twin = Path(tmp) / "fp8", Path(tmp) / "twin"
         write_fp8_model_dir(path, hf_config("Qwen3MoeForCausalLM", num_hidden_layers=2), twin,
