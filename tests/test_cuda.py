@@ -394,11 +394,11 @@ async def test_eager_decode_above_the_graphs_builds_nothing(tmp_path: Path,
     splits = set()
     try:
         for b in range(3, 33):
-            splits.add(ex._num_splits(b))
+            splits.add(ex.num_splits_for(b))
             q = torch.zeros(b, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
             ex.model.ops.decode_attention(
                 q, k, v, torch.zeros(b, 1, dtype=torch.int32, device="cuda"),
-                torch.ones(b, dtype=torch.int32, device="cuda"), 1.0, ex._num_splits(b),
+                torch.ones(b, dtype=torch.int32, device="cuda"), 1.0, ex.num_splits_for(b),
                 k_scale=ks, v_scale=vs)
         torch.cuda.synchronize()
     finally:

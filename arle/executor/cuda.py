@@ -229,7 +229,7 @@ class CUDAExecutor:
                     logits = self._replay_extend(h, meta)
                 else:
                     nd = h.layout.num_decode
-                    step, decode_slots = step_views(h.layout, meta, self._num_splits(nd))
+                    step, decode_slots = step_views(h.layout, meta, self.num_splits_for(nd))
                     if nd:
                         step.input_ids[:nd] = self.token_buffer[decode_slots]
                     hidden = self.model(step.input_ids, self.backend(step))
@@ -287,7 +287,7 @@ class CUDAExecutor:
         g.graphs[h.extend_tokens].replay()
         return g.logits[: len(h.layout.sample_rows)]
 
-    def _num_splits(self, num_decode: int) -> int:
+    def num_splits_for(self, num_decode: int) -> int:
         """The decode kernel's split count: the one the graph of that batch size was captured
         with. NOTE: eager steps then compile no variant the capture did not (a first-use
         compile stalls every request for a second or more)."""

@@ -19,7 +19,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,15 +30,19 @@ from arle.executor.paged import FP8_KV, DeviceStep, KVCache, kv_format
 from arle.executor.sampler import SamplingBatch, sample
 from arle.logging import get_logger
 from arle.model.config import ModelConfig
-from arle.model.decoder import Attention, DecoderLayer, DecoderLM
+from arle.model.decoder import DecoderLM
+from arle.model.moe import Experts
+from arle.model.parallel import fp8_scale_of
 from arle.sampling import SamplingParams
 from arle_kernels.decode_attention import (
     MERGE_O_WITH_LSE_MAX_BATCH,
     PRELOAD_MAX_BATCH,
     pick_num_splits,
 )
+from arle_kernels.fp8 import fp8_row_classes
 from arle_kernels.gemv import row_classes
 from arle_kernels.jit import compile_ahead
+from arle_kernels.moe import moe_token_classes
 from arle_kernels.noise import exponential_noise
 
 if TYPE_CHECKING:
@@ -166,14 +170,14 @@ def prefill_step(ex: CUDAExecutor, n: int, params: SamplingParams, rows: int
 
 def eager_prefill_runs(ex: CUDAExecutor) -> list[Callable[[], None]]:
     """Without extend graphs (one running request, or no graphs), prefill steps run eagerly at
-    any length: one short prefill per variant class their kernels compile by row count (the
-    GEMVs' `row_classes` above one row, which also give the glue kernels a count that is
-    neither 1 nor a multiple of 16; longer chunks take cuBLAS and the profile step's
-    variants), one row sampling greedily. So no prompt builds a variant mid-request."""
+    any length: one short prefill per variant class their kernels compile by row count
+    (`token_classes` above one row: the GEMVs' also give the glue kernels a count that is
+    neither 1 nor a multiple of 16), one row sampling greedily. So no prompt builds a variant mid-request."""
     if ex.extend_graphs is not None:
         return []
     greedy = SamplingParams(temperature=0.0)
-    return [prefill_step(ex, n, greedy, 1) for n in row_classes()[1:]]
+    return [prefill_step(ex, n, greedy, 1)
+            for n in token_classes(ex.model, ex.config.max_batched_tokens) if n > 1]
 
 
 def build_ahead(ex: CUDAExecutor, *passes: Callable[[], object]) -> dict[str, float]:
@@ -257,39 +261,60 @@ def build_eager_decode_variants(ex: CUDAExecutor, above: int = 0) -> None:
     `ex.eager_decode_above()`), the kernel variants eager steps pick by their size, which the
     warm-up passes may not all reach: the decode kernel's split counts (each its own merge
     variant) with and without its first block loaded before the PDL wait (up to
-    PRELOAD_MAX_BATCH rows), and the GEMVs' row classes (`row_classes`). On zeros and page 0;
-    the outputs are thrown away."""
+    PRELOAD_MAX_BATCH rows), and a whole decode step at one row count per class the other
+    kernels compile by (`token_classes`). On padding rows (no K/V written, the spare state
+    slot); the outputs are thrown away."""
     m, model, device = ex.model.config, ex.model, ex.device
-    layer = cast(DecoderLayer, model.layers[m.attention_layers[0]])
-    self_attn = cast(Attention, layer.self_attn)
     # each (split count, preload, merge variant) variant, at the fewest rows that pick it
     rows_for = {(pick_num_splits(b, m.num_kv_heads, ex.config.max_model_len, ex.num_sms),
                  b <= PRELOAD_MAX_BATCH, b <= MERGE_O_WITH_LSE_MAX_BATCH): b
                 for b in range(ex.num_slots, above, -1)}
     k, v, ks, vs = ex.kv.layer(0)
     dtype = model.embed_tokens.weight.dtype
-    attn = self_attn.num_heads * self_attn.head_dim  # this rank's
     with torch.inference_mode(), torch.cuda.stream(ex.stream):
         for (n, _, _), b in sorted(rows_for.items()):
             q = torch.zeros(b, m.num_heads, m.head_dim, dtype=dtype, device=device)
             table = torch.zeros(b, 1, dtype=torch.int32, device=device)
             seq_lens = torch.ones(b, dtype=torch.int32, device=device)
             model.ops.decode_attention(q, k, v, table, seq_lens, 1.0, n, k_scale=ks, v_scale=vs)
-        ops, norm = model.ops, layer.post_attention_layernorm
-        for rows in row_classes():
-            x = torch.zeros(rows, m.hidden_size, dtype=dtype, device=device)
-            # the linear layers as the decoder runs them, each result taken by its consumer
-            # (split sums included); no K/V is written (slots -1)
-            no_slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
-            ops.qk_norm_rope_store_kv(
-                self_attn.qkv_proj.forward_unreduced(x), torch.zeros_like(no_slots),
-                ex.rotary, *self_attn.qk_norm_weights(), m.rms_norm_eps,
-                self_attn.num_heads, self_attn.num_kv_heads, k, v, no_slots, ks, vs)
-            attn_out = torch.zeros(rows, attn, dtype=dtype, device=device)
-            for y in (self_attn.o_proj.forward_unreduced(attn_out), layer.mlp(x, ops)):
-                ops.add_rms_norm(y, x.clone(), norm.weight, norm.eps)
-            model.logits(x)
+        for b in token_classes(model, ex.num_slots):
+            if b > above:
+                step = padding_decode_step(ex, b)
+                model.logits(model(step.input_ids, ex.backend(step)))
     ex.stream.synchronize()
+
+
+def padding_decode_step(ex: CUDAExecutor, rows: int) -> DeviceStep:
+    """A decode step of `rows` padding rows, as a graph's: token 0 at position 0 with one
+    token of context on page 0, no K/V written, the spare state slot."""
+    def full(value: int, *shape: int) -> torch.Tensor:
+        return torch.full(shape, value, dtype=torch.int32, device=ex.device)
+
+    return DeviceStep(input_ids=full(0, rows), positions=full(0, rows), kv_slots=full(-1, rows),
+                      seq_lens=full(1, rows), cu_q_lens=full(0, 1), page_table=full(0, rows, 1),
+                      num_decode=rows, max_q_len=1, num_splits=ex.num_splits_for(rows),
+                      slots=full(ex.pad_slot, rows))
+
+
+def token_classes(model: DecoderLM, limit: int) -> list[int]:
+    """Row counts up to `limit`, one per launch configuration the model's kernels pick by
+    row count (they compile per configuration): the GEMVs', the FP8 linears', the experts'."""
+    moe = model.config.moe
+    experts, fp8 = set(), set()  # NOTE: each distinct shape once (the layers repeat them)
+    for module in model.modules():
+        if isinstance(module, Experts) and moe is not None:
+            e, inter2, hidden = module.w13.shape
+            experts.add((e, hidden, inter2 // 2, module.block))
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn:
+            fp8.add((*weight.shape, fp8_scale_of(weight)[1]))
+    classes = set(row_classes())
+    for e, hidden, inter, block in experts:
+        assert moe is not None
+        classes.update(moe_token_classes(moe.experts_per_token, e, hidden, inter, block, limit))
+    for n, k, block in fp8:
+        classes.update(fp8_row_classes(n, k, block, limit))
+    return sorted(c for c in classes if c <= limit)
 
 
 def build_sampler_variants(ex: CUDAExecutor) -> None:
