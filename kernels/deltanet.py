@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from arle_kernels.jit import jit_varying
+from arle_kernels.jit import gdc_launch_dependents, gdc_wait, jit_varying, pdl_enabled, pdl_launch
 
 #: transformers' `l2norm` epsilon for q and k
 L2_EPS = 1e-6
@@ -317,13 +317,17 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_
                       stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
                       HK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      NV: tl.constexpr, VARLEN: tl.constexpr, BOUNDARY: tl.constexpr):
+                      NV: tl.constexpr, VARLEN: tl.constexpr, BOUNDARY: tl.constexpr,
+                      PDL: tl.constexpr):
     """Program (row, value head, block of BV value columns): the whole step of that slice of the
     row, token by token, the state slice [dk, BV] in registers. VARLEN: extend rows (row j's
     tokens tok_base + cu[j] ..), else decode rows (row i is token i). Each program writes the
     conv state of its own value channels; the q/k channels of a key head are read by all G * NV
     programs of the head, so the last of them to finish (a counter per (row, key head), reset
-    by that program) writes them."""
+    by that program) writes them. PDL: before `gdc_wait`, only the step's metadata and the
+    weights are read (jit.py's rule); the inputs and the states after it."""
+    if PDL:
+        gdc_launch_dependents()
     pid_r = tl.program_id(0)
     hv = tl.program_id(1)
     bv = tl.program_id(2)
@@ -343,6 +347,8 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_
     vmask = offs_v < DV
     out_row = out_ptr + tok0 * stride_ot + hv * stride_oh
     if slot < 0:  # padding: no state read or written
+        if PDL:
+            gdc_wait()
         for i in range(n):
             tl.store(out_row + i * stride_ot + offs_v, tl.zeros([BV], dtype), mask=vmask)
         return
@@ -362,6 +368,9 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_
                  mask=vmask[:, None] & tmask[None, :], other=0.0).to(tl.float32)
     neg_a = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
     dtb = tl.load(dtb_ptr + hv).to(tl.float32)
+    end = tl.load(seq_lens_ptr + row)
+    if PDL:
+        gdc_wait()
     x_row = x_ptr + tok0 * stride_x
     cs_off = slot * stride_cs
     cs_row = cs_ptr + cs_off
@@ -369,7 +378,6 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_
     s_off = offs_k[:, None] * stride_sk + offs_v[None, :]
     smask = kmask[:, None] & vmask[None, :]
     s = tl.load(ss_ptr + s_base + s_off, mask=smask, other=0.0)
-    end = tl.load(seq_lens_ptr + row)
     snap = end // page_size * page_size - (end - n)  # tokens before the boundary (> 0: one)
     for i in range(n):
         q = tl.sum(_window(x_row, stride_x, cs_row, stride_cc, stride_ck, i, q_ch, kmask, taps,
@@ -616,15 +624,19 @@ def _chunk_rule_kernel(x_ptr, y_ptr, cs_ptr, ss_ptr, w_ptr, u_ptr, qg_ptr, kd_pt
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, n_rows, d, stride_x, stride_z,
                            stride_y, eps, BR: tl.constexpr, BD: tl.constexpr,
-                           W_FP32: tl.constexpr):
+                           W_FP32: tl.constexpr, PDL: tl.constexpr):
     """Program (block of BR rows): HF's rounding order (module docstring of the ref)."""
+    if PDL:
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
     rows64 = rows.to(tl.int64)[:, None]  # N * D may pass 2^31 (N: tokens x heads)
+    w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)  # a weight: before
+    if PDL:
+        gdc_wait()
     x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
     z = tl.load(z_ptr + rows64 * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
     dtype = x.dtype
     xf = x.to(tl.float32)
     ss = tl.sum(xf * xf, 1)
@@ -644,9 +656,11 @@ def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     bd = triton.next_power_of_2(d)
     br = max(1, min(16, 4096 // bd))
+    pdl = pdl_enabled()
     _gated_rms_norm_kernel[(triton.cdiv(n, br),)](
         x, z, weight, y, n, d, x.stride(0), z.stride(0), y.stride(0), eps, BR=br, BD=bd,
-        W_FP32=weight.dtype == torch.float32 and x.dtype != torch.float32, num_warps=4)
+        W_FP32=weight.dtype == torch.float32 and x.dtype != torch.float32, PDL=pdl,
+        num_warps=4, **pdl_launch(pdl))
     return y
 
 
@@ -744,7 +758,7 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
               "BOUNDARY": boundary}
     strides = (*conv_state.stride(), *ssm_state.stride()[:3])
 
-    def recurrent(nrows: int, row0: int, varlen: bool) -> None:
+    def recurrent(nrows: int, row0: int, varlen: bool, pdl: bool) -> None:
         launch = DECODE_SMALL if nrows * hv < 512 else DECODE_LARGE
         bv = block_v or _block_v(launch, dv)
         nv = triton.cdiv(dv, bv)
@@ -753,16 +767,16 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
             seq_lens, cu_q_lens, out, bcs, bss, _counter_buffer(out.device, rows * hk),
             row0, num_decode, page_size, dk ** -0.5, L2_EPS,
             mixed_qkv.stride(0), a.stride(0), b.stride(0), conv_weight.stride(0), *strides,
-            out.stride(0), out.stride(1), **consts, BV=bv, NV=nv, VARLEN=varlen,
-            num_warps=launch.num_warps, num_stages=launch.num_stages)
+            out.stride(0), out.stride(1), **consts, BV=bv, NV=nv, VARLEN=varlen, PDL=pdl,
+            num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(pdl))
 
     if num_decode:
-        recurrent(num_decode, 0, varlen=False)
+        recurrent(num_decode, 0, varlen=False, pdl=pdl_enabled())
     te = t - num_decode
     if n_ext <= 0 or te <= 0:
         return out
     if not chunked:
-        recurrent(n_ext, num_decode, varlen=True)
+        recurrent(n_ext, num_decode, varlen=True, pdl=False)
         return out
     dev = mixed_qkv.device
     y = torch.empty(te, c, dtype=mixed_qkv.dtype, device=dev)

@@ -497,7 +497,7 @@ def test_kernels_build_for_sm90(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     builds = {
         **{f"recurrent {launch}": (deltanet._recurrent_kernel, launch, {
             **heads, **conv, "BV": launch.block_v, "NV": sh.dv // launch.block_v,
-            "VARLEN": False, "BOUNDARY": True}, state)
+            "VARLEN": False, "BOUNDARY": True, "PDL": True}, state)
            for launch in (deltanet.DECODE_SMALL, deltanet.DECODE_LARGE)},
         "conv": (deltanet._conv_kernel, deltanet.CONV, {
             "K": sh.k, "BT": deltanet.CONV_TOKENS, "BC": deltanet.CONV_CHANNELS}, ()),
@@ -507,7 +507,7 @@ def test_kernels_build_for_sm90(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
             **heads, **conv, "BV": deltanet.RULE.block_v, "BT": deltanet.CHUNK,
             "BOUNDARY": True, "DOT": deltanet.DOT_PRECISION}, state + prep),
         "norm": (deltanet._gated_rms_norm_kernel, deltanet.Launch(0, 4), {
-            "BR": 16, "BD": sh.dv, "W_FP32": False}, ()),
+            "BR": 16, "BD": sh.dv, "W_FP32": False, "PDL": True}, ()),
     }
     for name, (kernel, launch, consts, fp32) in builds.items():
         shared = _sm90_build(kernel, launch, consts, fp32)
