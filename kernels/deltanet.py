@@ -276,9 +276,9 @@ def _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, strid
     wmask = taps < KM1
     new = _window(x_row, stride_x, cs_ptr + cs_off, stride_cc, stride_ck, n, ch, cmask, taps,
                   wmask, KM1)
-    if BOUNDARY:
-        bnd = _window(x_row, stride_x, cs_ptr + cs_off, stride_cc, stride_ck, snap, ch, cmask,
-                      taps, wmask, KM1)
+    if BOUNDARY:  # snap <= 0 (no boundary) is stored nowhere; read at 0, inside the state
+        bnd = _window(x_row, stride_x, cs_ptr + cs_off, stride_cc, stride_ck,
+                      tl.maximum(snap, 0), ch, cmask, taps, wmask, KM1)
     tl.debug_barrier()
     offs = cs_off + ch[:, None] * stride_cc + taps[None, :] * stride_ck
     mask = cmask[:, None] & wmask[None, :]
