@@ -147,8 +147,8 @@ def chunk_delta_rule_ref(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     return out, s
 
 
-#: rows of at least this many tokens run `chunk_delta_rule_ref` in the reference (the
-#: recurrence below: it is exact to the token and fast enough for a decode step)
+#: pieces of rows of at least this many tokens run `chunk_delta_rule_ref` in the reference,
+#: shorter ones the recurrence (token by token: fast enough for a decode step)
 REF_CHUNK_MIN = 64
 
 
