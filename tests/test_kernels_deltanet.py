@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -319,6 +320,72 @@ def test_ref_mixed_rows_equal_rows_alone() -> None:
     assert torch.equal(layer.ssm_state, alone.ssm_state)
     assert all(torch.equal(u, w) for u, w in zip(bound, bound_alone, strict=True))
     assert bound[1][1].abs().sum() > 0  # the 67-token row crossed position 80
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ops_compose_to_hf_layer(dtype: torch.dtype) -> None:
+    """transformers' whole `Qwen3_5GatedDeltaNet` module, each sequence with its own cache
+    (prefill, cached decode, multi-token continuation), against the projections + the
+    gated_delta and gated_rms_norm refs over steps that mix the two sequences' pieces as
+    decode and extend rows: the interface (conv weight [C, K], [q | k | v] order, heads,
+    z and the norm per value head) is the model's."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        vocab_size=100)
+    torch.manual_seed(0)
+    layer = hf.Qwen3_5GatedDeltaNet(cfg, 0).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name == "A_log":
+                p.copy_(torch.empty(p.shape).uniform_(-5.0, 0.5, generator=gen))
+            elif name == "dt_bias":
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 - 2.0)
+            elif name == "norm.weight":
+                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    layer = layer.to(dtype)
+    sh = Shape(hk=2, hv=4, dk=16, dv=16, k=4)
+    # per step: (sequence, tokens, decode row?); the steps' rows: decode rows first
+    steps = [[(0, 7, False), (1, 5, False)], [(0, 1, True), (1, 2, False)],
+             [(1, 1, True), (0, 3, False)], [(0, 1, True), (1, 1, True)]]
+    total = [sum(n for step in steps for s, n, _ in step if s == seq) for seq in (0, 1)]
+    hidden = [torch.randn(1, t, 64, generator=gen).to(dtype) for t in total]
+    caches = [hf.DynamicCache(config=cfg) for _ in (0, 1)]
+    conv = torch.zeros(2, sh.c, sh.k - 1, dtype=dtype)
+    ssm = torch.zeros(2, sh.hv, sh.dk, sh.dv)
+    done = [0, 0]
+    w = {name: p.detach() for name, p in layer.named_parameters()}
+    for step in steps:
+        pieces = [(seq, hidden[seq][0, done[seq]:done[seq] + n]) for seq, n, _ in step]
+        x = torch.cat([h for _, h in pieces])
+        mixed = F.linear(x, w["in_proj_qkv.weight"])
+        z = F.linear(x, w["in_proj_z.weight"])
+        a, b = F.linear(x, w["in_proj_a.weight"]), F.linear(x, w["in_proj_b.weight"])
+        nd = sum(decode for _, _, decode in step)
+        ext = [n for _, n, decode in step if not decode]
+        cu = torch.tensor([0, *itertools.accumulate(ext)], dtype=torch.int32)
+        i32 = torch.int32
+        slots = torch.tensor([seq for seq, _, _ in step], dtype=i32)
+        seq_lens = torch.tensor([done[seq] + n for seq, n, _ in step], dtype=i32)
+        o = gated_delta_ref(mixed, a, b, w["conv1d.weight"].squeeze(1), w["A_log"],
+                            w["dt_bias"], conv, ssm, slots, seq_lens, cu, nd, max(ext, default=1),
+                            sh.hk, 16)
+        o = gated_rms_norm_ref(o.reshape(-1, sh.dv), z.reshape(-1, sh.dv), w["norm.weight"],
+                               cfg.rms_norm_eps)
+        ours = F.linear(o.reshape(x.shape[0], -1), w["out_proj.weight"])
+        tok = 0
+        for seq, h in pieces:
+            with torch.no_grad():
+                want = layer(h[None], cache=caches[seq])[0]
+            assert_close(ours[tok:tok + h.shape[0]], want, dtype, f"step {step}, seq {seq}")
+            tok += h.shape[0]
+            done[seq] += h.shape[0]
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
