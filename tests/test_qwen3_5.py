@@ -30,6 +30,7 @@ from model_dirs import (
     qwen3_5_config,
     write_qwen3_5_dir,
 )
+from moe_checks import assert_cli_and_server_answer
 
 from arle.executor.paged import DeviceStep, KVCache, PagedAttention
 from arle.logging import configure_logging
@@ -472,6 +473,15 @@ async def test_greedy_matches_transformers_generate(q35_dirs: dict[str, Path],
                           dtype=torch.long), do_sample=False, max_new_tokens=24,
                           repetition_penalty=1.0, eos_token_id=None, pad_token_id=0)
         assert tokens_of(deltas) == out[0, len(ids):].tolist()
+
+
+@pytest.mark.slow
+def test_cli_and_server_answer_from_a_qwen3_5_directory(q35_dirs: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    """`arle complete` from the published layout answers with transformers' greedy tokens
+    (with the directory's repetition penalty), and `arle serve` with the same text."""
+    path = q35_dirs["Qwen3_5ForConditionalGeneration"]
+    assert_cli_and_server_answer(path, hf_from_dir(path), tmp_path / "serve.log")
 
 
 # ---- the Triton kernels (interpreter, CPU) ---------------------------------------------------

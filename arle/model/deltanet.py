@@ -41,8 +41,8 @@ class QKVZLinear(MergedColumnParallelLinear):
         if loaded.shape[0] != sum(self.qkv_parts.values()):
             raise ValueError(f"in_proj_qkv has {loaded.shape[0]} rows, not "
                              f"{sum(self.qkv_parts.values())}")
-        for (key, part) in zip(self.qkv_parts, loaded.split(list(self.qkv_parts.values())),
-                               strict=True):
+        parts = loaded.split(list(self.qkv_parts.values()))
+        for key, part in zip(self.qkv_parts, parts, strict=True):
             super().load_shard(param, part, key)
 
     def load_scale(self, param: nn.Parameter, loaded: torch.Tensor,
