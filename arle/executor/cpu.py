@@ -43,7 +43,7 @@ class CPUExecutor:
         self.kv = KVCache.for_model(cfg, num_pages, page_size, kv_dtype, torch.device("cpu"))
         self.kv_pool = KVPoolInfo(num_pages, page_size, self.kv.nbytes, kv_format(kv_dtype))
         self.num_snapshots = num_snapshots
-        # NOTE: one spare state entry past the slots, as on CUDA (graph padding rows)
+        # NOTE: one spare state entry past the slots, as on CUDA (start-up's profile step)
         self.state = StatePool.for_model(cfg, num_slots + 1, num_snapshots, kv_dtype,
                                          torch.device("cpu"))
         self.rotary = model.rotary_table(max_positions)

@@ -121,7 +121,8 @@ class CUDAExecutor:
                                         device=self.device)
         self.penalties = PenaltyState(config.num_slots, model.config.vocab_size, self.device)
         self.num_snapshots = config.num_snapshots
-        # NOTE: the spare entry past the slots is the graphs' padding rows' (pad_slot)
+        # NOTE: the spare entry past the slots is start-up's profile step's (pad_slot); padding
+        # rows of the graphs touch no state (slot -1)
         self.state = StatePool.for_model(model.config, config.num_slots + 1, config.num_snapshots,
                                          next(model.parameters()).dtype, self.device)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -146,7 +147,8 @@ class CUDAExecutor:
         if config.cuda_graph_max_bs <= 0:
             return
         self.graphs = DecodeGraphs(min(config.cuda_graph_max_bs, config.num_slots),
-                                   self.max_pages, self.device)
+                                   self.max_pages, self.device,
+                                   self.pad_slot if self.state is not None else None)
         if config.extend_graph_max_tokens > 0:
             cfg = self.model.config
             block_t = block_tokens(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads,

@@ -54,8 +54,11 @@ class DecodeGraphs:
     and attend to one token of page 0.
     """
 
-    def __init__(self, max_bs: int, max_pages: int, device: torch.device) -> None:
+    def __init__(self, max_bs: int, max_pages: int, device: torch.device,
+                 state_pad: int | None = None) -> None:
         self.sizes = [bs for bs in DECODE_GRAPH_SIZES if bs < max_bs] + [max_bs]
+        #: a hybrid model's padding slot: its padding rows then touch no recurrent state
+        self.state_pad = state_pad
         self.max_bs = max_bs
         self.meta = torch.zeros(4, max_bs, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
@@ -80,10 +83,14 @@ class DecodeGraphs:
         NOTE: its input_ids are the rows' slots: the model reads the ids from the token buffer
         there (`Decoder.forward`'s id_source), in the embedding kernel."""
         slots, positions, kv_slots, seq_lens = self.meta[:, :bs]
+        # NOTE: padding rows share one slot; as a recurrent state's slot that would be several
+        # rows updating one state at once, so they get none (-1)
+        state_slots = (slots if self.state_pad is None
+                       else torch.where(slots == self.state_pad, -1, slots))
         return DeviceStep(input_ids=slots, positions=positions, kv_slots=kv_slots,
                           seq_lens=seq_lens, cu_q_lens=seq_lens[:0],
                           page_table=self.page_table[:bs], num_decode=bs, max_q_len=1,
-                          num_splits=self.num_splits[bs], slots=slots)
+                          num_splits=self.num_splits[bs], slots=state_slots)
 
     def runs(self, forward: Callable[[DeviceStep], torch.Tensor], num_splits: Callable[[int], int],
              pad_slot: int) -> dict[int, Callable[[], torch.Tensor]]:

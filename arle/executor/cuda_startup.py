@@ -262,8 +262,8 @@ def build_eager_decode_variants(ex: CUDAExecutor, above: int = 0) -> None:
     warm-up passes may not all reach: the decode kernel's split counts (each its own merge
     variant) with and without its first block loaded before the PDL wait (up to
     PRELOAD_MAX_BATCH rows), and a whole decode step at one row count per class the other
-    kernels compile by (`token_classes`). On padding rows (no K/V written, the spare state
-    slot); the outputs are thrown away."""
+    kernels compile by (`token_classes`). On padding rows (no K/V written, no recurrent
+    state); the outputs are thrown away."""
     m, model, device = ex.model.config, ex.model, ex.device
     # each (split count, preload, merge variant) variant, at the fewest rows that pick it
     rows_for = {(pick_num_splits(b, m.num_kv_heads, ex.config.max_model_len, ex.num_sms),
@@ -286,14 +286,14 @@ def build_eager_decode_variants(ex: CUDAExecutor, above: int = 0) -> None:
 
 def padding_decode_step(ex: CUDAExecutor, rows: int) -> DeviceStep:
     """A decode step of `rows` padding rows, as a graph's: token 0 at position 0 with one
-    token of context on page 0, no K/V written, the spare state slot."""
+    token of context on page 0, no K/V written, no recurrent state (slot -1)."""
     def full(value: int, *shape: int) -> torch.Tensor:
         return torch.full(shape, value, dtype=torch.int32, device=ex.device)
 
     return DeviceStep(input_ids=full(0, rows), positions=full(0, rows), kv_slots=full(-1, rows),
                       seq_lens=full(1, rows), cu_q_lens=full(0, 1), page_table=full(0, rows, 1),
                       num_decode=rows, max_q_len=1, num_splits=ex.num_splits_for(rows),
-                      slots=full(ex.pad_slot, rows))
+                      slots=full(-1, rows))
 
 
 def token_classes(model: DecoderLM, limit: int) -> list[int]:

@@ -75,10 +75,10 @@ class KVCache:
 @dataclass
 class StatePool:
     """A hybrid model's recurrent state, per Gated DeltaNet layer: one entry per request slot
-    (the last one spare: CUDA graphs' padding rows write there), each slot's state at the last
-    page boundary its rows reached (`boundary_*`), and snapshots the prefix cache keeps
-    (`snap_*`). conv: the conv's last kernel - 1 inputs, in the model dtype; ssm: the
-    delta-rule state, fp32."""
+    (and a spare: start-up's profile step runs there; padding rows run with slot -1 and touch
+    no state), each slot's state at the last page boundary its rows reached (`boundary_*`),
+    and snapshots the prefix cache keeps (`snap_*`). conv: the conv's last kernel - 1 inputs,
+    in the model dtype; ssm: the delta-rule state, fp32."""
 
     conv: torch.Tensor  # [linear layers, slots, conv_dim, kernel - 1]
     ssm: torch.Tensor  # [linear layers, slots, value heads, key dim, value dim]
@@ -369,7 +369,8 @@ def extend_graph_block(rows: list[Row], ps: int, pad_slot: int, shape: ExtendGra
         "input_ids": ids + [0] * pad_t, "tok_slots": tok_slots + [pad_slot] * pad_t,
         "positions": positions + [0] * pad_t, "kv_slots": kv_slots + [-1] * pad_t,
         "seq_lens": seq_lens + [0] * pad_r, "cu_q_lens": cu + [t] * pad_r,
-        "row_slots": [r.slot for r in rows] + [pad_slot] * pad_r,
+        # padding rows own no tokens and no recurrent state (-1)
+        "row_slots": [r.slot for r in rows] + [-1] * pad_r,
         "sample_index": sample_at + [0] * (shape.rows - len(sample_at)),
         "extend_blocks": plan_blocks([r.num_tokens for r in rows], seq_lens,
                                      shape.block_t, shape.blocks)}
