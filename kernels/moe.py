@@ -531,6 +531,10 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor
     projection with silu(gate) * up in its epilogue, the down projection times the routing
     weights, the sum over top_k. Reads no device tensor on the host: buffers and grids come
     from shapes (graph-safe), the launches from `pick_moe_config`."""
+    fp8 = torch.float8_e4m3fn
+    assert w13.dtype == w2.dtype and w13.dtype in (x.dtype, fp8), (
+        f"experts in {w13.dtype} / {w2.dtype} for activations in {x.dtype}: the weights are "
+        "the activations' dtype or FP8")
     cfg = pick_moe_config(x.shape[0], ids.shape[1], w13.shape[0], x.shape[1],
                           w2.shape[2], block)
     return _moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg)
