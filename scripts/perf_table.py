@@ -149,6 +149,10 @@ SOURCES = (
            "--concurrency 1 8 64 --num-prompts 64 --out docs/results/h200/serve_smollm2.json"),
     Source("cpu/bench_cpu.json", "python3 scripts/bench_cpu.py --rounds 7 "
            "--out docs/results/cpu/bench_cpu.json"),
+    Source("cpu/bench_cpu_qwen3.5.json",
+           "python3 scripts/make_random_model.py tiny-qwen3.5 /tmp/models/tiny-qwen3.5 && "
+           "python3 scripts/bench_cpu.py --model /tmp/models/tiny-qwen3.5 --rounds 5 "
+           "--out docs/results/cpu/bench_cpu_qwen3.5.json"),
 )
 
 _Q4 = "Qwen3-4B"
@@ -160,6 +164,8 @@ _NO_OVERLAP = "h200/serve_qwen3-4b_disable-overlap.json"
 _NO_GRAPH = "h200/serve_qwen3-4b_disable-cuda-graph.json"
 _HF = "h200/hf_qwen3-4b.json"
 _CPU = "cpu/bench_cpu.json"
+_CPU_Q35 = "cpu/bench_cpu_qwen3.5.json"
+_TINY_Q35 = "tiny random Qwen3.5 (4 layers: 3 Gated DeltaNet, 1 gated attention; hidden 256)"
 
 
 def _floor(decode: str) -> Quotient:
@@ -252,6 +258,14 @@ FIGURES = (
            (Field(_CPU, "summary.arle.decode_tok_s", "{:.1f} tok/s"),),
            "weight-read floor (weights / `x.sum()` bandwidth)",
            (Field(_CPU, "summary.decode_floor.floor_decode_tok_s", "{:.1f} tok/s"),)),
+    Figure("cpu", "decode, batch 1, 32-token prompt + 128 tokens: tok/s", _TINY_Q35,
+           (Field(_CPU_Q35, "summary.arle.decode_tok_s", "{:.1f} tok/s"),),
+           "transformers `generate`",
+           (Field(_CPU_Q35, "summary.transformers.decode_tok_s", "{:.1f} tok/s"),)),
+    Figure("cpu", "prefill, one 512-token prompt: tok/s", _TINY_Q35,
+           (Field(_CPU_Q35, "summary.arle.prefill_tok_s", "{:.0f} tok/s"),),
+           "transformers `generate`",
+           (Field(_CPU_Q35, "summary.transformers.prefill_tok_s", "{:.0f} tok/s"),)),
 )
 
 
