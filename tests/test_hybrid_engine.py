@@ -6,10 +6,14 @@ between engine settings (and with transformers where the test says), never hard-
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 from conftest import assert_all_pages_back, run, run_many, tokens_of
+from helpers import ROOT
 from model_dirs import write_qwen3_5_dir
 
 from arle.engine.async_engine import AsyncEngine
@@ -180,3 +184,20 @@ async def test_the_state_pool_is_sized_per_slot(hybrid: LoadedModel, make_engine
     assert state.conv.shape[:2] == state.boundary_conv.shape[:2] == (len(cfg.linear_layers), slots)
     assert state.snap_ssm.shape[1] == 5 and engine.cache.num_snapshots == 5
     assert state.slot_bytes == cfg.state_bytes_per_slot(4)  # fp32 model: fp32 conv state
+
+
+def test_piped_arle_chat_reuses_the_first_turn(hybrid: LoadedModel, tmp_path: Any) -> None:
+    """`arle chat` from a Qwen3.5 directory: two turns answer, and the second starts from the
+    first turn's cached pages and recurrent state (its status line's prefix)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["XDG_DATA_HOME"] = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "arle", "chat", "-m", str(hybrid.path), "--temperature", "0",
+         "--max-tokens", "12"],
+        input="Tell me about the sea and the ships on it.\nAnd in winter?\n", env=env,
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = [line for line in proc.stderr.splitlines() if " tokens · " in line]
+    assert len(status) == 2 and "prefix 0/" in status[0], status
+    assert int(status[1].split("prefix ")[1].split("/")[0]) >= PAGE, status
