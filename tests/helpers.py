@@ -112,3 +112,13 @@ def capture(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def hf_fp8_dequantize(*args: object) -> torch.Tensor:
+    """transformers' own FP8 block dequantisation (a private function of newer releases: where
+    it is missing, as on the GPU machine's, the calling test skips)."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    if not hasattr(fp8, "_dequantize_fp8_weight"):
+        pytest.skip("this transformers has no _dequantize_fp8_weight")
+    out: torch.Tensor = fp8._dequantize_fp8_weight(*args)
+    return out

@@ -99,6 +99,13 @@ def write_model_dir(path: Path, config: Any, seed: int = 0,
     """Save a random model (sharded: a ~2 MB model in several files + index), tokenizer files and
     generation_config.json to `path`. Returns the in-memory transformers model."""
     model = random_hf_model(config, seed)
+    save_checkpoint(model, path, max_shard_size)
+    return model
+
+
+def save_checkpoint(model: Any, path: Path, max_shard_size: str = "400KB") -> None:
+    """A transformers model saved as a model directory: sharded weights, the byte tokenizer's
+    files, generation_config.json."""
     model.save_pretrained(path, max_shard_size=max_shard_size)
     byte_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
@@ -107,7 +114,6 @@ def write_model_dir(path: Path, config: Any, seed: int = 0,
     }))
     # Written by hand after save_pretrained (which writes its own): these exact values matter.
     (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
-    return model
 
 
 # ---- block-FP8 checkpoints (the Qwen FP8 releases' format) ----------------------------------
@@ -277,13 +283,7 @@ def write_qwen3_5_dir(path: Path, arch: str = "Qwen3_5ForConditionalGeneration",
     of their own, in the index). Returns the in-memory transformers model."""
     config = qwen3_5_config(arch, **overrides)
     model = random_qwen3_5_model(config, seed)
-    model.save_pretrained(path, max_shard_size="400KB")
-    byte_tokenizer().save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
-    }))
-    (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    save_checkpoint(model, path)
     if arch == "Qwen3_5ForConditionalGeneration":
         from safetensors.torch import save_file
 
@@ -327,11 +327,5 @@ def write_qwen3_5_moe_dir(path: Path, config: Any, seed: int = 0) -> Any:
     one) with tokenizer files; weights drawn as `random_qwen3_5_model` draws them. Returns the
     in-memory transformers model."""
     model = random_qwen3_5_model(config, seed)
-    model.save_pretrained(path, max_shard_size="400KB")
-    byte_tokenizer().save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
-    }))
-    (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    save_checkpoint(model, path)
     return model

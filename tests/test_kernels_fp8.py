@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import capture, run_interpreter_check
+from helpers import capture, hf_fp8_dequantize, run_interpreter_check
 
 from arle_kernels.fp8 import (
     FP8,
@@ -27,15 +27,6 @@ from arle_kernels.fp8 import (
 )
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _hf_dequantize(*args: object) -> torch.Tensor:
-    """transformers' own FP8 block dequantisation (a private function: newer transformers only;
-    the GPU machine's older one lacks it, and the tests that compare with it skip there)."""
-    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
-    if not hasattr(fp8, "_dequantize_fp8_weight"):
-        pytest.skip("this transformers has no _dequantize_fp8_weight")
-    return fp8._dequantize_fp8_weight(*args)
 
 
 def make_fp8(n: int, k: int, block: tuple[int, int], seed: int = 0, lead: tuple[int, ...] = (),
@@ -72,7 +63,7 @@ def test_dequant_ref_matches_transformers() -> None:
     """transformers' own dequantisation (whole blocks; experts batched)."""
     block = (16, 32)
     w, scale = make_fp8(48, 96, block, lead=(3,))
-    want = _hf_dequantize(w, scale, list(block), torch.float32)
+    want = hf_fp8_dequantize(w, scale, list(block), torch.float32)
     assert torch.equal(fp8_dequant_ref(w, scale, block), want)
 
 

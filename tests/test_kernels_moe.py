@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import capture, run_interpreter_check
+from helpers import capture, hf_fp8_dequantize, run_interpreter_check
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeConfig,
     Qwen3MoeSparseMoeBlock,
@@ -38,15 +38,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # ---------------------------------------------------------------------------------------------
 # the reference against transformers
 # ---------------------------------------------------------------------------------------------
-
-
-def _hf_dequantize(*args: object) -> torch.Tensor:
-    """transformers' own FP8 block dequantisation (a private function: newer transformers only;
-    the GPU machine's older one lacks it, and the tests that compare with it skip there)."""
-    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
-    if not hasattr(fp8, "_dequantize_fp8_weight"):
-        pytest.skip("this transformers has no _dequantize_fp8_weight")
-    return fp8._dequantize_fp8_weight(*args)
 
 
 def hf_block(h: int, inter: int, e: int, k: int, norm: bool, impl: str, dtype: torch.dtype,
@@ -143,9 +134,9 @@ def test_ref_fp8_matches_transformers_dequantized() -> None:
     w13, s13 = quantize_blocks(torch.randn(e, 2 * inter, h, generator=gen) * 0.2, block, gen)
     w2, s2 = quantize_blocks(torch.randn(e, h, inter, generator=gen) * 0.2, block, gen)
     with torch.no_grad():
-        hf.experts.gate_up_proj.copy_(_hf_dequantize(w13, s13, list(block),
+        hf.experts.gate_up_proj.copy_(hf_fp8_dequantize(w13, s13, list(block),
                                                              torch.float32))
-        hf.experts.down_proj.copy_(_hf_dequantize(w2, s2, list(block), torch.float32))
+        hf.experts.down_proj.copy_(hf_fp8_dequantize(w2, s2, list(block), torch.float32))
     x = torch.randn(11, h, generator=gen)
     got, want = run_both(hf, x, w13=w13, w2=w2, w13_scale=s13, w2_scale=s2, block=block)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
