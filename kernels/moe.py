@@ -287,6 +287,26 @@ def _w_step(acc, a, a_scale, w_ptrs, ws_ptrs, k_ok, W8: tl.constexpr, A8: tl.con
 
 
 @triton.jit
+def _pair_block(sorted_ptr, block_expert_ptr, ws_ptr, N, num_pairs, stride_wse, stride_wsn,
+                ROW_DIV: tl.constexpr, GROUP_N: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Both kernels' start, for program (j, b): block b's expert (-1: past the last group),
+    its ROWS pairs (valid where row_ok; padding reads a valid row: no masks), the row of the
+    input each reads (pair // ROW_DIV), columns [j*BLOCK_N, (j+1)*BLOCK_N) (clamped to N - 1
+    likewise) and the scale pointers of those columns and of the up half's (GLU)."""
+    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    pairs = tl.load(sorted_ptr + tl.program_id(1) * ROWS + tl.arange(0, ROWS))
+    row_ok = pairs < num_pairs
+    rows = tl.where(row_ok, pairs // ROW_DIV, 0).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+    e64 = expert.to(tl.int64)
+    ws_ptrs = ws_ptr + e64 * stride_wse + (cols // GROUP_N) * stride_wsn
+    up_ws_ptrs = ws_ptr + e64 * stride_wse + ((cols + N) // GROUP_N) * stride_wsn
+    return expert, e64, pairs, row_ok, rows, offs_n, cols, ws_ptrs, up_ws_ptrs
+
+
+@triton.jit
 def _moe_epilogue(acc, acc_up, pairs, row_ok, offs_n, N, c_ptr, topw_ptr, stride_cm,
                   GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr):
     """Both kernels' end: the projection rounded to c's dtype, silu(gate) * up (GLU, HF's
@@ -316,22 +336,14 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
     the pair itself for down). GLU: W is [gate; up] (2N rows) and the program sums both
     halves' columns n and n + N, storing silu(gate) * up. Blocks past the last group (expert
     -1) do nothing: the grid is sized from shapes, the work from the routing."""
-    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    expert, e64, pairs, row_ok, rows, offs_n, cols, ws_ptrs, up_ws_ptrs = _pair_block(
+        sorted_ptr, block_expert_ptr, ws_ptr, N, num_pairs, stride_wse, stride_wsn, ROW_DIV,
+        GROUP_N, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ptr + offs_m)
-    row_ok = pairs < num_pairs
-    # NOTE: padding slots and columns past N read a valid row / column: no masks for them
-    rows = tl.where(row_ok, pairs // ROW_DIV, 0).to(tl.int64)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
-    e64 = expert.to(tl.int64)
     a_ptrs = a_ptr + rows[:, None] * stride_am + kk[None, :]
     w_ptrs = w_ptr + e64 * stride_we + cols[None, :] * stride_wn + kk[:, None]  # W^T tile
-    ws_ptrs = ws_ptr + e64 * stride_wse + (cols // GROUP_N) * stride_wsn
-    up_ws_ptrs = ws_ptr + e64 * stride_wse + ((cols + N) // GROUP_N) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     a_scale = tl.zeros([BLOCK_M], tl.float32)
@@ -360,22 +372,15 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, block_ex
     so an expert's pairs are one block and each program reads its W columns once for all the
     rows that chose that expert. FMAs in fp32 over a [M_PAD, BLOCK_N, BLOCK_K] tile, reduced
     over K once after the loop; FP8 tiles dequantised to x's dtype in registers (W8A16)."""
-    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    expert, e64, pairs, row_ok, rows, offs_n, cols, ws_ptrs, up_ws_ptrs = _pair_block(
+        sorted_ptr, block_expert_ptr, ws_ptr, N, num_pairs, stride_wse, stride_wsn, ROW_DIV,
+        GROUP_N, M_PAD, BLOCK_N)
     if expert < 0:
         return
-    offs_m = tl.program_id(1) * M_PAD + tl.arange(0, M_PAD)
-    pairs = tl.load(sorted_ptr + offs_m)
-    row_ok = pairs < num_pairs
-    rows = tl.where(row_ok, pairs // ROW_DIV, 0).to(tl.int64)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
-    e64 = expert.to(tl.int64)
     x_ptrs = x_ptr + rows[:, None, None] * stride_xm + kk[None, None, :]
     w_ptrs = w_ptr + e64 * stride_we + cols[None, :, None] * stride_wn + kk[None, None, :]
     up_ptrs = w_ptrs + N * stride_wn
-    ws_ptrs = ws_ptr + e64 * stride_wse + (cols // GROUP_N) * stride_wsn
-    up_ws_ptrs = ws_ptr + e64 * stride_wse + ((cols + N) // GROUP_N) * stride_wsn
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)

@@ -122,3 +122,14 @@ def hf_fp8_dequantize(*args: object) -> torch.Tensor:
         pytest.skip("this transformers has no _dequantize_fp8_weight")
     out: torch.Tensor = fp8._dequantize_fp8_weight(*args)
     return out
+
+
+def assert_within_bf16(ours: torch.Tensor, ref: torch.Tensor, hf_bf16: dict[str, float],
+                       top1_floor: float, where: object) -> None:
+    """arle's logits against the fp32 reference no worse than transformers' bf16 run is
+    (`hf_bf16`, its comparison with the same reference): 1.5x its relative error, 2x its KL,
+    top-1 agreement at least `top1_floor`."""
+    m = load_script("check_gpu_parity").compare(ours, ref)
+    assert m["rel"] <= 1.5 * hf_bf16["rel"] + 1e-3, (where, m, hf_bf16)
+    assert m["kl_mean"] <= 2 * hf_bf16["kl_mean"] + 1e-4, (where, m, hf_bf16)
+    assert m["top1"] >= top1_floor, (where, m, hf_bf16)

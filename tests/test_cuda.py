@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import run
-from helpers import load_script, require_smollm2_gguf
+from helpers import assert_within_bf16, load_script, require_smollm2_gguf
 from model_dirs import hf_config, write_model_dir
 
 from arle.model.loader import LoadedModel, load_model
@@ -51,17 +51,6 @@ def _prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
-def _assert_within_bf16(ours: torch.Tensor, ref: torch.Tensor, hf_bf16: dict[str, float],
-                        top1_floor: float, where: object) -> None:
-    """arle's logits against the fp32 reference no worse than transformers' bf16 run is
-    (`hf_bf16`, its comparison with the same reference): 1.5x its relative error, 2x its KL,
-    top-1 agreement at least `top1_floor`."""
-    m = PARITY.compare(ours, ref)
-    assert m["rel"] <= 1.5 * hf_bf16["rel"] + 1e-3, (where, m, hf_bf16)
-    assert m["kl_mean"] <= 2 * hf_bf16["kl_mean"] + 1e-4, (where, m, hf_bf16)
-    assert m["top1"] >= top1_floor, (where, m, hf_bf16)
-
-
 def _assert_fp8_kv_close(fp8: torch.Tensor, bf16: torch.Tensor, where: object) -> None:
     """FP8 KV's logits against bf16 KV's: top-1 agreement >= 95%, KL < 0.02."""
     m = PARITY.compare(fp8, bf16)
@@ -78,8 +67,8 @@ def test_teacher_forced_logits_match_transformers(gpu_model_dir: Path,
                  for dtype in (torch.float32, torch.bfloat16))
     hf_bf16 = PARITY.compare(hf16, ref)
     for chunk in (None, 37, 1):
-        _assert_within_bf16(teacher_forced_logits(gpu_model.model, ids, chunk_size=chunk), ref,
-                            hf_bf16, min(hf_bf16["top1"] - 0.02, 0.97), chunk)
+        assert_within_bf16(teacher_forced_logits(gpu_model.model, ids, chunk_size=chunk), ref,
+                           hf_bf16, min(hf_bf16["top1"] - 0.02, 0.97), chunk)
 
 
 def test_fp8_kv_quality(gpu_model: LoadedModel) -> None:
@@ -494,7 +483,7 @@ def test_default_model_logits_match_transformers(smol_gpu: LoadedModel, smol_ref
     for chunk in (None, 37, 1):
         ours = torch.cat([teacher_forced_logits(smol_gpu.model, ids, chunk_size=chunk)
                           for ids in prompts])
-        _assert_within_bf16(ours, ref, hf_bf16, hf_bf16["top1"] - 0.01, chunk)
+        assert_within_bf16(ours, ref, hf_bf16, hf_bf16["top1"] - 0.01, chunk)
 
 
 def test_default_model_fp8_kv_quality(smol_gpu: LoadedModel, smol_refs: Any) -> None:

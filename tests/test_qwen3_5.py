@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import run_many, tokens_of
-from helpers import load_script, run_interpreter_check
+from helpers import assert_within_bf16, load_script, run_interpreter_check
 from model_dirs import (
     QWEN3_5_LAYOUTS,
     fp8_dequantize,
@@ -514,16 +514,6 @@ def test_model_through_the_triton_kernels_under_the_interpreter() -> None:
 
 # ---- bf16: within transformers' own bf16 error -----------------------------------------------
 
-def assert_within_bf16(ours: torch.Tensor, ref: torch.Tensor, hf_bf16: dict[str, float],
-                       where: object) -> None:
-    """arle's logits against the fp32 reference no worse than transformers' bf16 run is against
-    it (`hf_bf16`): 1.5x its relative error, 2x its KL, top-1 within 3 points of it."""
-    m = PARITY.compare(ours, ref)
-    assert m["rel"] <= 1.5 * hf_bf16["rel"] + 1e-3, (where, m, hf_bf16)
-    assert m["kl_mean"] <= 2 * hf_bf16["kl_mean"] + 1e-4, (where, m, hf_bf16)
-    assert m["top1"] >= hf_bf16["top1"] - 0.03, (where, m, hf_bf16)
-
-
 @pytest.mark.parametrize("arch", QWEN3_5_LAYOUTS)
 def test_bf16_logits_within_transformers_bf16_error(q35_dirs: dict[str, Path], arch: str) -> None:
     """arle bf16 (the torch references) against transformers fp32, held to transformers' own
@@ -537,7 +527,7 @@ def test_bf16_logits_within_transformers_bf16_error(q35_dirs: dict[str, Path], a
     ours = load_model(path, "bfloat16")
     for chunk in (None, 16):
         assert_within_bf16(PARITY.teacher_forced_logits(ours.model, ids, chunk_size=chunk), ref,
-                           hf_bf16, chunk)
+                           hf_bf16, hf_bf16["top1"] - 0.03, chunk)
 
 
 # ---- on the GPU (skipped without one: the lent H200 runs these) -----------------------------
@@ -569,4 +559,4 @@ def test_gpu_logits_within_transformers_bf16_error(tmp_path: Path) -> None:
     hf_bf16 = PARITY.compare(hf16, ref)
     for chunk in (None, 37, 1):
         assert_within_bf16(PARITY.teacher_forced_logits(ours.model, ids, chunk_size=chunk), ref,
-                           hf_bf16, chunk)
+                           hf_bf16, hf_bf16["top1"] - 0.03, chunk)

@@ -285,7 +285,10 @@ class CacheManager:
     # ---- a hybrid model's state snapshots ---------------------------------------------------
     def reached(self, rc: RequestCache, start: int, num_tokens: int) -> None:
         """A row of the request covers positions [start, start + num_tokens): the executor keeps
-        its state at the last page boundary in (start, end] (`StatePool.boundary_*`)."""
+        its state at the last page boundary in (start, end] (`StatePool.boundary_*`).
+        NOTE: tracked only where snapshots are taken (a step's rows all pass here)."""
+        if not self.num_snapshots:
+            return
         boundary = (start + num_tokens) // self.page_size * self.page_size
         if boundary > start:
             rc.boundary = boundary

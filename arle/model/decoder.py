@@ -217,7 +217,8 @@ class DecoderLayer(nn.Module):
         # NOTE: named as the checkpoints name them (`self_attn` / `linear_attn`), so the
         # parameter names are the checkpoint's
         mixer = make_mixer(cfg, layer, tp)
-        if cfg.is_linear(layer):
+        self.is_linear = cfg.is_linear(layer)
+        if self.is_linear:
             self.linear_attn = mixer
         else:
             self.self_attn = mixer
@@ -226,7 +227,7 @@ class DecoderLayer(nn.Module):
 
     @property
     def mixer(self) -> nn.Module:
-        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+        return self.linear_attn if self.is_linear else self.self_attn
 
     def forward(self, x: torch.Tensor | SplitSums, residual: torch.Tensor | None,
                 backend: AttentionBackend, ops: Ops) -> tuple[torch.Tensor | SplitSums, torch.Tensor]:

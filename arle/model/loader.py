@@ -81,7 +81,7 @@ def load_model(path: str | Path, dtype: str = "auto",
         tokenizer = Tokenizer.from_hf_dir(path)
         gen_defaults = _read_json(path / "generation_config.json", required=False)
         files = _safetensors_files(path)  # checks files before allocating
-        if config.quant is not None and _keeps_fp8(dev, config.quant.block):
+        if _kept_fp8(config, dev) is not None:
             names = _checkpoint_names(files)
         tensors = _iter_safetensors(files)
     elif path.suffix == ".gguf" or _looks_like_gguf(path):
@@ -94,8 +94,7 @@ def load_model(path: str | Path, dtype: str = "auto",
     else:
         raise ModelLoadError(path, "not a model directory (config.json + *.safetensors) "
                                    "or a .gguf file")
-    kept = (config.quant if config.quant is not None and _keeps_fp8(dev, config.quant.block)
-            else None)  # FP8 weights that stay FP8 here
+    kept = _kept_fp8(config, dev)
     fp8: AbstractContextManager[None] = (nullcontext() if kept is None
                                          else fp8_weights(kept.block))
     with _default_dtype(torch_dtype), dev, fp8:
@@ -214,6 +213,12 @@ def _keeps_fp8(device: torch.device, block: tuple[int, int]) -> bool:
     dot's) inside one scale block: the releases' 128 x 128 blocks are such."""
     bk = block[1]
     return device.type == "cuda" and bk >= 16 and bk & (bk - 1) == 0
+
+
+def _kept_fp8(config: ModelConfig, device: torch.device) -> QuantConfig | None:
+    """The checkpoint's FP8 format if its weights stay FP8 on `device`, else None."""
+    quant = config.quant
+    return quant if quant is not None and _keeps_fp8(device, quant.block) else None
 
 
 def _checkpoint_names(files: list[Path]) -> set[str]:

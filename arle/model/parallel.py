@@ -326,10 +326,8 @@ class RowParallelLinear(_Linear):
         n = param.shape[1]
         _copy(param.data, loaded.narrow(1, self.tp.rank * n, n) if self.tp.size > 1 else loaded)
 
-    def load_scale(self, param: nn.Parameter, loaded: torch.Tensor,
-                   shard: str | int | None = None) -> None:
-        n = param.shape[1]
-        _copy(param.data, loaded.narrow(1, self.tp.rank * n, n) if self.tp.size > 1 else loaded)
+    #: a scale grid splits by its column blocks as the weight by its columns
+    load_scale = load_shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)
