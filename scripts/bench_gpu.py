@@ -8,6 +8,8 @@
     python scripts/bench_gpu.py timeline MODEL_DIR --out t.json --num-requests 64  # c = 8, steps
     python scripts/bench_gpu.py startup MODEL_DIR --out s.json    # start-up's phases and builds
     python scripts/bench_gpu.py extend MODEL_DIR --out e.json     # each extend graph's replay
+    python scripts/bench_gpu.py chat MODEL_DIR --out c.json --input-len 100 --output-len 200
+                                          # a multi-turn chat's TTFT per turn, cache on and off
 
 Floors come from ceilings measured in the same run (`ceilings`), never from datasheets: decode
 floor = weight bytes / read bandwidth; prefill floor = FLOPs / bf16 GEMM rate.
@@ -191,11 +193,37 @@ def _weight_bytes(engine: AsyncEngine) -> int:
                if "embed_tokens" not in n or model.config.tie_word_embeddings)
 
 
+def floor_bytes(engine: AsyncEngine, batch: int) -> dict[str, float]:
+    """Bytes one decode step of `batch` requests must move at least: every weight but the
+    experts once, the experts the batch's tokens are expected to touch (E * (1 - (1 - k/E)^b)
+    of E per layer, for routing spread evenly: random weights spread it so), and for a hybrid
+    model each request's recurrent state read and written. The KV cache read is left out (it
+    grows with the context; at the benchmark's ~600 tokens it is under 1% of the weights)."""
+    model = engine.executor.model  # type: ignore[attr-defined]
+    cfg = model.config
+    dense = experts = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name and not cfg.tie_word_embeddings:
+            continue  # the lookup reads one row
+        if ".experts." in name:
+            experts += p.numel() * p.element_size()
+        else:
+            dense += p.numel() * p.element_size()
+    share = 1.0
+    if cfg.moe is not None:
+        share = 1 - (1 - cfg.moe.experts_per_token / cfg.moe.num_experts) ** batch
+    state = engine.executor.state
+    state_bytes = 2 * batch * state.slot_bytes if state is not None else 0
+    return {"dense": dense, "experts_all": experts, "experts_touched": experts * share,
+            "state_read_write": state_bytes, "total": dense + experts * share + state_bytes}
+
+
 async def _decode(args: argparse.Namespace) -> dict[str, Any]:
     engine = await _engine(args, max_running_requests=64)
     vocab = engine.tokenizer.vocab_size
     out: dict[str, Any] = {"phase": "decode", "model": args.model, "flags": {k: v for k, v in vars(args).items() if k != "fn"},
-                           "weight_bytes": _weight_bytes(engine)}
+                           "weight_bytes": _weight_bytes(engine),
+                           "floor_bytes": {f"batch{b}": floor_bytes(engine, b) for b in (1, 8)}}
     await _generate(engine, _prompts(1, 64, vocab, 9)[0], 16)  # warm-up
     for batch in (1, 8, 32, 64):
         prompts = _prompts(batch, args.input_len, vocab, batch)
@@ -570,17 +598,25 @@ def serve(args: argparse.Namespace) -> None:
     ready = None
     while time.perf_counter() - t0 < 300 and proc.poll() is None:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
                 ready = time.perf_counter() - t0
                 break
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.05)
     out: dict[str, Any] = {"phase": "serve", "model": args.model, "cmd": cmd,
                            "time_to_ready_s": ready, "runs": {}}
     try:
         if ready is None:
             raise RuntimeError(f"server not ready (exit {proc.poll()})")
+        # the first request after /ready: one prompt token, one new token (its whole latency
+        # is its TTFT)
+        t1 = time.perf_counter()
+        first = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"prompt": [9707], "max_tokens": 1, "temperature": 0})
+        out["first_request"] = {"status": first.status_code,
+                                "latency_ms": (time.perf_counter() - t1) * 1e3}
+        print(f"ready in {ready:.2f} s; first request {out['first_request']}", flush=True)
         for conc in args.concurrency:
             # NOTE: new prompts for each run (and its warm-up, seed + 1): the prompts of an
             # earlier run would be served from the prefix cache
@@ -613,6 +649,49 @@ def serve(args: argparse.Namespace) -> None:
                                 if "triton_kernel_built_after_warmup" in line]
         out["server_traces"] = _trace_summary(lines, args.output_len)
         _write(args.out, out)
+
+
+async def _chat(args: argparse.Namespace) -> dict[str, Any]:
+    """A multi-turn chat (`--turns` turns: a user message of ~`--input-len` random words, then
+    `--output-len` new tokens, ignoring EOS), each turn's prompt the whole conversation so far
+    through the chat template: each turn's TTFT and the prompt tokens served from the cache,
+    with the prefix cache (and, for a hybrid model, its state snapshots) on, then off."""
+    rng = random.Random(5)
+    words = [f"w{rng.randrange(10_000)}" for _ in range(args.turns * args.input_len)]
+    out: dict[str, Any] = {"phase": "chat", "model": args.model, "turns": args.turns,
+                           "user_words": args.input_len, "new_tokens": args.output_len}
+    for name, kw in (("cache_on", {}), ("cache_off", {"enable_prefix_cache": False})):
+        engine = await _engine(args, **kw)
+        messages: list[dict[str, Any]] = []
+        rows: list[dict[str, Any]] = []
+        for turn in range(args.turns):
+            text = " ".join(words[turn * args.input_len:(turn + 1) * args.input_len])
+            messages.append({"role": "user", "content": text})
+            params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+            t0 = time.perf_counter()
+            ttft = None
+            reply, last = [], None
+            async for d in engine.generate(GenerateRequest(messages=list(messages), params=params)):
+                if ttft is None and d.token_ids:
+                    ttft = time.perf_counter() - t0
+                reply.append(d.text)
+                last = d
+            messages.append({"role": "assistant", "content": "".join(reply)})
+            usage = last.usage if last is not None else None
+            rows.append({"ttft_ms": (ttft or 0) * 1e3,
+                         "prompt_tokens": usage.prompt_tokens if usage else None,
+                         "cached_tokens": usage.cached_tokens if usage else None})
+        await engine.close()
+        prompt = sum(r["prompt_tokens"] or 0 for r in rows)
+        out[name] = {"turns": rows, "mean_ttft_ms": statistics.mean(r["ttft_ms"] for r in rows),
+                     "reused_share": sum(r["cached_tokens"] or 0 for r in rows) / max(prompt, 1)}
+        print(f"{name}: TTFT per turn " + " ".join(f"{r['ttft_ms']:.1f}" for r in rows)
+              + f" ms; reused {out[name]['reused_share']:.1%}", flush=True)
+    return out
+
+
+def chat(args: argparse.Namespace) -> None:
+    _write(args.out, asyncio.run(_chat(args)))
 
 
 def startup(args: argparse.Namespace) -> None:
@@ -653,7 +732,7 @@ def main() -> None:
     c.set_defaults(fn=launch)
     for name, fn in (("decode", decode), ("prefill", prefill), ("offline", offline),
                      ("host", host), ("timeline", timeline), ("startup", startup),
-                     ("extend", extend)):
+                     ("extend", extend), ("chat", chat)):
         s = sub.add_parser(name)
         s.add_argument("model")
         s.add_argument("--out", required=True)
@@ -670,6 +749,7 @@ def main() -> None:
                        help="leave the engine's start-up objects to the cyclic GC (`arle serve` "
                        "freezes them)")
         s.add_argument("--offline-runs", type=int, default=3)
+        s.add_argument("--turns", type=int, default=8, help="chat: the conversation's turns")
         s.add_argument("--disable-overlap", action="store_true")
         s.add_argument("--disable-cuda-graph", action="store_true")
         s.add_argument("--kv-cache-dtype", default="auto")

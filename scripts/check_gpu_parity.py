@@ -6,7 +6,8 @@ MODEL: a Hugging Face directory (random weights: random token ids as prompts, `-
 `--len` tokens) or a GGUF file (transformers dequantizes it as arle does; trained weights:
 English prompts, chat-templated questions and plain text, `TEXTS`). Reference: transformers
 in float32. For scale, transformers' own bf16 run is compared with the same reference: arle
-is right when its error is of the same size as transformers' bf16 error. Also reports FP8
+is right when its error is of the same size as transformers' bf16 error (a block-FP8 checkpoint:
+transformers on its dequantized twin, `dequantized_twin`). Also reports FP8
 (e4m3) KV against bf16 KV (the quality check of --kv-cache-dtype fp8_e4m3). Prefill in one
 chunk, in chunks of 64 (extend over a cached prefix), and token by token (the decode kernel)
 over the last `--decode-len` positions.
@@ -125,6 +126,45 @@ def hf_model(model: str | Path, dtype: torch.dtype) -> Any:
     return hf.cuda().eval()
 
 
+def dequantized_twin(model: Path, out: Path) -> Path:
+    """A block-FP8 checkpoint's twin with every weight dequantized to bf16 (weight x its
+    block's scale) and no quantization_config: the reference's weights are the values arle's
+    FP8 kernels hold. (The random checkpoints' scales are powers of two: this is exact.)"""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((model / "config.json").read_text())
+    block = cfg.pop("quantization_config")["weight_block_size"]
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in model.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = load_file(str(f))
+            for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
+                w = name[: -len("_scale_inv")]
+                scale = tensors.pop(name).repeat_interleave(block[0], 0)
+                scale = scale.repeat_interleave(block[1], 1)
+                rows, cols = tensors[w].shape
+                tensors[w] = (tensors[w].float() * scale[:rows, :cols]).to(torch.bfloat16)
+            save_file(tensors, str(out / f.name))
+        elif f.is_file() and f.name not in ("config.json", "model.safetensors.index.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    index = model / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: v for k, v in data["weight_map"].items()
+                              if not k.endswith("_scale_inv")}
+        (out / index.name).write_text(json.dumps(data))
+    return out
+
+
+def is_fp8(model: str | Path) -> bool:
+    path = Path(model)
+    if path.suffix == ".gguf":
+        return False
+    cfg = json.loads((path / "config.json").read_text())
+    return cfg.get("quantization_config", {}).get("quant_method") == "fp8"
+
+
 def hf_logits(hf: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
     with torch.no_grad():
         return [hf(torch.tensor([ids], device="cuda")).logits[0].float() for ids in prompts]
@@ -156,6 +196,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--len", type=int, default=512)
     p.add_argument("--decode-len", type=int, default=64)
+    p.add_argument("--twin-dir", default="/tmp/fp8_twin",
+                   help="where an FP8 checkpoint's dequantized reference is written")
     args = p.parse_args()
 
     t0 = time.perf_counter()
@@ -174,8 +216,12 @@ def main() -> None:
 
     refs: list[torch.Tensor] = []
     hf_bf16: list[torch.Tensor] = []
+    # NOTE: an FP8 checkpoint's reference is transformers on its dequantized twin: the fp32 run
+    # is then exact arithmetic on arle's weight values, and arle's own error is its activations'
+    reference = (dequantized_twin(Path(args.model), Path(args.twin_dir)) if is_fp8(args.model)
+                 else Path(args.model))
     for dtype in (torch.float32, torch.bfloat16):
-        hf = hf_model(args.model, dtype)
+        hf = hf_model(reference, dtype)
         outs = hf_logits(hf, prompts)
         del hf
         torch.cuda.empty_cache()
@@ -195,11 +241,14 @@ def main() -> None:
         # token by token through the decode kernel: the last n positions (prefix prefilled)
         decode = teacher_forced_logits(ours, ids, chunk_size=1)[-n:]
         add("arle_decode_vs_transformers_fp32", compare(decode, ref[-n:]))
+        # the same positions through the prefill path (FP8: W8A8 GEMMs) and the decode path
+        # (FP8: W8A16 GEMVs)
+        add("arle_decode_vs_arle_prefill", compare(decode, whole[-n:]))
         fp8 = teacher_forced_logits(ours, ids, kv_dtype=torch.float8_e4m3fn)
         add("arle_fp8kv_vs_arle_bf16kv", compare(fp8, whole))
         add("arle_fp8kv_vs_transformers_fp32", compare(fp8, ref))
     summary = {k: _mean(v) for k, v in results.items()}
-    out: dict[str, Any] = {**stamp(), "model": args.model, "prompts": len(prompts),
+    out: dict[str, Any] = {**stamp(), "model": args.model, "reference": str(reference), "prompts": len(prompts),
                            "prompt_lens": [len(ids) for ids in prompts],
                            "decode_len": args.decode_len, "seconds": time.perf_counter() - t0,
                            "gpu": torch.cuda.get_device_name(), "summary": summary,

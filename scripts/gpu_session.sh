@@ -5,6 +5,10 @@
 #     tests     the GPU test files (pytest.txt)
 #     ceilings decode decode8b prefill parity serve ablation hf offline smol   the figures
 #     kernels   the kernel micro-benchmarks (scripts/bench_kernels.py)
+#     parity35 paritymoe paritymoefp8   Qwen3.5-4B / Qwen3-30B-A3B (4 of its layers) logits
+#     moe30 moe30hf   Qwen3-30B-A3B-FP8: ceilings, decode, serve (FP8 KV, then bf16 KV), transformers
+#     q35 q35hf       Qwen3.5-4B: ceilings, decode, serve (cold, warm), chat turns, transformers
+# transformers with fla (flash-linear-attention): carry its wheels in .fla (q35hf uses them).
 # For a machine without network: `bash scripts/device_wheels.sh` here fills .whl with what it
 # lacks; copy .whl along and this script installs it first. Set ARLE_COMMIT where the copy has
 # no .git. Writes $OUT/log.txt, $OUT/pytest.txt and $OUT/results.tar (every phase's JSON,
@@ -27,9 +31,10 @@ export PYTHONPYCACHEPREFIX=/tmp/pycache
 unset PYTHONDONTWRITEBYTECODE
 LOG="$OUT/log.txt"
 say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
-model() {  # name -> directory of random weights (made once)
-  local d=/tmp/models/$1
-  [ -f "$d/config.json" ] || python3 scripts/make_random_model.py "$1" "$d" >>"$LOG" 2>&1
+model() {  # name [layers] -> directory of random weights (made once)
+  local d=/tmp/models/$1${2:+-L$2}
+  [ -f "$d/config.json" ] || python3 scripts/make_random_model.py "$1" "$d" ${2:+--layers $2} \
+    >>"$LOG" 2>&1
   echo "$d"
 }
 phase() {  # name timeout command...
@@ -50,7 +55,9 @@ for p in "$@"; do
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
              tests/test_kernels_gemv.py tests/test_split_sums.py tests/test_kernels_greedy.py \
              tests/test_kernels_embed.py tests/test_kernels_jit.py tests/test_loader.py \
-             tests/test_step_path.py tests/test_layers.py \
+             tests/test_step_path.py tests/test_layers.py tests/test_cuda_engine.py \
+             tests/test_qwen3_5.py tests/test_moe.py tests/test_fp8_weights.py \
+             tests/test_kernels_deltanet.py tests/test_kernels_moe.py tests/test_kernels_fp8.py \
              >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"; tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;
     ceilings) phase ceilings 60 "${BENCH[@]}" ceilings --out $RES/ceilings.json ;;
     decode) d=$(model qwen3-4b); phase decode 100 "${BENCH[@]}" decode "$d" \
@@ -83,6 +90,44 @@ for p in "$@"; do
     kernels) for k in gemv fused decode extend; do
                phase "kernels_$k" 300 python3 scripts/bench_kernels.py $k --out $RES/kernels_$k.json
              done ;;
+    suite) say suite; timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE -x \
+             -k "not interpreter" tests/ >"$OUT/suite.txt" 2>&1; say "suite rc=$?"
+           tail -5 "$OUT/suite.txt" | tee -a "$LOG" ;;
+    parity35) d=$(model qwen3.5-4b); phase parity35 200 python3 scripts/check_gpu_parity.py "$d" \
+              --prompts 2 --len 512 --out $RES/parity_qwen3.5-4b.json ;;
+    paritymoe) d=$(model qwen3-30b-a3b 4); phase paritymoe 150 python3 scripts/check_gpu_parity.py \
+              "$d" --prompts 2 --len 512 --out $RES/parity_qwen3-30b-a3b-L4.json ;;
+    paritymoefp8) d=$(model qwen3-30b-a3b-fp8 4); phase paritymoefp8 150 \
+              python3 scripts/check_gpu_parity.py "$d" --prompts 2 --len 512 \
+              --out $RES/parity_qwen3-30b-a3b-fp8-L4.json ;;
+    moe30) d=$(model qwen3-30b-a3b-fp8); rm -rf ~/.triton/cache
+           phase moe30_serve 240 "${BENCH[@]}" serve "$d" --concurrency 1 8 64 \
+             --serve-args="--kv-cache-dtype fp8_e4m3" --out $RES/serve_qwen3-30b-a3b-fp8.json
+           phase moe30_serve_bf16kv 120 "${BENCH[@]}" serve "$d" --concurrency 8 \
+             --out $RES/serve_qwen3-30b-a3b-fp8_bf16kv.json
+           phase ceilings 60 "${BENCH[@]}" ceilings --out $RES/ceilings.json
+           phase moe30_decode 150 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3-30b-a3b-fp8.json ;;
+    moe30hf) d=$(model qwen3-30b-a3b-fp8); phase moe30_hf 300 python3 scripts/bench_hf.py "$d" \
+              --batch 1 8 --modes eager --repeats 1 --output-len 32 \
+              --out $RES/hf_qwen3-30b-a3b-fp8.json ;;
+    q35) d=$(model qwen3.5-4b); rm -rf ~/.triton/cache
+           phase q35_serve 200 "${BENCH[@]}" serve "$d" --concurrency 1 8 64 \
+             --out $RES/serve_qwen3.5-4b.json
+           phase q35_serve_warm 90 "${BENCH[@]}" serve "$d" --concurrency 8 \
+             --out $RES/serve_qwen3.5-4b_warm.json
+           phase ceilings 60 "${BENCH[@]}" ceilings --out $RES/ceilings.json
+           phase q35_decode 120 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3.5-4b.json
+           phase q35_chat 150 "${BENCH[@]}" chat "$d" --input-len 100 --output-len 200 \
+             --out $RES/chat_qwen3.5-4b.json ;;
+    q35hf) d=$(model qwen3.5-4b)
+           phase q35_hf 200 python3 scripts/bench_hf.py "$d" --batch 1 8 --modes eager \
+             --repeats 1 --out $RES/hf_qwen3.5-4b.json
+           if compgen -G ".fla/*.whl" >/dev/null; then
+             python3 -m pip install -q --no-index --no-deps --target /tmp/fla .fla/*.whl \
+               >/dev/null 2>&1
+             PYTHONPATH=/tmp/fla:${PYTHONPATH:-} phase q35_hf_fla 200 python3 scripts/bench_hf.py \
+               "$d" --batch 1 8 --modes eager --repeats 1 --out $RES/hf_qwen3.5-4b_fla.json
+           fi ;;
     *) say "unknown phase $p" ;;
   esac
 done

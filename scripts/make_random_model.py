@@ -9,6 +9,7 @@ fake.
 
     python scripts/make_random_model.py qwen3-4b /tmp/models/qwen3-4b \\
         [--dtype bfloat16] [--seed 0] [--device cuda] [--shard-gb 4] [--check] [--force]
+        [--layers N]
 
 Names: qwen3-0.6b, qwen3-4b, qwen3-8b, and `tiny` (2 layers, hidden 256: quick tests); the
 mixture-of-experts Qwen3-30B-A3B (`qwen3-30b-a3b`, experts stored one by one, as released) and
@@ -586,9 +587,28 @@ def write_tokenizer(out: Path, cfg: dict[str, Any]) -> None:
     }, indent=2) + "\n")
 
 
+def with_layers(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """`cfg` cut to its first `layers` decoder layers (the same layer kinds in the same order):
+    the real shapes at a size a reference implementation can run beside arle on one GPU."""
+    if "text_config" in cfg:
+        return {**cfg, "text_config": with_layers(cfg["text_config"], layers)}
+    out = {**cfg, "num_hidden_layers": layers}
+    if "layer_types" in cfg:
+        out["layer_types"] = cfg["layer_types"][:layers]
+    if "max_window_layers" in cfg:
+        out["max_window_layers"] = layers
+    if "quantization_config" in cfg:  # the routers of the dropped layers
+        keep = [m for m in cfg["quantization_config"]["modules_to_not_convert"]
+                if not m.startswith("model.layers.") or int(m.split(".")[2]) < layers]
+        out["quantization_config"] = {**cfg["quantization_config"], "modules_to_not_convert": keep}
+    return out
+
+
 def write_model_dir(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0,
-                    device: str = "cpu", shard_gb: float = 4.0, force: bool = False) -> int:
-    """Write config, weights, generation config and tokenizer; returns the weight bytes."""
+                    device: str = "cpu", shard_gb: float = 4.0, force: bool = False,
+                    layers: int | None = None) -> int:
+    """Write config, weights, generation config and tokenizer; returns the weight bytes.
+    `layers`: only the first N decoder layers of the named model (see `with_layers`)."""
     if name not in CONFIGS:
         raise SystemExit(f"unknown model {name!r} (choose from {', '.join(CONFIGS)})")
     out.mkdir(parents=True, exist_ok=True)
@@ -598,6 +618,8 @@ def write_model_dir(name: str, out: Path, dtype: str = "bfloat16", seed: int = 0
     for path in old:  # stale shards of another layout would confuse loaders
         path.unlink()
     cfg = {**CONFIGS[name], "torch_dtype": dtype}
+    if layers is not None:
+        cfg = with_layers(cfg, layers)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen_config = QWEN3_5_GENERATION_CONFIG if is_qwen3_5(cfg) else GENERATION_CONFIG
     (out / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
@@ -657,12 +679,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shard-gb", type=float, default=4.0, help="max shard size (GB, 1e9 bytes)")
     ap.add_argument("--force", action="store_true", help="replace existing weights in OUT")
+    ap.add_argument("--layers", type=int, help="keep only the first N decoder layers")
     ap.add_argument("--check", action="store_true",
                     help="afterwards, load with transformers and print the logits' spread")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     weight_bytes = write_model_dir(args.name, args.out, args.dtype, args.seed, args.device,
-                                   args.shard_gb, args.force)
+                                   args.shard_gb, args.force, args.layers)
     took = time.perf_counter() - t0
     print(f"wrote {args.name} to {args.out} in {took:.1f} s: {weight_bytes / 1e9:.2f} GB of "
           f"weights, {_dir_bytes(args.out) / 1e9:.2f} GB on disk "

@@ -227,6 +227,24 @@ QWEN3_5_TEXT: dict[str, Any] = {
                         "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
                         "mrope_interleaved": True},
 }
+#: Real kernel shapes for the GPU tests, in models small enough to be quick: head dim 128, GQA 4:1,
+#: qk-norm (Qwen3); with 16 experts of 256 (Qwen3-MoE: whole 128 x 128 FP8 blocks); head dim 256
+#: (64 rotating) and Gated DeltaNet heads of 128, 2 value heads per key head, the 3 + 1 layer
+#: pattern twice (Qwen3.5).
+GPU_SHAPE: dict[str, Any] = {"hidden_size": 512, "intermediate_size": 1024,
+                             "num_hidden_layers": 4, "num_attention_heads": 8,
+                             "num_key_value_heads": 2, "head_dim": 128,
+                             "max_position_embeddings": 4096, "tie_word_embeddings": False}
+MOE_GPU_SHAPE: dict[str, Any] = {**GPU_SHAPE, "num_experts": 16, "num_experts_per_tok": 4,
+                                 "moe_intermediate_size": 256}
+QWEN3_5_GPU_SHAPE: dict[str, Any] = {
+    **GPU_SHAPE, "num_hidden_layers": 8, "head_dim": 256,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+    "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                        "mrope_interleaved": True}}
 #: A vision tower stub for the multimodal layout (arle skips its weights).
 QWEN3_5_VISION: dict[str, Any] = {"depth": 1, "hidden_size": 32, "num_heads": 2,
                                   "intermediate_size": 64, "patch_size": 4,

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 from conftest import run
+from gpu_checks import assert_same_up_to_near_ties, greedy_with_margins
 from helpers import assert_within_bf16, load_script, require_smollm2_gguf
-from model_dirs import hf_config, write_model_dir
+from model_dirs import GPU_SHAPE, hf_config, write_model_dir
 
 from arle.model.loader import LoadedModel, load_model
 from arle_kernels.ops import ops_for
@@ -27,11 +28,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 #: scripts/check_gpu_parity.py: its prompts, transformers' model and the comparison
 PARITY = load_script("check_gpu_parity")
 teacher_forced_logits = PARITY.teacher_forced_logits
-
-#: Realistic kernel shapes (head dim 128, GQA 4:1, qk-norm) in a model small enough to be quick.
-GPU_SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
-             "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
-             "max_position_embeddings": 4096, "tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="module")
@@ -80,44 +76,18 @@ def test_fp8_kv_quality(gpu_model: LoadedModel) -> None:
                                                    kv_dtype=torch.float8_e4m3fn), bf16, chunk)
 
 
-async def _greedy(engine: Any, prompts: list[list[int]], n: int) -> list[list[tuple[int, float]]]:
-    """Greedy tokens of each prompt (run concurrently) with the top-1 minus top-2 logprob."""
-    async def one(p: list[int]) -> list[tuple[int, float]]:
-        out = []
-        for d in await run(engine, p, max_tokens=n, ignore_eos=True, logprobs=2):
-            for lp in d.logprobs or []:
-                assert lp is not None and len(lp.top) == 2
-                out.append((lp.token_id, lp.top[0][1] - lp.top[1][1]))
-        return out
-    return list(await asyncio.gather(*(one(p) for p in prompts)))
-
-
-def _same_up_to_near_ties(a: list[tuple[int, float]], b: list[tuple[int, float]],
-                          tie: float = 0.2) -> None:
-    """Identical tokens, or identical until a step where the top two were within `tie` (bf16
-    GEMMs round differently at other batch sizes: a near-tie may flip, nothing else may).
-
-    NOTE: `tie` is of the size of bf16's own logit error: transformers' bf16 forward of a random
-    Qwen3-4B differs from its fp32 one by up to 0.37 in the logits, and a flip at a margin of
-    0.0625 between batch sizes 1 and 16 has been seen on the H200."""
-    for i, ((ta, ma), (tb, _)) in enumerate(zip(a, b, strict=True)):
-        if ta != tb:
-            assert ma < tie, f"token {i} differs ({ta} vs {tb}) with a top-2 margin of {ma:.3f}"
-            return
-
-
 async def test_engine_batch_invariance_graphs_and_overlap(gpu_model: LoadedModel,
                                                           make_engine: Any) -> None:
     prompts = [_prompt(n, 10 + i) for i, n in enumerate([5, 17, 33, 64, 100, 129, 250, 400] * 2)]
     engine = make_engine(gpu_model, max_running_requests=32)
     assert engine.executor.graphs is not None  # type: ignore[attr-defined]
-    alone = [(await _greedy(engine, [p], 24))[0] for p in prompts[:4]]
-    batched = await _greedy(engine, prompts, 24)
+    alone = [(await greedy_with_margins(engine, [p], 24))[0] for p in prompts[:4]]
+    batched = await greedy_with_margins(engine, prompts, 24)
     for a, b in zip(alone, batched, strict=False):
-        _same_up_to_near_ties(a, b)
+        assert_same_up_to_near_ties(a, b)
     eager = make_engine(gpu_model, max_running_requests=32, cuda_graph=False, overlap=False)
-    for a, b in zip(batched, await _greedy(eager, prompts, 24), strict=True):
-        _same_up_to_near_ties(a, b)
+    for a, b in zip(batched, await greedy_with_margins(eager, prompts, 24), strict=True):
+        assert_same_up_to_near_ties(a, b)
     engine.cache.check()
     eager.cache.check()
 
@@ -191,13 +161,13 @@ async def test_extend_graphs_match_eager(gpu_model: LoadedModel, make_engine: An
                         chunked_prefill_size=4096, cuda_graph=False)
     prompts = [_prompt(n, 90 + n) for n in (5, 100, 700, 3000)]
     for p in prompts:
-        _same_up_to_near_ties((await _greedy(graphs, [p], 3))[0],
-                              (await _greedy(eager, [p], 3))[0])
+        assert_same_up_to_near_ties((await greedy_with_margins(graphs, [p], 3))[0],
+                              (await greedy_with_margins(eager, [p], 3))[0])
     # concurrent: decode rows beside prefills in one step (mixed), replayed too
-    a = await _greedy(graphs, prompts[:3], 8)
-    b = await _greedy(eager, prompts[:3], 8)
+    a = await greedy_with_margins(graphs, prompts[:3], 8)
+    b = await greedy_with_margins(eager, prompts[:3], 8)
     for x, y in zip(a, b, strict=True):
-        _same_up_to_near_ties(x, y)
+        assert_same_up_to_near_ties(x, y)
     # 5, 100, 700 tokens (+ a decode row or two) -> 32, 128, 768; 3000 ran eagerly
     assert {32, 128, 768} <= set(replays) and max(replays) <= 1024
     graphs.cache.check()
@@ -505,14 +475,14 @@ async def test_default_model_greedy_matches_transformers(smol_gpu: LoadedModel, 
     prompts = smol_refs[0]
     engine = make_engine(smol_gpu, max_running_requests=8)
     assert engine.executor.graphs is not None
-    ours = await _greedy(engine, prompts, 32)
+    ours = await greedy_with_margins(engine, prompts, 32)
     hf = PARITY.hf_model(require_smollm2_gguf(), torch.float32)
     for ids, got in zip(prompts, ours, strict=True):
         out = hf.generate(torch.tensor([ids], device="cuda"), do_sample=False,
                           max_new_tokens=32, eos_token_id=None,
                           attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
                           pad_token_id=smol_gpu.tokenizer.pad_token_id)
-        _same_up_to_near_ties(got, [(t, 0.0) for t in out[0, len(ids):].tolist()])
+        assert_same_up_to_near_ties(got, [(t, 0.0) for t in out[0, len(ids):].tolist()])
     engine.cache.check()
 
 

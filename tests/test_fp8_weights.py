@@ -24,6 +24,7 @@ import torch
 from helpers import load_script, run_interpreter_check
 from model_dirs import (
     FP8_BLOCK,
+    MOE_GPU_SHAPE,
     hf_config,
     qwen3_5_moe_config,
     read_tensors,
@@ -388,11 +389,6 @@ def test_random_fp8_moe_loads_as_transformers_dequantises_it(tmp_path: Path) -> 
 
 # ---- on the GPU (skipped without one: the lent H200 runs these) -----------------------------
 
-#: Real kernel shapes: the FP8 releases' 128 x 128 blocks, head dim 128, 16 experts of 256.
-GPU_SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
-             "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
-             "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
-             "max_position_embeddings": 4096}
 
 
 @pytest.mark.gpu
@@ -404,7 +400,7 @@ def test_fp8_on_cuda_against_its_dequantised_twin(tmp_path: Path, arch: str) -> 
     in one chunk, in chunks of 37 and token by token: top-1 >= 95%, mean KL < 0.02 (the FP8
     KV test's bound: activations may be quantised per token and 128-column group)."""
     parity = load_script("check_gpu_parity")
-    overrides = {k: v for k, v in GPU_SHAPE.items() if arch.startswith("Qwen3Moe")
+    overrides = {k: v for k, v in MOE_GPU_SHAPE.items() if arch.startswith("Qwen3Moe")
                  or k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
     path, twin = tmp_path / "fp8", tmp_path / "twin"
     write_fp8_model_dir(path, hf_config(arch, **overrides), twin, (128, 128), seed=5)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from model_dirs import (
+    MOE_GPU_SHAPE,
     QWEN3_5_MOE_LAYOUTS,
     hf_config,
     qwen3_5_moe_config,
@@ -270,10 +271,7 @@ def test_moe_on_cuda_matches_transformers(tmp_path: Path) -> None:
     from helpers import assert_within_bf16, load_script
 
     parity = load_script("check_gpu_parity")
-    write_model_dir(tmp_path, hf_config(
-        "Qwen3MoeForCausalLM", hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=16,
-        num_experts_per_tok=4, moe_intermediate_size=256, max_position_embeddings=4096), seed=6)
+    write_model_dir(tmp_path, hf_config("Qwen3MoeForCausalLM", **MOE_GPU_SHAPE), seed=6)
     ours = load_model(tmp_path, "bfloat16", "cuda")
     ids = random_ids(300)
     ref, hf16 = (parity.hf_logits(parity.hf_model(tmp_path, dtype), [ids])[0]

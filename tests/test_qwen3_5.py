@@ -24,6 +24,7 @@ import torch
 from conftest import run_many, tokens_of
 from helpers import assert_within_bf16, load_script, run_interpreter_check
 from model_dirs import (
+    QWEN3_5_GPU_SHAPE,
     QWEN3_5_LAYOUTS,
     fp8_dequantize,
     fp8_quantize,
@@ -532,17 +533,6 @@ def test_bf16_logits_within_transformers_bf16_error(q35_dirs: dict[str, Path], a
 
 # ---- on the GPU (skipped without one: the lent H200 runs these) -----------------------------
 
-#: Real kernel shapes: head dim 256 (64 rotating), Gated DeltaNet heads of 128 (2 value heads
-#: per key head), the 3 + 1 layer pattern twice.
-GPU_SHAPE: dict[str, Any] = {
-    "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8,
-    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
-    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
-    "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
-                        "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
-                        "mrope_interleaved": True}}
 
 
 @pytest.mark.gpu
@@ -551,7 +541,7 @@ def test_gpu_logits_within_transformers_bf16_error(tmp_path: Path) -> None:
     """The Triton path (bf16) against transformers fp32 on the GPU, held to transformers' own
     bf16 error: prefill whole, in chunks of 37 (extend rows from a carried state), and token by
     token (the decode kernels), over 300 tokens."""
-    write_qwen3_5_dir(tmp_path, "Qwen3_5ForConditionalGeneration", seed=3, **GPU_SHAPE)
+    write_qwen3_5_dir(tmp_path, "Qwen3_5ForConditionalGeneration", seed=3, **QWEN3_5_GPU_SHAPE)
     ours = load_model(tmp_path, "bfloat16", "cuda")
     ids = random_ids(300)
     ref, hf16 = (PARITY.hf_logits(PARITY.hf_model(tmp_path, dtype), [ids])[0]
