@@ -231,6 +231,14 @@ def main() -> None:
             for o, r in zip(outs, refs, strict=True):
                 add("transformers_bf16_vs_fp32", compare(o, r))
             hf_bf16 = outs
+    if reference != Path(args.model):
+        # the yardstick of an FP8 checkpoint: transformers' own FP8 path (W8A8, activations
+        # quantized per token and 128 columns, as arle's prefill GEMMs) against the same reference
+        hf = hf_model(args.model, torch.bfloat16)
+        for o, r in zip(hf_logits(hf, prompts), refs, strict=True):
+            add("transformers_fp8_vs_fp32", compare(o, r))
+        del hf
+        torch.cuda.empty_cache()
     for ids, ref, hb in zip(prompts, refs, hf_bf16, strict=True):
         n = min(args.decode_len, len(ids))
         whole = teacher_forced_logits(ours, ids)

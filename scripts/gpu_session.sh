@@ -6,7 +6,8 @@
 #     ceilings decode decode8b prefill parity serve ablation hf offline smol   the figures
 #     kernels   the kernel micro-benchmarks (scripts/bench_kernels.py)
 #     parity35 paritymoe paritymoefp8   Qwen3.5-4B / Qwen3-30B-A3B (4 of its layers) logits
-#     moe30 moe30hf   Qwen3-30B-A3B-FP8: ceilings, decode, serve (FP8 KV, then bf16 KV), transformers
+#     moe30 moe30b moe30hf   Qwen3-30B-A3B-FP8: serve (cold, FP8 KV); serve (warm, bf16 KV),
+#                     ceilings, decode; transformers
 #     q35 q35hf       Qwen3.5-4B: ceilings, decode, serve (cold, warm), chat turns, transformers
 # transformers with fla (flash-linear-attention): carry its wheels in .fla (q35hf uses them).
 # For a machine without network: `bash scripts/device_wheels.sh` here fills .whl with what it
@@ -90,6 +91,11 @@ for p in "$@"; do
     kernels) for k in gemv fused decode extend; do
                phase "kernels_$k" 300 python3 scripts/bench_kernels.py $k --out $RES/kernels_$k.json
              done ;;
+    gpunew) say gpunew; timeout 200 python3 -m pytest -v -p no:cacheprovider -rfE --tb=line \
+             -k "not interpreter" -m gpu tests/test_cuda_engine.py tests/test_qwen3_5.py \
+             tests/test_moe.py tests/test_fp8_weights.py tests/test_kernels_deltanet.py \
+             tests/test_kernels_moe.py tests/test_kernels_fp8.py >"$OUT/pytest_new.txt" 2>&1
+           say "gpunew rc=$?"; tail -3 "$OUT/pytest_new.txt" | tee -a "$LOG" ;;
     suite) say suite; timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE -x \
              -k "not interpreter" tests/ >"$OUT/suite.txt" 2>&1; say "suite rc=$?"
            tail -5 "$OUT/suite.txt" | tee -a "$LOG" ;;
@@ -102,7 +108,8 @@ for p in "$@"; do
               --out $RES/parity_qwen3-30b-a3b-fp8-L4.json ;;
     moe30) d=$(model qwen3-30b-a3b-fp8); rm -rf ~/.triton/cache
            phase moe30_serve 240 "${BENCH[@]}" serve "$d" --concurrency 1 8 64 \
-             --serve-args="--kv-cache-dtype fp8_e4m3" --out $RES/serve_qwen3-30b-a3b-fp8.json
+             --serve-args="--kv-cache-dtype fp8_e4m3" --out $RES/serve_qwen3-30b-a3b-fp8.json ;;
+    moe30b) d=$(model qwen3-30b-a3b-fp8)
            phase moe30_serve_bf16kv 120 "${BENCH[@]}" serve "$d" --concurrency 8 \
              --out $RES/serve_qwen3-30b-a3b-fp8_bf16kv.json
            phase ceilings 60 "${BENCH[@]}" ceilings --out $RES/ceilings.json
