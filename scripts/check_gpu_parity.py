@@ -121,8 +121,8 @@ def hf_model(model: str | Path, dtype: torch.dtype) -> Any:
     auto: Any = transformers.AutoModelForCausalLM  # its stubs mistype from_pretrained
     if path.suffix == ".gguf":
         hf = auto.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    else:
-        hf = auto.from_pretrained(str(path), dtype=dtype)
+    else:  # straight onto the GPU: an FP8 checkpoint keeps its FP8 path only there
+        hf = auto.from_pretrained(str(path), dtype=dtype, device_map="cuda")
     return hf.cuda().eval()
 
 

@@ -118,22 +118,31 @@ for p in "$@"; do
               --batch 1 8 --modes eager --repeats 1 --output-len 32 \
               --out $RES/hf_qwen3-30b-a3b-fp8.json ;;
     q35) d=$(model qwen3.5-4b); rm -rf ~/.triton/cache
-           phase q35_serve 200 "${BENCH[@]}" serve "$d" --concurrency 1 8 64 \
+           phase q35_serve 150 "${BENCH[@]}" serve "$d" --concurrency 1 8 --num-prompts 32 \
              --out $RES/serve_qwen3.5-4b.json
-           phase q35_serve_warm 90 "${BENCH[@]}" serve "$d" --concurrency 8 \
+           phase q35_serve_warm 60 "${BENCH[@]}" serve "$d" --concurrency 8 --num-prompts 16 \
              --out $RES/serve_qwen3.5-4b_warm.json
            phase ceilings 60 "${BENCH[@]}" ceilings --out $RES/ceilings.json
-           phase q35_decode 120 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3.5-4b.json
-           phase q35_chat 150 "${BENCH[@]}" chat "$d" --input-len 100 --output-len 200 \
+           phase q35_decode 100 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3.5-4b.json
+           phase q35_chat 100 "${BENCH[@]}" chat "$d" --input-len 100 --output-len 200 \
              --out $RES/chat_qwen3.5-4b.json ;;
+    moe30d) d=$(model qwen3-30b-a3b-fp8)
+           phase moe30_decode 150 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3-30b-a3b-fp8.json ;;
+    failing) say failing; timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+             "tests/test_cuda_engine.py::test_fp8_kv_through_the_engine[moe]" \
+             "tests/test_cuda_engine.py::test_batched_with_graphs_and_overlap_matches_eager[moe_fp8]" \
+             "tests/test_fp8_weights.py::test_fp8_on_cuda_against_its_dequantised_twin" \
+             "tests/test_kernels_deltanet.py::test_gpu_gated_rms_norm" \
+             >"$OUT/pytest_failing.txt" 2>&1; say "failing rc=$?" ;;
     q35hf) d=$(model qwen3.5-4b)
-           phase q35_hf 200 python3 scripts/bench_hf.py "$d" --batch 1 8 --modes eager \
-             --repeats 1 --out $RES/hf_qwen3.5-4b.json
+           phase q35_hf 100 python3 scripts/bench_hf.py "$d" --batch 1 --modes eager \
+             --repeats 1 --output-len 32 --out $RES/hf_qwen3.5-4b.json
            if compgen -G ".fla/*.whl" >/dev/null; then
              python3 -m pip install -q --no-index --no-deps --target /tmp/fla .fla/*.whl \
                >/dev/null 2>&1
-             PYTHONPATH=/tmp/fla:${PYTHONPATH:-} phase q35_hf_fla 200 python3 scripts/bench_hf.py \
-               "$d" --batch 1 8 --modes eager --repeats 1 --out $RES/hf_qwen3.5-4b_fla.json
+             PYTHONPATH=/tmp/fla:${PYTHONPATH:-} phase q35_hf_fla 100 python3 scripts/bench_hf.py \
+               "$d" --batch 1 --modes eager --repeats 1 --output-len 32 \
+               --out $RES/hf_qwen3.5-4b_fla.json
            fi ;;
     *) say "unknown phase $p" ;;
   esac
