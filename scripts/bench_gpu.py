@@ -655,12 +655,15 @@ async def _chat(args: argparse.Namespace) -> dict[str, Any]:
     """A multi-turn chat (`--turns` turns: a user message of ~`--input-len` random words, then
     `--output-len` new tokens, ignoring EOS), each turn's prompt the whole conversation so far
     through the chat template: each turn's TTFT and the prompt tokens served from the cache,
-    with the prefix cache (and, for a hybrid model, its state snapshots) on, then off."""
+    with the prefix cache (and, for a hybrid model, its state snapshots) on, then off
+    (`--cache-modes`: one of them; one engine per process keeps the GPU memory plan whole)."""
     rng = random.Random(5)
     words = [f"w{rng.randrange(10_000)}" for _ in range(args.turns * args.input_len)]
     out: dict[str, Any] = {"phase": "chat", "model": args.model, "turns": args.turns,
                            "user_words": args.input_len, "new_tokens": args.output_len}
-    for name, kw in (("cache_on", {}), ("cache_off", {"enable_prefix_cache": False})):
+    modes: dict[str, dict[str, Any]] = {"on": {}, "off": {"enable_prefix_cache": False}}
+    for mode in args.cache_modes:
+        name, kw = f"cache_{mode}", modes[mode]
         engine = await _engine(args, **kw)
         messages: list[dict[str, Any]] = []
         rows: list[dict[str, Any]] = []
@@ -750,6 +753,8 @@ def main() -> None:
                        "freezes them)")
         s.add_argument("--offline-runs", type=int, default=3)
         s.add_argument("--turns", type=int, default=8, help="chat: the conversation's turns")
+        s.add_argument("--cache-modes", nargs="+", default=["on", "off"], choices=["on", "off"],
+                       help="chat: with the prefix cache on, off, or both")
         s.add_argument("--disable-overlap", action="store_true")
         s.add_argument("--disable-cuda-graph", action="store_true")
         s.add_argument("--kv-cache-dtype", default="auto")

