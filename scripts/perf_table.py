@@ -102,9 +102,11 @@ MACHINES = (
             (Field("h200/decode_qwen3-4b.json", "torch", "torch {}"),
              Field("h200/hf_qwen3-4b.json", "environment.transformers", "transformers {}")),
             ("# each JSON records its commit: git's HEAD, or $ARLE_COMMIT in a copy without .git",
-             "for m in qwen3-4b qwen3-8b qwen3-0.6b; do",
+             "for m in qwen3-4b qwen3-8b qwen3-0.6b qwen3.5-4b qwen3-30b-a3b-fp8; do",
              "  python3 scripts/make_random_model.py $m /tmp/models/$m  # random weights",
              "done",
+             "python3 scripts/make_random_model.py qwen3-30b-a3b-fp8 "
+             "/tmp/models/qwen3-30b-a3b-fp8-L4 --layers 4",
              "GGUF=$(python3 -c 'from arle.model.default import default_model_path as p; "
              "print(p())')")),
     Machine("cpu", "The 2-core CPU machine", "2-core CPU",
@@ -147,6 +149,40 @@ SOURCES = (
            "/tmp/models/qwen3-0.6b --out docs/results/h200/offline_qwen3-0.6b.json"),
     Source("h200/serve_smollm2.json", "python3 scripts/bench_gpu.py serve \"$GGUF\" "
            "--concurrency 1 8 64 --num-prompts 64 --out docs/results/h200/serve_smollm2.json"),
+    Source("h200/ceilings_new_models.json", "python3 scripts/bench_gpu.py ceilings "
+           "--out docs/results/h200/ceilings_new_models.json"),
+    Source("h200/decode_qwen3.5-4b.json", "python3 scripts/bench_gpu.py decode "
+           "/tmp/models/qwen3.5-4b --out docs/results/h200/decode_qwen3.5-4b.json"),
+    Source("h200/serve_qwen3.5-4b.json", "rm -rf ~/.triton/cache  # time to ready from a cold "
+           "Triton cache\npython3 scripts/bench_gpu.py serve /tmp/models/qwen3.5-4b "
+           "--concurrency 1 8 --num-prompts 32 --out docs/results/h200/serve_qwen3.5-4b.json"),
+    Source("h200/serve_qwen3.5-4b_warm.json", "python3 scripts/bench_gpu.py serve "
+           "/tmp/models/qwen3.5-4b --concurrency 8 --num-prompts 16 "
+           "--out docs/results/h200/serve_qwen3.5-4b_warm.json"),
+    Source("h200/chat_qwen3.5-4b_on.json", "python3 scripts/bench_gpu.py chat "
+           "/tmp/models/qwen3.5-4b --input-len 100 --output-len 200 --cache-modes on "
+           "--out docs/results/h200/chat_qwen3.5-4b_on.json"),
+    Source("h200/chat_qwen3.5-4b_off.json", "python3 scripts/bench_gpu.py chat "
+           "/tmp/models/qwen3.5-4b --input-len 100 --output-len 200 --cache-modes off "
+           "--out docs/results/h200/chat_qwen3.5-4b_off.json"),
+    Source("h200/parity_qwen3.5-4b.json", "python3 scripts/check_gpu_parity.py "
+           "/tmp/models/qwen3.5-4b --prompts 2 --len 512 "
+           "--out docs/results/h200/parity_qwen3.5-4b.json"),
+    Source("h200/hf_qwen3.5-4b.json", "python3 scripts/bench_hf.py /tmp/models/qwen3.5-4b "
+           "--batch 1 --modes eager --repeats 1 --output-len 32 "
+           "--out docs/results/h200/hf_qwen3.5-4b.json"),
+    Source("h200/hf_qwen3.5-4b_fla.json", "# flash-linear-attention 0.6.0 (+ fla-core, einops) "
+           "importable\npython3 scripts/bench_hf.py /tmp/models/qwen3.5-4b --batch 1 --modes eager "
+           "--repeats 1 --output-len 32 --out docs/results/h200/hf_qwen3.5-4b_fla.json"),
+    Source("h200/decode_qwen3-30b-a3b-fp8.json", "python3 scripts/bench_gpu.py decode "
+           "/tmp/models/qwen3-30b-a3b-fp8 --out docs/results/h200/decode_qwen3-30b-a3b-fp8.json"),
+    Source("h200/serve_qwen3-30b-a3b-fp8.json", "rm -rf ~/.triton/cache\n"
+           "python3 scripts/bench_gpu.py serve /tmp/models/qwen3-30b-a3b-fp8 --concurrency 1 8 64 "
+           "--serve-args=\"--kv-cache-dtype fp8_e4m3\" "
+           "--out docs/results/h200/serve_qwen3-30b-a3b-fp8.json"),
+    Source("h200/parity_qwen3-30b-a3b-fp8-L4.json", "python3 scripts/check_gpu_parity.py "
+           "/tmp/models/qwen3-30b-a3b-fp8-L4 --prompts 2 --len 512 "
+           "--out docs/results/h200/parity_qwen3-30b-a3b-fp8-L4.json"),
     Source("cpu/bench_cpu.json", "python3 scripts/bench_cpu.py --rounds 7 "
            "--out docs/results/cpu/bench_cpu.json"),
     Source("cpu/bench_cpu_qwen3.5.json",
@@ -166,12 +202,26 @@ _HF = "h200/hf_qwen3-4b.json"
 _CPU = "cpu/bench_cpu.json"
 _CPU_Q35 = "cpu/bench_cpu_qwen3.5.json"
 _TINY_Q35 = "tiny random Qwen3.5 (4 layers: 3 Gated DeltaNet, 1 gated attention; hidden 256)"
+_Q35, _MOE = "Qwen3.5-4B", "Qwen3-30B-A3B-FP8 (block FP8)"
+_MOE_L4 = "Qwen3-30B-A3B-FP8, its first 4 layers"
+_CEIL2 = "h200/ceilings_new_models.json"
+_DEC35, _DECM = "h200/decode_qwen3.5-4b.json", "h200/decode_qwen3-30b-a3b-fp8.json"
+_S35, _S35W = "h200/serve_qwen3.5-4b.json", "h200/serve_qwen3.5-4b_warm.json"
+_SM = "h200/serve_qwen3-30b-a3b-fp8.json"
+_PM = "h200/parity_qwen3-30b-a3b-fp8-L4.json"
 
 
 def _floor(decode: str) -> Quotient:
     """A decode step's floor: the weights' bytes / the read bandwidth of `x.sum()`, in ms."""
     return Quotient(Field(decode, "weight_bytes", ""), Field(_CEIL, "read_TBps", ""),
                     "{:.3f} ms", 1e-9)
+
+
+def _step_floor(decode: str, batch: int) -> Quotient:
+    """A decode step's floor from the bytes it must move (`floor_bytes`: the experts the batch
+    touches, a hybrid model's state) / the read bandwidth measured in the same call, in ms."""
+    return Quotient(Field(decode, f"floor_bytes.batch{batch}.total", ""),
+                    Field(_CEIL2, "read_TBps", ""), "{:.3f} ms", 1e-9)
 
 
 def _parity(file: str, name: str) -> tuple[Field, ...]:
@@ -201,8 +251,7 @@ FIGURES = (
            (_floor(_DEC8),)),
     Figure("h200", f"{_RANDOM}, batch 1: output tok/s (arle: `arle serve`, c = 1)", _Q4,
            _tok_s(_SD, 1), "transformers `generate`, static cache, compiled",
-           (Field(_HF, "results[mode=static,batch=1].output_tok_s", "{:.1f} tok/s"),),
-           readme=f"Qwen3-4B, {_RANDOM}, one request at a time"),
+           (Field(_HF, "results[mode=static,batch=1].output_tok_s", "{:.1f} tok/s"),)),
     Figure("h200", f"{_RANDOM}, batch 8: output tok/s (arle: `arle serve`, c = 8)", _Q4,
            _tok_s(_SD, 8), "transformers `generate`, static cache, compiled",
            (Field(_HF, "results[mode=static,batch=8].output_tok_s", "{:.1f} tok/s"),),
@@ -244,6 +293,61 @@ FIGURES = (
            sep=" / "),
     Figure("h200", "`arle serve`: time to ready", _SMOL,
            (Field("h200/serve_smollm2.json", "time_to_ready_s", "{:.2f} s"),)),
+    Figure("h200", "decode, batch 1: TPOT", _Q35,
+           (Field(_DEC35, "batch1.mean_tpot_ms", "{:.3f} ms"),),
+           "floor (weights + recurrent state read and written)", (_step_floor(_DEC35, 1),),
+           readme="Qwen3.5-4B decode, batch 1: time per token"),
+    Figure("h200", "decode, batch 8: TPOT", _Q35,
+           (Field(_DEC35, "batch8.mean_tpot_ms", "{:.3f} ms"),),
+           "floor (weights + 8 states read and written)", (_step_floor(_DEC35, 8),)),
+    Figure("h200", "decode, batch 1, 512-token prompt: ms per token", _Q35,
+           (Field(_DEC35, "batch1.mean_tpot_ms", "{:.2f} ms"),),
+           "transformers `generate` with fla's kernels",
+           (Field("h200/hf_qwen3.5-4b_fla.json", "results[batch=1].decode_ms_per_token",
+                  "{:.1f} ms"),)),
+    Figure("h200", "decode, batch 1, 512-token prompt: ms per token", _Q35,
+           (Field(_DEC35, "batch1.mean_tpot_ms", "{:.2f} ms"),),
+           "transformers `generate`, torch path",
+           (Field("h200/hf_qwen3.5-4b.json", "results[batch=1].decode_ms_per_token",
+                  "{:.1f} ms"),)),
+    Figure("h200", f"`arle serve` + `arle bench`, {_RANDOM}, c = 1", _Q35, _serve(_S35, 1)),
+    Figure("h200", f"`arle serve` + `arle bench`, {_RANDOM}, c = 8", _Q35, _serve(_S35, 8)),
+    Figure("h200", "first request after `/ready` (1 prompt token, 1 new): latency", _Q35,
+           (Field(_S35W, "first_request.latency_ms", "{:.1f} ms"),)),
+    Figure("h200", "`arle serve`: time to ready, warm / cold Triton cache", _Q35,
+           (Field(_S35W, "time_to_ready_s", "{:.2f} s"),
+            Field(_S35, "time_to_ready_s", "{:.2f} s")), sep=" / "),
+    Figure("h200", "chat, 8 turns of ~100 words + 200 new tokens: mean TTFT", _Q35,
+           (Field("h200/chat_qwen3.5-4b_on.json", "cache_on.mean_ttft_ms", "{:.1f} ms"),
+            Field("h200/chat_qwen3.5-4b_on.json", "cache_on.reused_share",
+                  "{:.1%} of prompt tokens reused")),
+           "prefix cache off",
+           (Field("h200/chat_qwen3.5-4b_off.json", "cache_off.mean_ttft_ms", "{:.1f} ms"),)),
+    Figure("h200", "logits against transformers fp32, 2 x 512 random tokens", _Q35,
+           _parity("h200/parity_qwen3.5-4b.json", "arle_bf16_vs_transformers_fp32"),
+           "transformers bf16",
+           _parity("h200/parity_qwen3.5-4b.json", "transformers_bf16_vs_fp32")),
+    Figure("h200", "decode, batch 1: TPOT", _MOE,
+           (Field(_DECM, "batch1.mean_tpot_ms", "{:.3f} ms"),),
+           "floor (weights read, 8 of 128 experts)", (_step_floor(_DECM, 1),),
+           readme="Qwen3-30B-A3B-FP8 decode, batch 1: time per token"),
+    Figure("h200", "decode, batch 8: TPOT", _MOE,
+           (Field(_DECM, "batch8.mean_tpot_ms", "{:.3f} ms"),),
+           "floor (the experts 8 tokens touch)", (_step_floor(_DECM, 8),)),
+    Figure("h200", f"`arle serve --kv-cache-dtype fp8_e4m3` + `arle bench`, {_RANDOM}, c = 1",
+           _MOE, _serve(_SM, 1)),
+    Figure("h200", f"`arle serve --kv-cache-dtype fp8_e4m3` + `arle bench`, {_RANDOM}, c = 8",
+           _MOE, _serve(_SM, 8)),
+    Figure("h200", f"`arle serve --kv-cache-dtype fp8_e4m3` + `arle bench`, {_RANDOM}, c = 64",
+           _MOE, _serve(_SM, 64)),
+    Figure("h200", "`arle serve`: time to ready, cold Triton cache", _MOE,
+           (Field(_SM, "time_to_ready_s", "{:.2f} s"),)),
+    Figure("h200", "logits (W8A8 prefill) against transformers fp32 on the dequantized weights",
+           _MOE_L4, _parity(_PM, "arle_bf16_vs_transformers_fp32"), "transformers bf16",
+           _parity(_PM, "transformers_bf16_vs_fp32")),
+    Figure("h200", "logits (W8A16 decode) against transformers fp32 on the dequantized weights",
+           _MOE_L4, _parity(_PM, "arle_decode_vs_transformers_fp32"), "transformers bf16",
+           _parity(_PM, "transformers_bf16_vs_fp32")),
     Figure("cpu", "decode, batch 1, 32-token prompt + 128 tokens: tok/s", _SMOL,
            (Field(_CPU, "summary.arle.decode_tok_s", "{:.1f} tok/s"),),
            "transformers `generate`",
@@ -252,8 +356,7 @@ FIGURES = (
     Figure("cpu", "prefill, one 512-token prompt: tok/s", _SMOL,
            (Field(_CPU, "summary.arle.prefill_tok_s", "{:.0f} tok/s"),),
            "transformers `generate`",
-           (Field(_CPU, "summary.transformers.prefill_tok_s", "{:.0f} tok/s"),),
-           readme="the default model, prefill of 512 tokens"),
+           (Field(_CPU, "summary.transformers.prefill_tok_s", "{:.0f} tok/s"),)),
     Figure("cpu", "decode, batch 1: tok/s", _SMOL,
            (Field(_CPU, "summary.arle.decode_tok_s", "{:.1f} tok/s"),),
            "weight-read floor (weights / `x.sum()` bandwidth)",
@@ -406,7 +509,60 @@ def bounds_section(res: Results) -> list[str]:
         f"{c8['server_device_busy']:.1%} of it, so the host side does not bound it. "
         f"{TARGET_C8_TOK_S:.0f} tok/s needs the run in {need:.3f} s: {gap * 1e3:.0f} ms less, "
         f"~{gap / c8['server_steps'] * 1e6:.0f} us off each step; a batch-8 decode step's graph "
-        f"replays in {dec['graph_replay_bs8_ms']:.3f} ms.", ""]
+        f"replays in {dec['graph_replay_bs8_ms']:.3f} ms.", "", *_new_model_bounds(res)]
+
+
+def _kernel_ms(decode: Any, batch: int, *names: str) -> float:
+    """ms per step of the profiled graph replay's kernels whose name holds one of `names`."""
+    return sum(k["us"] for k in decode[f"kernels_bs{batch}"]["top"]
+               if any(n in k["name"] for n in names)) / 1e3
+
+
+def _new_model_bounds(res: Results) -> list[str]:
+    """Issue 41's open targets: Qwen3-30B-A3B-FP8's decode and Qwen3.5-4B's c = 8 and first
+    request, each with what its profile says bounds it."""
+    moe, q35 = res.load(_DECM), res.load(_DEC35)
+    read = float(res.load(_CEIL2)["read_TBps"])
+    fl = moe["floor_bytes"]["batch1"]
+    floor1 = res.value(_step_floor(_DECM, 1))
+    tpot1 = float(moe["batch1"]["mean_tpot_ms"])
+    attn_floor = fl["dense"] / read * 1e-9
+    c8 = res.load(_SM)["runs"]["8"]
+    floor8 = res.value(_step_floor(_DECM, 8))
+    q8 = res.load(_S35)["runs"]["8"]
+    qfloor8 = res.value(_step_floor(_DEC35, 8))
+    first = res.load(_S35W)["first_request"]["latency_ms"]
+    return [
+        f"**Batch-1 decode, {_MOE}** ([{Path(_DECM).name}](results/{_DECM})): TPOT "
+        f"{tpot1:.3f} ms, {tpot1 / floor1:.2f}x its {floor1:.3f} ms floor; the target is 1.5x. "
+        f"In one profiled replay the FP8 GEMVs (attention's qkv and o) take "
+        f"{_kernel_ms(moe, 1, '_fp8_gemv'):.2f} ms against {attn_floor:.2f} ms for all the "
+        f"non-expert weights (attention, routers, lm_head) at the read bandwidth, the expert GEMVs "
+        f"{_kernel_ms(moe, 1, '_moe_gemv'):.2f} ms against "
+        f"{fl['experts_touched'] / read * 1e-9:.2f} ms for the 8 experts' bytes, and routing "
+        f"(route, align, the torch reduce of the 8 outputs) "
+        f"{_kernel_ms(moe, 1, '_route', '_align', 'reduce_kernel'):.2f} ms in 3 launches per "
+        f"layer. What would close it: an FP8 GEMV that streams its weights as the bf16 one does, "
+        f"and routing, alignment and the weighted sum fused into the expert kernels.", "",
+        f"**`arle serve` at concurrency 8, {_MOE}** ([{Path(_SM).name}](results/{_SM})): "
+        f"{c8['output_throughput']:.0f} tok/s against a target of 1500 (the SGLang run the target "
+        f"was set against: 137 tok/s), TPOT "
+        f"{c8['mean_tpot_ms']:.2f} ms against 4.5, TTFT {c8['mean_ttft_ms']:.0f} ms against 100. "
+        f"A batch-8 step replays in {moe['graph_replay_bs8_ms']:.2f} ms against a "
+        f"{floor8:.2f} ms floor (8 tokens touch ~{moe['floor_bytes']['batch8']['experts_touched'] / moe['floor_bytes']['batch8']['experts_all']:.0%} "
+        f"of the experts); the grouped expert GEMM takes {_kernel_ms(moe, 8, '_moe_mma'):.2f} ms "
+        f"of it and the FP8 GEMMs of attention {_kernel_ms(moe, 8, '_fp8_gemm'):.2f} ms.", "",
+        f"**`arle serve` at concurrency 8, {_Q35}** ([{Path(_S35).name}](results/{_S35})): "
+        f"{q8['output_throughput']:.0f} tok/s against a target of 2000, TPOT "
+        f"{q8['mean_tpot_ms']:.2f} ms. A batch-8 step replays in "
+        f"{q35['graph_replay_bs8_ms']:.2f} ms against a {qfloor8:.2f} ms floor: the bf16 GEMVs "
+        f"take {_kernel_ms(q35, 8, '_gemv'):.2f} ms and the Gated DeltaNet recurrence "
+        f"{_kernel_ms(q35, 8, '_recurrent'):.2f} ms of it.", "",
+        f"**First request after `/ready`, {_Q35}** ([{Path(_S35W).name}](results/{_S35W})): "
+        f"{first:.1f} ms for one prompt token and one new token, against a target of 15 ms; "
+        f"the same engine's batch-1 step is {float(q35['batch1']['mean_tpot_ms']):.2f} ms, so "
+        f"the rest is the request's path outside the model (HTTP, tokenizing, the first "
+        f"admission), not measured apart in this run.", ""]
 
 
 def _cells(res: Results, fig: Figure) -> tuple[str, str, str]:
