@@ -216,12 +216,7 @@ class AsyncEngine:
             raise ArleError("the engine is shut down")
         params = request.params
         params.validate()
-        waiting = len(self.scheduler.waiting) + self._admitting
-        if waiting >= self.scheduler.config.max_waiting_requests:
-            self.stats["rejected_overloaded"] += 1
-            raise OverloadedError(
-                f"server overloaded: {waiting} requests waiting "
-                f"(max_waiting_requests={self.scheduler.config.max_waiting_requests})")
+        self.check_admission()
         # NOTE: a request counts as waiting from here, through its tokenization (a thread hop
         # during which others arrive), until it is in the scheduler's queue: the bound holds
         # under any burst.
@@ -264,6 +259,16 @@ class AsyncEngine:
         finally:
             if not seq.finished:
                 self.abort(rid)
+
+    def check_admission(self) -> None:
+        """Raise OverloadedError when the waiting bound is reached. `generate()` checks it; a
+        front end may check it first, before it reads and parses a request it must refuse."""
+        waiting = len(self.scheduler.waiting) + self._admitting
+        if waiting >= self.scheduler.config.max_waiting_requests:
+            self.stats["rejected_overloaded"] += 1
+            raise OverloadedError(
+                f"server overloaded: {waiting} requests waiting "
+                f"(max_waiting_requests={self.scheduler.config.max_waiting_requests})")
 
     def _check_prompt(self, ids: list[int], request: GenerateRequest) -> None:
         """Refuse a prompt that is empty, holds unknown ids, or leaves no room to generate."""

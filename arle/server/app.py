@@ -274,6 +274,7 @@ class _Handlers:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         self._auth(request)
+        self.s.engine.check_admission()  # before the body is read: a burst is refused at once
         body = await self._read_json(request)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
         req = protocol.parse_request(model_cls, body)
