@@ -367,19 +367,23 @@ def test_grace_period_over_ends_every_stream_with_an_error_and_done(tiny_dir: Pa
                             started.set()
             return got
 
-        async def main() -> list[list[str]]:
+        async def main() -> tuple[list[list[str]], httpx.Response]:
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as http:
                 tasks = [asyncio.ensure_future(one(http)) for _ in range(streams)]
+                whole = asyncio.ensure_future(http.post("/v1/completions",
+                                                        json={**body, "stream": False}))
                 await asyncio.wait_for(started.wait(), 30)
                 await asyncio.sleep(0.3)
                 s.proc.send_signal(signal.SIGTERM)
-                return await asyncio.wait_for(asyncio.gather(*tasks), 30)
+                return (await asyncio.wait_for(asyncio.gather(*tasks), 30),
+                        await asyncio.wait_for(whole, 30))
 
         started = asyncio.Event()
         t0 = time.monotonic()
-        results = asyncio.run(main())
+        results, whole = asyncio.run(main())
         assert s.stop(None, timeout_s=30) == 0
     assert time.monotonic() - t0 < 20
+    assert_error(whole, 503, None, "grace period")
     for got in results:
         assert got[-1] == "[DONE]"
         err = json.loads(got[-2])["error"]
@@ -389,7 +393,9 @@ def test_grace_period_over_ends_every_stream_with_an_error_and_done(tiny_dir: Pa
     events = [json.loads(line) for line in lines]  # every line is one of arle's JSON events
     aborted = [e for e in events if e.get("event") == "request_trace"
                and e.get("finish_reason") == "abort"]
-    assert len(aborted) == streams and {e["level"] for e in aborted} == {"warning"}
+    assert len(aborted) == streams + 1 and {e["level"] for e in aborted} == {"warning"}
+    # one line per aborted request: the non-streaming one's 503 adds none
+    assert not [e for e in events if e.get("status") == 503]
     assert not [e for e in events if e["level"] in ("error", "critical")]
     assert "Traceback" not in log.read_text()
 

@@ -92,6 +92,10 @@ class HTTPError(ArleError):
         self.headers = headers or {}
 
 
+class EndedByServer(OverloadedError):
+    """The server ended the request (shutting down); the engine logged its trace already."""
+
+
 class ClientGone(Exception):
     """The client disconnected; nobody is left to answer."""
 
@@ -371,7 +375,7 @@ class _Run:
         if delta.finish_reason == "error":
             raise EngineStepError(delta.error or "generation failed")
         if delta.error is not None:  # aborted by the server (shutting down)
-            raise OverloadedError(delta.error)
+            raise EndedByServer(delta.error)
         logprobs = self._logprobs(lps if lps else None, 0)
         out = "".join(text)
         if self.chat:
@@ -471,7 +475,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> S
         fields = {"route": request.url.path, "status": resp.status_code, "error": str(exc)}
         # NOTE: a client's mistake (4xx) and an overload (503) are the server working as
         # meant: below error level.
-        if isinstance(exc, OverloadedError):
+        if isinstance(exc, EndedByServer):
+            pass  # its one line is the engine's trace
+        elif isinstance(exc, OverloadedError):
             log.warning("request_trace", **fields)
         elif resp.status_code >= 500:
             log.error("request_trace", **fields, exc_info=not isinstance(exc, ArleError))
