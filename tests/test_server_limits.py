@@ -222,6 +222,24 @@ def test_max_tokens_not_given_is_the_rest_of_the_context(server: ServerProcess,
     assert out["usage"]["completion_tokens"] == 16
 
 
+async def test_arle_chat_url_takes_max_tokens_as_a_cap(server: ServerProcess) -> None:
+    """`arle chat --url`'s max_tokens is a cap, as in process: when the conversation leaves
+    less room, the server's 400 is answered by asking for the rest of the context."""
+    from arle.chat.backends import RemoteBackend, TurnStats
+
+    backend = RemoteBackend(server.url)
+    try:
+        await backend.connect()
+        stats = TurnStats()
+        messages = [{"role": "user", "content": "a" * 900}]
+        pieces = [p async for p in backend.stream(
+            messages, {"max_tokens": 1024, "ignore_eos": True}, stats)]
+        assert pieces and stats.finish_reason == "length"
+        assert stats.prompt_tokens + stats.completion_tokens == MAX_MODEL_LEN
+    finally:
+        await backend.close()
+
+
 # ---- web pages: Host, Origin, Content-Type ----------------------------------------------------
 
 
