@@ -2,8 +2,9 @@
 
 Start-up order: load the model, warm it (one short generation), bind, then log "listening on":
 a client that sees the port open finds the server ready. SIGINT/SIGTERM stop accepting, let
-running requests finish for `--grace-period` seconds (then abort them) and exit 0; a second
-SIGINT exits at once.
+running requests finish for `--grace-period` seconds (then end them: a stream gets an error
+event and [DONE], a plain request a 503) and exit 0; a second SIGINT exits at once. What a
+client may send and from where: docs/server.md (the checks live in arle/server/guards.py).
 
 NOTE: uvicorn, the engine and torch are imported inside the command: `arle --help` stays fast.
 """
