@@ -26,6 +26,11 @@ def freeze_start_up() -> int:
     return gc.get_freeze_count()
 
 
+def thaw() -> None:
+    """Undo `freeze_start_up` (at exit: frozen objects would never be finalized)."""
+    gc.unfreeze()
+
+
 class GCPauses:
     """Per generation: how many collections ran since `start`, their summed and longest pause.
     `events` (when kept): (start time on `time.perf_counter`, generation, seconds) of each.

@@ -33,6 +33,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     MAX_LOGPROBS = 20
+    #: OpenAI's range for temperature.
+    MAX_TEMPERATURE = 2.0
+    #: Bounds on what a request may ask the stop matcher to watch for (OpenAI allows 4 stop
+    #: strings; a few more serve eval harnesses that send one per few-shot separator).
+    MAX_STOP_STRINGS = 16
+    MAX_STOP_CHARS = 256
+    MAX_STOP_TOKEN_IDS = 1024
+    MAX_TOP_K = 2**31 - 1
+    MAX_REPETITION_PENALTY = 2.0
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -50,16 +59,17 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "frequency_penalty", "presence_penalty"):
             finite(name)
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
+        if not 0 <= self.temperature <= self.MAX_TEMPERATURE:
+            raise bad("temperature", f"must be in [0, {self.MAX_TEMPERATURE:g}]")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "must be an integer >= -1 (-1 or 0 disables it)")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= self.MAX_TOP_K:
+            raise bad("top_k", f"must be an integer in [-1, {self.MAX_TOP_K}] "
+                               "(-1 or 0 disables it)")
+        if not 0 < self.repetition_penalty <= self.MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be in (0, {self.MAX_REPETITION_PENALTY:g}]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not -2 <= self.presence_penalty <= 2:
@@ -70,6 +80,18 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        # NOTE: the messages give the counts, not the values: the values can be huge.
+        if len(self.stop) > self.MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop has {len(self.stop)} strings; at most "
+                                      f"{self.MAX_STOP_STRINGS} are allowed", param="stop")
+        longest = max(map(len, self.stop), default=0)
+        if longest > self.MAX_STOP_CHARS:
+            raise InvalidRequestError(f"a stop string has {longest} characters; at most "
+                                      f"{self.MAX_STOP_CHARS} are allowed", param="stop")
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                f"{self.MAX_STOP_TOKEN_IDS} are allowed", param="stop_token_ids")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
 

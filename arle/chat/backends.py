@@ -195,10 +195,7 @@ class RemoteBackend:
                 "stream_options": {"include_usage": True}, **settings}
         start = time.perf_counter()
         try:
-            async with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")
-                    raise RemoteError(_error_message(resp.status_code, text), _error_param(text))
+            async with self._post_chat(body) as resp:
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue  # blank separators, comments (": ping"), event names
@@ -213,6 +210,25 @@ class RemoteBackend:
                         yield text
         except httpx.HTTPError as e:
             raise RemoteError(f"the server at {self.base_url} failed: {e!s}") from None
+
+    @contextlib.asynccontextmanager
+    async def _post_chat(self, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
+        """POST /v1/chat/completions; the streaming response once it is a 200."""
+        async with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code == 200:
+                yield resp
+                return
+            text = (await resp.aread()).decode(errors="replace")
+        param = _error_param(text)
+        if resp.status_code == 400 and param == "max_tokens" and "max_tokens" in body:
+            # NOTE: max_tokens is a cap in `arle chat`, as with the in-process engine; an
+            # OpenAI-style server refuses it when the conversation leaves less room, so ask
+            # again without it: up to the rest of the context.
+            async with self._post_chat({k: v for k, v in body.items() if k != "max_tokens"}
+                                       ) as again:
+                yield again
+            return
+        raise RemoteError(_error_message(resp.status_code, text), param)
 
     def info(self) -> dict[str, Any]:
         return {"model": self.model_name, "server": self.base_url}

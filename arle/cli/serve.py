@@ -2,8 +2,9 @@
 
 Start-up order: load the model, warm it (one short generation), bind, then log "listening on":
 a client that sees the port open finds the server ready. SIGINT/SIGTERM stop accepting, let
-running requests finish for `--grace-period` seconds (then abort them) and exit 0; a second
-SIGINT exits at once.
+running requests finish for `--grace-period` seconds (then end them: a stream gets an error
+event and [DONE], a plain request a 503) and exit 0; a second SIGINT exits at once. What a
+client may send and from where: docs/server.md (the checks live in arle/server/guards.py).
 
 NOTE: uvicorn, the engine and torch are imported inside the command: `arle --help` stays fast.
 """
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from arle.engine.async_engine import AsyncEngine
 
 SERVER_PANEL = "Server"
+#: Seconds after the grace period at which uvicorn cancels what is left.
+_SHUTDOWN_BACKSTOP_S = 5
 log = get_logger("arle.server")
 
 
@@ -62,6 +65,16 @@ def serve(
     grace_period: Annotated[float, _server_opt(
         "--grace-period", min=0.0,
         help="Seconds running requests may take to finish after SIGINT/SIGTERM.")] = 30.0,
+    allowed_origins: Annotated[list[str] | None, _server_opt(
+        "--allowed-origins",
+        help="A web origin (https://app.example:8080) whose pages may call the API, with CORS; "
+             "repeat for several; '*' for any. Default: none, browser requests are refused.")
+    ] = None,
+    allowed_hosts: Annotated[list[str] | None, _server_opt(
+        "--allowed-hosts",
+        help="A Host header name the server answers to; repeat for several; '*' for any. "
+             "Default: localhost, 127.0.0.1 and ::1 when bound to a loopback address, else any.")
+    ] = None,
     *,
     config: EngineConfig,
 ) -> None:
@@ -69,9 +82,13 @@ def serve(
     /v1/chat/completions, /v1/models, /health, /ready, /metrics, /v1/stats)."""
     config = replace(config, max_waiting_requests=max_waiting, serving=True)
     from arle.server.app import ServerSettings
+    from arle.server.guards import LOOPBACK_HOSTS, is_loopback
 
+    hosts = (tuple(allowed_hosts) if allowed_hosts
+             else LOOPBACK_HOSTS if is_loopback(host) else None)
     settings = ServerSettings(served_model_name=served_model_name, api_key=api_key or None,
-                              max_body_bytes=max_body_bytes)
+                              max_body_bytes=max_body_bytes, allowed_hosts=hosts,
+                              allowed_origins=tuple(allowed_origins or ()))
     run_on_uvloop(_serve(config, settings, host, port, grace_period))
 
 
@@ -107,8 +124,10 @@ async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
     import uvicorn
 
     from arle.engine.async_engine import AsyncEngine
-    from arle.gcwatch import PAUSES, freeze_start_up
+    from arle.gcwatch import PAUSES, freeze_start_up, thaw
+    from arle.server import MAX_HEADER_BYTES
     from arle.server.app import create_app
+    from arle.server.guards import limited_http_protocol
 
     engine = await AsyncEngine.create(config)
     try:
@@ -121,6 +140,13 @@ async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
         freeze_start_up()
         PAUSES.start()
         state = app.state.arle
+        loop = asyncio.get_running_loop()
+
+        def grace_over() -> None:
+            n = engine.abort_all(f"the server is shutting down: the grace period of "
+                                 f"{grace_period:g}s is over")
+            if n:
+                log.warning("grace_period_over", aborted=n)
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -133,11 +159,17 @@ async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
                 if first:
                     log.info("shutting_down", signal=signal.Signals(sig).name,
                              grace_period_s=grace_period)
+                    # NOTE: arle ends what is still running when the grace period is over, so
+                    # each stream gets an error event and [DONE]; uvicorn's own deadline (which
+                    # cancels the handlers mid-write) is only a backstop, a little later.
+                    loop.call_soon_threadsafe(loop.call_later, grace_period, grace_over)
 
         sock = _bind(host, port)
         uv_config = uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", server_header=False,
-            timeout_graceful_shutdown=math.ceil(grace_period))
+            timeout_graceful_shutdown=math.ceil(grace_period) + _SHUTDOWN_BACKSTOP_S,
+            http=limited_http_protocol(app.state.on_refused),
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         server = Server(uv_config)
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started and not task.done():
@@ -150,6 +182,9 @@ async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
         await task
     finally:
         await engine.close()
+        # NOTE: what start-up froze is never collected; at exit, objects of native extensions
+        # still alive make their modules print leak reports (Triton's nanobind: ~30 lines).
+        thaw()
     log.info("stopped")
 
 

@@ -83,6 +83,8 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
+        #: Requests past the waiting bound's check and not yet in the scheduler's queue.
+        self._admitting = 0
         self._ids = itertools.count()
         self.stats: collections.Counter[str] = collections.Counter()
         log.info("scheduler_settings", max_running_requests=self.scheduler.config.max_running_requests,
@@ -214,26 +216,24 @@ class AsyncEngine:
             raise ArleError("the engine is shut down")
         params = request.params
         params.validate()
-        if len(self.scheduler.waiting) >= self.scheduler.config.max_waiting_requests:
-            self.stats["rejected_overloaded"] += 1
-            raise OverloadedError(
-                f"server overloaded: {len(self.scheduler.waiting)} requests waiting "
-                f"(max_waiting_requests={self.scheduler.config.max_waiting_requests})")
-        t_created = time.perf_counter()
-        ids, nbytes = await asyncio.to_thread(self._tokenize, request)
-        t_tok = time.perf_counter()
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
-                f"(it must leave room for at least one new token)", param="prompt")
-        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.tokenizer.vocab_size})",
-                                      param="prompt")
-        rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
-        if rid in self._requests:
-            raise InvalidRequestError(f"request id {rid!r} is already running", param="request_id")
+        self.check_admission()
+        # NOTE: a request counts as waiting from here, through its tokenization (a thread hop
+        # during which others arrive), until it is in the scheduler's queue: the bound holds
+        # under any burst.
+        self._admitting += 1
+        try:
+            t_created = time.perf_counter()
+            ids, nbytes = await asyncio.to_thread(self._tokenize, request)
+            t_tok = time.perf_counter()
+            self._check_prompt(ids, request)
+            rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
+            if rid in self._requests:
+                raise InvalidRequestError(f"request id {rid!r} is already running",
+                                          param="request_id")
+            if self._closed:
+                raise ArleError("the engine is shut down")
+        finally:
+            self._admitting -= 1
         seq = Sequence(request_id=rid, prompt_ids=ids, params=params,
                        max_total_tokens=self.max_model_len,
                        eos_ids=frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids,
@@ -260,13 +260,47 @@ class AsyncEngine:
             if not seq.finished:
                 self.abort(rid)
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request now; its pages return at once. False if it is not running."""
+    def check_admission(self) -> None:
+        """Raise OverloadedError when the waiting bound is reached. `generate()` checks it; a
+        front end may check it first, before it reads and parses a request it must refuse."""
+        waiting = len(self.scheduler.waiting) + self._admitting
+        if waiting >= self.scheduler.config.max_waiting_requests:
+            self.stats["rejected_overloaded"] += 1
+            raise OverloadedError(
+                f"server overloaded: {waiting} requests waiting "
+                f"(max_waiting_requests={self.scheduler.config.max_waiting_requests})")
+
+    def _check_prompt(self, ids: list[int], request: GenerateRequest) -> None:
+        """Refuse a prompt that is empty, holds unknown ids, or leaves no room to generate."""
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
+                f"(it must leave room for at least one new token)", param="prompt")
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.tokenizer.vocab_size})",
+                                      param="prompt")
+        room = self.max_model_len - len(ids)
+        if request.strict_max_tokens and request.params.max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens is {request.params.max_tokens} but the prompt has {len(ids)} tokens "
+                f"and the context is {self.max_model_len} tokens: at most {room} new tokens fit",
+                param="max_tokens")
+
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """Stop a request now; its pages return at once. False if it is not running.
+        With `error`, the request ends with it (its trace is logged as a warning): the caller
+        ended it, not the client."""
         seq = self._requests.get(request_id)
         if seq is None or seq.finished:
             return False
-        self._finish(seq, "abort", "abort")
+        self._finish(seq, "abort", "abort", error=error)
         return True
+
+    def abort_all(self, error: str) -> int:
+        """Abort every request (running and waiting) with `error`; how many there were."""
+        return sum(self.abort(rid, error) for rid in list(self._requests))
 
     async def close(self) -> None:
         """Abort everything, stop the loop and the executor."""
@@ -448,7 +482,9 @@ class AsyncEngine:
         self.stats[f"finished_{reason}"] += 1
         trace = build_trace(seq, active=len(self.scheduler.running),
                             waiting=len(self.scheduler.waiting))
-        if error is not None:
+        if error is not None and reason == "abort":
+            log.warning("request_trace", **trace)
+        elif error is not None:
             log.error("request_trace", **trace)
         else:
             log.info("request_trace", **trace)
@@ -474,8 +510,10 @@ class AsyncEngine:
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
         if request.messages is not None:
-            text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False), len(text.encode())
+            # NOTE: special tokens' text inside message content stays text (encode_chat); a
+            # raw text prompt is the caller's to shape, special tokens included.
+            ids, text = self.tokenizer.encode_chat(request.messages, add_generation_prompt=True)
+            return ids, len(text.encode())
         if isinstance(request.prompt, str):
             return (self.tokenizer.encode(request.prompt, request.add_special_tokens),
                     len(request.prompt.encode()))

@@ -82,6 +82,14 @@ class StopStringMatcher:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         self.matched: str | None = None
+        #: Per stop: the prefix lengths k (longest first) by the prefix's last character, so a
+        #: feed tries only the prefixes that can end the text (see `_partial_tail`).
+        self._prefix_ends: list[tuple[str, dict[str, list[int]]]] = []
+        for stop in self._stops:
+            ends: dict[str, list[int]] = {}
+            for k in range(len(stop) - 1, 0, -1):
+                ends.setdefault(stop[k - 1], []).append(k)
+            self._prefix_ends.append((stop, ends))
 
     def feed(self, text: str) -> tuple[str, str | None]:
         """Return (text safe to emit, the stop string matched by this feed or None).
@@ -112,10 +120,14 @@ class StopStringMatcher:
 
     def _partial_tail(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of a stop."""
-        best = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(buf)), best, -1):
-                if buf.endswith(stop[:k]):
+        if not buf:
+            return 0
+        best, last = 0, buf[-1]
+        for stop, ends in self._prefix_ends:
+            for k in ends.get(last, ()):
+                if k <= best:
+                    break
+                if k <= len(buf) and buf.endswith(stop[:k]):
                     best = k
                     break
         return best

@@ -30,6 +30,9 @@ class GenerateRequest:
     stream: bool = True
     #: Text prompts: prepend BOS etc. as the tokenizer says. Chat prompts always use the template.
     add_special_tokens: bool = True
+    #: max_tokens is the caller's demand (an API client gave it): refuse a request whose prompt
+    #: leaves less room than that. Otherwise it is a cap, and generation stops at the context.
+    strict_max_tokens: bool = False
 
 
 @dataclass(frozen=True)

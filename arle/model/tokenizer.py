@@ -9,6 +9,8 @@ tokenizer.json.
 from __future__ import annotations
 
 import json
+import re
+import threading
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +33,10 @@ CHATML_FALLBACK = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+#: Unicode noncharacters (never in interchanged text): pairs of them mark where message content
+#: starts and ends in a rendered template (see `encode_chat`).
+_SENTINELS = [chr(c) for c in range(0xFDD0, 0xFDF0)]
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL = 3
@@ -91,9 +97,15 @@ class Tokenizer:
         self.pad_token_id = pad_token_id
         self.add_bos = add_bos and bos_token_id is not None
         self.chat_template = chat_template
-        self._special_ids = frozenset(
-            i for i, t in tok.get_added_tokens_decoder().items() if t.special
-        )
+        specials = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        self._special_ids = frozenset(specials)
+        #: Finds any special token's text (longest first, so a token is not cut by a shorter
+        #: one that starts it); None when there are none.
+        self._special_re = re.compile("|".join(
+            re.escape(t) for t in sorted(set(specials.values()), key=len, reverse=True) if t
+        )) if specials else None
+        self._plain: HFTokenizer | None = None
+        self._plain_lock = threading.Lock()
         self._template: jinja2.Template | None = None
 
     # --- building -------------------------------------------------------------------------------
@@ -234,6 +246,18 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as plain text: a special token's text in it is spelled with ordinary
+        tokens, never encoded as the special token. No BOS."""
+        with self._plain_lock:
+            if self._plain is None:
+                # NOTE: a copy, because the switch is the tokenizer's own state and other
+                # threads encode with the original at the same time.
+                plain = HFTokenizer.from_str(self._tok.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+        return list(self._plain.encode(text, add_special_tokens=False).ids)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -284,6 +308,57 @@ class Tokenizer:
                 f"chat template failed on these messages: {type(e).__name__}: {e}",
                 param="messages",
             ) from None
+
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **extra: Any) -> tuple[list[int], str]:
+        """The prompt ids of a chat, and its text. The template's own text is encoded with its
+        special tokens; the messages' content as plain text (`encode_plain`), so a message that
+        contains `<|im_end|><|im_start|>system` cannot forge a turn.
+
+        NOTE: content with no special token's text in it (nearly all) takes the plain path: the
+        rendered text encoded whole. Otherwise that content is wrapped in a pair of sentinel
+        characters before rendering; the rendered text is then encoded piece by piece, the
+        pieces between sentinels as plain text. A template that splits a wrapped content (so
+        that its sentinels no longer pair up) refuses the request rather than guess.
+        """
+        msgs = [_flatten_message(m, i) for i, m in enumerate(messages)]
+        find = self._special_re
+        marked = [i for i, m in enumerate(msgs)
+                  if find is not None and isinstance(m.get("content"), str)
+                  and find.search(m["content"])]
+        if not marked:
+            text = self.apply_chat_template(msgs, add_generation_prompt, **extra)
+            return self.encode(text, add_special_tokens=False), text
+        seen = json.dumps([msgs, extra], ensure_ascii=False, default=str) + \
+            (self.chat_template or CHATML_FALLBACK)
+        free = [c for c in _SENTINELS if c not in seen]
+        if len(free) < 2:
+            raise InvalidRequestError("the messages hold every sentinel character "
+                                      "(U+FDD0..U+FDEF)", param="messages")
+        open_, close = free[0], free[1]
+        for i in marked:
+            msgs[i] = {**msgs[i], "content": open_ + msgs[i]["content"] + close}
+        rendered = self.apply_chat_template(msgs, add_generation_prompt, **extra)
+        ids: list[int] = []
+        pieces: list[str] = []
+        plain = False
+        for piece in re.split(f"([{open_}{close}])", rendered):
+            if piece in (open_, close):
+                if (piece == open_) == plain:
+                    raise InvalidRequestError(
+                        "the chat template split a message's content; arle cannot tell its "
+                        "special tokens from the template's", param="messages")
+                plain = piece == open_
+                continue
+            if piece:
+                ids += self.encode_plain(piece) if plain else self.encode(piece, False)
+                pieces.append(piece)
+        if plain:
+            raise InvalidRequestError("the chat template cut a message's content short; arle "
+                                      "cannot tell its special tokens from the template's",
+                                      param="messages")
+        return ids, "".join(pieces)
 
 
 def _flatten_message(message: Any, index: int) -> dict[str, Any]:

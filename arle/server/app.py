@@ -27,6 +27,7 @@ import orjson
 from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -36,6 +37,7 @@ from arle.engine.request import Delta, GenerateRequest, TokenLogprob
 from arle.errors import ArleError, EngineStepError, InvalidRequestError, OverloadedError
 from arle.logging import get_logger
 from arle.server import DEFAULT_MAX_BODY_BYTES, protocol
+from arle.server.guards import Guards, Refusal
 from arle.server.metrics import CONTENT_TYPE, ServerMetrics
 from arle.server.protocol import ChatCompletionRequest, CompletionRequest, Decoder
 
@@ -54,6 +56,10 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: Seconds a client should wait after a 503.
     retry_after_s: int = 1
+    #: Host header names answered (see guards.py); None: any.
+    allowed_hosts: tuple[str, ...] | None = None
+    #: Web origins whose pages may call the API (CORS); "*": any.
+    allowed_origins: tuple[str, ...] = ()
 
 
 @dataclass
@@ -84,6 +90,10 @@ class HTTPError(ArleError):
         self.param = param
         self.code = code
         self.headers = headers or {}
+
+
+class EndedByServer(OverloadedError):
+    """The server ended the request (shutting down); the engine logged its trace already."""
 
 
 class ClientGone(Exception):
@@ -268,6 +278,7 @@ class _Handlers:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         self._auth(request)
+        self.s.engine.check_admission()  # before the body is read: a burst is refused at once
         body = await self._read_json(request)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
         req = protocol.parse_request(model_cls, body)
@@ -281,7 +292,8 @@ class _Handlers:
             prompt=None if chat else req.prompt_input,
             messages=req.message_dicts() if chat else None, params=params, request_id=rid,
             route=request.url.path, stream=bool(req.stream),
-            add_special_tokens=True if chat else req.add_special_tokens)
+            add_special_tokens=True if chat else req.add_special_tokens,
+            strict_max_tokens=_max_tokens_given(req, chat))
         run = _Run(self.s, request.url.path, rid, chat, req)
         # NOTE: generate() is an async generator; aclose() is what aborts it deterministically.
         gen = cast(AsyncGenerator[Delta, None], engine.generate(greq))
@@ -293,6 +305,10 @@ class _Handlers:
             await gen.aclose()
             if isinstance(e, ClientGone):
                 run.note_if_aborted()
+            if isinstance(e, InvalidRequestError) and e.param == "max_tokens" and chat \
+                    and req.max_completion_tokens is not None:
+                raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens", 1),
+                                          param="max_completion_tokens") from None
             raise
         if req.stream:
             return SSEResponse(run.stream(first, gen))
@@ -358,6 +374,8 @@ class _Run:
             await gen.aclose()
         if delta.finish_reason == "error":
             raise EngineStepError(delta.error or "generation failed")
+        if delta.error is not None:  # aborted by the server (shutting down)
+            raise EndedByServer(delta.error)
         logprobs = self._logprobs(lps if lps else None, 0)
         out = "".join(text)
         if self.chat:
@@ -393,6 +411,10 @@ class _Run:
                     err = EngineStepError(delta.error or "generation failed")
                     yield _sse(protocol.error_json(str(err), err.error_type, None, 500))
                     break
+                if last and delta.error is not None:  # aborted by the server (shutting down)
+                    yield _sse(protocol.error_json(delta.error, OverloadedError.error_type,
+                                                   None, 503))
+                    break
                 if delta.text or last or delta.logprobs:
                     c: dict[str, Any] = {"index": 0}
                     if self.chat:
@@ -415,6 +437,15 @@ class _Run:
         finally:
             self.note_if_aborted()
             await gen.aclose()
+
+
+def _max_tokens_given(req: Any, chat: bool) -> bool:
+    """Whether the client set the output length: then a prompt that leaves less room is a 400
+    (as OpenAI and vLLM answer). Not set: up to the rest of the context (chat), or OpenAI's
+    default of 16 (completions), cut where the context ends."""
+    if chat:
+        return req.max_tokens is not None or req.max_completion_tokens is not None
+    return req.max_tokens is not None and "max_tokens" in req.model_fields_set
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Starlette:
@@ -442,11 +473,21 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> S
         state.metrics.observe_http_error(path if path in known else "unmatched", resp.status_code)
         # NOTE: a request refused before the engine saw it still leaves one trace line.
         fields = {"route": request.url.path, "status": resp.status_code, "error": str(exc)}
-        if resp.status_code >= 500:
+        # NOTE: a client's mistake (4xx) and an overload (503) are the server working as
+        # meant: below error level.
+        if isinstance(exc, EndedByServer):
+            pass  # its one line is the engine's trace
+        elif isinstance(exc, OverloadedError):
+            log.warning("request_trace", **fields)
+        elif resp.status_code >= 500:
             log.error("request_trace", **fields, exc_info=not isinstance(exc, ArleError))
         else:
             log.info("request_trace", **fields)
         return resp
+
+    def refused(path: str, refusal: Refusal) -> None:
+        state.metrics.observe_http_error(path if path in known else "unmatched", refusal.status)
+        log.info("request_trace", route=path, status=refusal.status, error=refusal.message)
 
     async def http_exception(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -475,8 +516,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> S
         route("/v1/chat/completions", h.chat_completions, "POST"),
     ]
     known = {r.path for r in routes}
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_exception})
+    guards = Middleware(Guards, allowed_hosts=settings.allowed_hosts,
+                        allowed_origins=settings.allowed_origins, on_refused=refused)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_exception},
+                    middleware=[guards])
     app.state.arle = state
+    app.state.on_refused = refused  # for the refusals of the HTTP parser (guards.py)
     return app
 
 
