@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,8 +31,14 @@ from arle.model.decoder import DecoderLM
 from arle.threads import torch_thread
 from arle_kernels.ops import ops_for
 
+if TYPE_CHECKING:
+    from arle.executor.distributed import TPRanks
+
 
 class CPUExecutor:
+    #: rank 0 of a tensor-parallel group: the other ranks (None: one rank)
+    ranks: TPRanks | None = None
+
     def __init__(self, model: DecoderLM, num_pages: int, page_size: int, num_slots: int,
                  kv_dtype: torch.dtype, max_positions: int, seed: int = 0,
                  num_snapshots: int = 0) -> None:
@@ -40,12 +47,14 @@ class CPUExecutor:
         self.model = model
         self.page_size = page_size
         self.num_slots = num_slots
-        self.kv = KVCache.for_model(cfg, num_pages, page_size, kv_dtype, torch.device("cpu"))
+        self.tp = model.tp
+        self.kv = KVCache.for_model(model.rank_config, num_pages, page_size, kv_dtype,
+                                    torch.device("cpu"))
         self.kv_pool = KVPoolInfo(num_pages, page_size, self.kv.nbytes, kv_format(kv_dtype))
         self.num_snapshots = num_snapshots
         # NOTE: one spare state entry past the slots, as on CUDA (start-up's profile step)
-        self.state = StatePool.for_model(cfg, num_slots + 1, num_snapshots, kv_dtype,
-                                         torch.device("cpu"))
+        self.state = StatePool.for_model(model.rank_config, num_slots + 1, num_snapshots,
+                                         kv_dtype, torch.device("cpu"))
         self.rotary = model.rotary_table(max_positions)
         self.token_buffer = torch.zeros(num_slots, dtype=torch.int32)
         self.penalties = PenaltyState(num_slots, cfg.vocab_size, "cpu")
@@ -56,9 +65,17 @@ class CPUExecutor:
     def launch(self, plan: StepPlan) -> Awaitable[StepOutput]:
         """Flatten the plan here (the caller's thread); run it on the worker thread."""
         inputs = StepInputs.of(plan, self.page_size)
-        return asyncio.wrap_future(self._worker.submit(self._run, inputs))
+        if self.ranks is not None:
+            return asyncio.wrap_future(self._worker.submit(self._run_group, inputs))
+        return asyncio.wrap_future(self._worker.submit(self.run_step, inputs))
 
-    def _run(self, inputs: StepInputs) -> StepOutput:
+    def _run_group(self, inputs: StepInputs) -> StepOutput:
+        """Rank 0 of a TP group: the step to the other ranks, then run it with them."""
+        assert self.ranks is not None
+        return self.ranks.run(self.run_step, inputs)
+
+    def run_step(self, inputs: StepInputs) -> StepOutput:
+        """One step, on the calling thread (the worker thread; a TP rank's main thread)."""
         t0 = time.perf_counter()
         for new_slot in inputs.new_slots:
             self.penalties.start_slot(*new_slot)
@@ -71,14 +88,42 @@ class CPUExecutor:
         hidden = self.model(step.input_ids, PagedAttention(self.kv, step, self.rotary, self.model,
                                                            self.state, self.page_size))
         inputs.save_states(self.state)
-        if inputs.sampling is None:
+        if not packed.sample_rows:
             return StepOutput([], [], time.perf_counter() - t0)
         logits = self.model.logits(hidden[packed.view(meta, "sample_index")])
+        if self.tp.size > 1:
+            return self._sample_group(logits, inputs, packed.view(meta, "sample_slots"), t0)
+        assert inputs.sampling is not None
         out = sample_into(logits, inputs.sampling, packed.view(meta, "sample_slots"),
                           self.penalties, self.token_buffer, self.generator)
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
                           time.perf_counter() - t0)
 
+    def _sample_group(self, logits: torch.Tensor, inputs: StepInputs, slots: torch.Tensor,
+                      t0: float) -> StepOutput:
+        """TP: the vocab shards' logits gathered on rank 0, which samples; every rank writes
+        the ids rank 0 broadcasts into its token buffer (the next decode rows' input)."""
+        full = self.tp.gather_columns(logits, self.model.config.vocab_size)
+        if full is None:  # not rank 0
+            ids = self.tp.broadcast(torch.empty(slots.shape[0], dtype=torch.int64))
+            self.token_buffer[slots] = ids.to(self.token_buffer.dtype)
+            return StepOutput([], [], time.perf_counter() - t0)
+        assert inputs.sampling is not None
+        out = sample_into(full, inputs.sampling, slots, self.penalties, self.token_buffer,
+                          self.generator)
+        self.tp.broadcast(out.token_ids)
+        return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
+                          time.perf_counter() - t0)
+
+    def rank_info(self) -> dict[str, Any]:
+        """This rank's memory: weights, KV pool, recurrent state pool (`arle warmup`)."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return {"rank": self.tp.rank, "device": "cpu", "weights_bytes": weights,
+                "kv_pages": self.kv_pool.num_pages, "kv_bytes": self.kv.nbytes,
+                "state_bytes": self.state.nbytes if self.state is not None else 0}
+
     def close(self) -> None:
         # The thread is shared (see torch_thread): wait for this executor's steps, keep it.
-        self._worker.submit(lambda: None).result()
+        # NOTE: a TP group stops after the last step, on the same thread
+        ranks = self.ranks
+        self._worker.submit(ranks.close if ranks is not None else lambda: None).result()

@@ -123,7 +123,7 @@ class CUDAExecutor:
         self.num_snapshots = config.num_snapshots
         # NOTE: the spare entry past the slots is start-up's profile step's (pad_slot); padding
         # rows of the graphs touch no state (slot -1)
-        self.state = StatePool.for_model(model.config, config.num_slots + 1, config.num_snapshots,
+        self.state = StatePool.for_model(model.rank_config, config.num_slots + 1, config.num_snapshots,
                                          next(model.parameters()).dtype, self.device)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         # NOTE: the weights, the rotary table and the token buffer were written on the default
@@ -150,7 +150,7 @@ class CUDAExecutor:
                                    self.max_pages, self.device,
                                    self.pad_slot if self.state is not None else None)
         if config.extend_graph_max_tokens > 0:
-            cfg = self.model.config
+            cfg = self.model.rank_config
             block_t = block_tokens(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads,
                                    config.kv_dtype == FP8_KV)
             self.extend_graphs = ExtendGraphs(
@@ -169,7 +169,7 @@ class CUDAExecutor:
 
     def pick_num_splits(self, num_decode: int) -> int:
         """The decode kernel's split count for a batch of that many decode rows."""
-        return pick_num_splits(num_decode, self.model.config.num_kv_heads,
+        return pick_num_splits(num_decode, self.model.rank_config.num_kv_heads,
                                self.config.max_model_len, self.num_sms)
 
     def backend(self, step: DeviceStep) -> PagedAttention:
