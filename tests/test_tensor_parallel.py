@@ -259,3 +259,22 @@ def test_serve_tp2_answers_and_dies_cleanly_with_a_rank(model_dirs: dict[str, Pa
         assert _processes_marked(mark) == []
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_ctrl_c_stop_every_rank(model_dirs: dict[str, Path], tmp_path: Path,
+                                            sig: int) -> None:
+    mark = uuid.uuid4().hex
+    server = ServerProcess(["--model", str(model_dirs["qwen3"]), "--tp", "2", "--threads", "1"],
+                           tmp_path / "serve.log", env={"ARLE_TP_TEST_MARK": mark,
+                                                        "OMP_NUM_THREADS": "1"})
+    try:
+        server.wait_ready()
+        assert len(_processes_marked(mark)) == 2
+        t0 = time.monotonic()
+        code = server.stop(sig, timeout_s=20)
+        assert code == 0 and time.monotonic() - t0 < 10
+        assert _processes_marked(mark) == []
+        assert "Traceback" not in server.log_path.read_text(errors="replace")
+    finally:
+        server.kill()

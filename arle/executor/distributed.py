@@ -140,7 +140,8 @@ class TPRanks:
             self.send(inputs)
             return step(inputs)
         except BaseException as e:
-            self.fail(f"a tensor-parallel step failed on rank 0: {e!r}")
+            # a peer's death shows here first as a broken connection: name the dead rank
+            self.fail(self._dead_rank(0.5) or f"a tensor-parallel step failed on rank 0: {e!r}")
             raise
 
     # ---- start and stop -----------------------------------------------------------------
@@ -179,15 +180,26 @@ class TPRanks:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
+    def _dead_rank(self, wait_s: float = 0.0) -> str | None:
+        """Which child rank exited, and how (waiting up to `wait_s` for one to); None: none."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                code = p.poll()
+                if code is not None:
+                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                    return f"tensor-parallel rank {rank} (pid {p.pid}) died ({how})"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
     def _watch(self) -> None:
         """Rank 0: a child rank that exits while the group runs fails the group."""
         while not self._closing and not self._failed.is_set():
-            for rank, p in enumerate(self.procs, start=1):
-                code = p.poll()
-                if code is not None and not self._closing:
-                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                    self.fail(f"tensor-parallel rank {rank} (pid {p.pid}) died ({how})")
-                    return
+            dead = self._dead_rank()
+            if dead is not None and not self._closing:
+                self.fail(dead)
+                return
             time.sleep(0.1)
 
     def fail(self, reason: str) -> None:
