@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
+from arle.executor.distributed import TPRanks, peer_inputs, sample_on_first_rank
 from arle.executor.paged import (
     KVCache,
     PagedAttention,
@@ -26,13 +27,10 @@ from arle.executor.paged import (
     step_views,
 )
 from arle.executor.plan import StepPlan
-from arle.executor.sampler import PenaltyState, logprobs_of, sample_into
+from arle.executor.sampler import PenaltyState, SampleOutput, logprobs_of, sample_into
 from arle.model.decoder import DecoderLM
 from arle.threads import torch_thread
 from arle_kernels.ops import ops_for
-
-if TYPE_CHECKING:
-    from arle.executor.distributed import TPRanks
 
 
 class CPUExecutor:
@@ -72,7 +70,7 @@ class CPUExecutor:
     def _run_group(self, inputs: StepInputs) -> StepOutput:
         """Rank 0 of a TP group: the step to the other ranks, then run it with them."""
         assert self.ranks is not None
-        return self.ranks.run(self.run_step, inputs)
+        return self.ranks.run(peer_inputs(inputs), lambda: self.run_step(inputs))
 
     def run_step(self, inputs: StepInputs) -> StepOutput:
         """One step, on the calling thread (the worker thread; a TP rank's main thread)."""
@@ -101,17 +99,16 @@ class CPUExecutor:
 
     def _sample_group(self, logits: torch.Tensor, inputs: StepInputs, slots: torch.Tensor,
                       t0: float) -> StepOutput:
-        """TP: the vocab shards' logits gathered on rank 0, which samples; every rank writes
-        the ids rank 0 broadcasts into its token buffer (the next decode rows' input)."""
-        full = self.tp.gather_columns(logits, self.model.config.vocab_size)
-        if full is None:  # not rank 0
-            ids = self.tp.broadcast(torch.empty(slots.shape[0], dtype=torch.int64))
-            self.token_buffer[slots] = ids.to(self.token_buffer.dtype)
+        """TP: rank 0 samples the gathered logits; the others learn the ids."""
+        def sample(full: torch.Tensor) -> SampleOutput:
+            assert inputs.sampling is not None
+            return sample_into(full, inputs.sampling, slots, self.penalties, self.token_buffer,
+                               self.generator)
+
+        out = sample_on_first_rank(self.tp, logits, self.model.config.vocab_size, slots,
+                                   self.token_buffer, sample)
+        if out is None:
             return StepOutput([], [], time.perf_counter() - t0)
-        assert inputs.sampling is not None
-        out = sample_into(full, inputs.sampling, slots, self.penalties, self.token_buffer,
-                          self.generator)
-        self.tp.broadcast(out.token_ids)
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
                           time.perf_counter() - t0)
 

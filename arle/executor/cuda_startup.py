@@ -18,7 +18,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,6 +100,9 @@ def start_up(ex: CUDAExecutor) -> dict[str, Any]:
         torch.cuda.empty_cache()
         profile_s = time.perf_counter() - t0 - built["seconds"]
         plan = plan_memory(ex, weights, states, peak)
+        # NOTE: TP: every rank's pool has the pages of the smallest plan (rank 0's cache
+        # manager hands out page ids every rank's pool must hold)
+        plan = replace(plan, num_pages=ex.model.tp.all_min(plan.num_pages, ex.device))
         m = ex.model.rank_config
         ex.kv = KVCache.for_model(m, plan.num_pages, config.page_size, config.kv_dtype,
                                   ex.device)

@@ -42,15 +42,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from arle import env
 from arle.errors import ArleError
-from arle.executor.base import StepOutput
 from arle.executor.paged import StepInputs
+from arle.executor.sampler import SampleOutput
 from arle.logging import configure_logging, get_logger, logging_settings
 from arle.model.parallel import TPGroup
 
@@ -63,15 +63,39 @@ _IDLE_TIMEOUT = timedelta(days=365 * 10)
 #: After a rank fails, rank 0 lets the failed step's requests get their error for this long.
 _EXIT_GRACE_S = 1.0
 _STEP, _STOP = 1, 0
+_T = TypeVar("_T")
+
+
+def peer_inputs(inputs: StepInputs) -> StepInputs:
+    """What the other ranks run of a step: not the sampling rows' parameters nor the new
+    requests' token lists (only rank 0's sampler reads them)."""
+    return replace(inputs, sampling=None, want_logprobs=[], new_slots=[])
+
+
+def sample_on_first_rank(tp: TPGroup, logits: torch.Tensor, vocab: int, slots: torch.Tensor,
+                         token_buffer: torch.Tensor,
+                         sample: Callable[[torch.Tensor], SampleOutput]) -> SampleOutput | None:
+    """A TP step's sampling: the ranks' vocabulary ranges of the logits gathered on rank 0,
+    which samples (`sample(full logits)`, as one rank would); the ids broadcast, and every
+    other rank writes them into its token buffer (the next step's decode rows read them).
+    None on ranks > 0. The same on both executors; on CUDA all of it queued on the stream."""
+    full = tp.gather_columns(logits, vocab)
+    if full is None:
+        ids = tp.broadcast(torch.empty(slots.shape[0], dtype=torch.int64, device=logits.device))
+        token_buffer[slots] = ids.to(token_buffer.dtype)
+        return None
+    out = sample(full)
+    tp.broadcast(out.token_ids.to(torch.int64))
+    return out
 
 
 class RankExecutor(Protocol):
-    """What every rank's executor offers the group: one step, run synchronously on the calling
-    thread (rank 0 calls it on its step thread), and its memory plan."""
+    """What every rank's executor offers the group: one step as rank 0 sent it, run on the
+    calling thread (queued, on CUDA), and its memory plan."""
 
     ranks: TPRanks | None
 
-    def run_step(self, inputs: StepInputs) -> StepOutput: ...
+    def run_step(self, message: Any) -> object: ...
 
     def rank_info(self) -> dict[str, Any]: ...
 
@@ -108,13 +132,11 @@ class TPRanks:
             threading.Thread(target=self._watch, name="arle-tp-watch", daemon=True).start()
 
     # ---- every step ---------------------------------------------------------------------
-    def send(self, inputs: StepInputs) -> None:
-        """Rank 0: the step to the other ranks (what they run: not the sampling rows'
-        parameters nor the new requests' token lists, which only rank 0's sampler reads)."""
-        shared = replace(inputs, sampling=None, want_logprobs=[], new_slots=[])
-        self._send(_STEP, pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL))
+    def send(self, message: object) -> None:
+        """Rank 0: a step to the other ranks (what their `run_step` takes)."""
+        self._send(_STEP, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def recv(self) -> StepInputs | None:
+    def recv(self) -> Any:
         """Ranks > 0: the next step, or None when rank 0 stops the group."""
         header = torch.empty(2, dtype=torch.int64)
         dist.broadcast(header, src=0, group=self.control)
@@ -123,8 +145,7 @@ class TPRanks:
             return None
         payload = torch.empty(nbytes, dtype=torch.uint8)
         dist.broadcast(payload, src=0, group=self.control)
-        inputs: StepInputs = pickle.loads(payload.numpy().tobytes())
-        return inputs
+        return pickle.loads(payload.numpy().tobytes())
 
     def _send(self, kind: int, data: bytes) -> None:
         dist.broadcast(torch.tensor([kind, len(data)], dtype=torch.int64), src=0,
@@ -133,12 +154,12 @@ class TPRanks:
             dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0,
                            group=self.control)
 
-    def run(self, step: Callable[[StepInputs], StepOutput], inputs: StepInputs) -> StepOutput:
-        """Rank 0: the step to the other ranks, then `step` (this rank's part). NOTE: any error
-        ends every rank: the others may wait in a collective this rank will never reach."""
+    def run(self, message: object, step: Callable[[], _T]) -> _T:
+        """Rank 0: `message` to the other ranks, then `step` (this rank's part). NOTE: any
+        error ends every rank: the others may wait in a collective this rank never reaches."""
         try:
-            self.send(inputs)
-            return step(inputs)
+            self.send(message)
+            return step()
         except BaseException as e:
             # a peer's death shows here first as a broken connection: name the dead rank
             self.fail(self._dead_rank(0.5) or f"a tensor-parallel step failed on rank 0: {e!r}")

@@ -49,6 +49,14 @@ class TPGroup:
             torch.distributed.broadcast(x, src=0, group=self.group)
         return x
 
+    def all_min(self, value: int, device: torch.device) -> int:
+        """The smallest of the ranks' values (one rank: its own)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def gather_columns(self, x: torch.Tensor, width: int) -> torch.Tensor | None:
         """Every rank's x [rows, n] side by side on rank 0, cut to `width` columns (the
         vocab-parallel logits, the padding past the vocabulary dropped); None on the others."""
