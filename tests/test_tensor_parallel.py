@@ -133,7 +133,7 @@ def test_arle_complete_tp2_gives_the_greedy_tokens_of_tp1(model_dirs: dict[str, 
 
 def test_a_model_that_does_not_split_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
     write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", num_attention_heads=6,
-                                        num_key_value_heads=3))
+                                        num_key_value_heads=3, intermediate_size=288))
     with pytest.raises(ModelLoadError, match="num_attention_heads 6 does not divide by 4"):
         check_tensor_parallel(tmp_path, 4)
     check_tensor_parallel(tmp_path, 3)  # 2 heads each, one KV head each
