@@ -23,11 +23,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arle.executor.distributed import TPRanks, peer_inputs  # noqa: E402
-from arle.executor.paged import StepInputs  # noqa: E402
-from arle.executor.plan import Row, StepPlan  # noqa: E402
-from arle.model.parallel import TPGroup  # noqa: E402
-from arle.sampling import SamplingParams  # noqa: E402
+from arle.executor.distributed import TPRanks, peer_inputs
+from arle.executor.paged import StepInputs
+from arle.executor.plan import Row, StepPlan
+from arle.model.parallel import TPGroup
+from arle.sampling import SamplingParams
 
 
 def plans() -> dict[str, StepPlan]:

@@ -183,6 +183,25 @@ def test_an_fp8_row_split_off_the_block_grid_is_refused() -> None:
         RowParallelLinear(512, 64, tp=TPGroup(1, 2))  # 256: two blocks a rank
 
 
+async def _cancel_mid_stream(engine: AsyncEngine, prompt: list[int]) -> None:
+    """A request cancelled after some tokens; returns once its in-flight steps drained."""
+    seen = asyncio.Event()
+
+    async def consume() -> None:
+        req = GenerateRequest(prompt=prompt, params=engine.default_params(max_tokens=200,
+                                                                          temperature=0.0))
+        async for _ in engine.generate(req):
+            seen.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(seen.wait(), 30)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.2)
+
+
 async def test_cancellation_and_preemption_under_tp(model_dirs: dict[str, Path]) -> None:
     """A pool too small for every request at once: the newest are preempted and recomputed,
     and give the tokens one rank gives; a request cancelled mid-stream returns its pages;
@@ -201,19 +220,7 @@ async def test_cancellation_and_preemption_under_tp(model_dirs: dict[str, Path])
             assert engine.scheduler.num_preemptions > 0
             assert_all_pages_back(engine)
 
-            async def consume() -> None:
-                req = GenerateRequest(prompt=prompts[0],
-                                      params=engine.default_params(max_tokens=200,
-                                                                   temperature=0.0))
-                async for _ in engine.generate(req):
-                    await asyncio.sleep(0)
-
-            task = asyncio.create_task(consume())
-            await asyncio.sleep(0.3)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            await asyncio.sleep(0.2)  # the in-flight steps drain
+            await _cancel_mid_stream(engine, prompts[0])
             assert_all_pages_back(engine)
             assert engine.model_info.get("tensor_parallel_size", 1) == tp
         finally:
@@ -244,7 +251,7 @@ def test_serve_tp2_answers_and_dies_cleanly_with_a_rank(model_dirs: dict[str, Pa
             t0 = time.monotonic()
             os.kill(rank1, signal.SIGKILL)
             # the stream ends (an error event or a dropped connection), not hangs
-            with pytest.raises(Exception):  # noqa: B017,PT011 - either way is an end
+            with pytest.raises(Exception):  # noqa: B017 - either way is an end
                 for line in lines:
                     if "error" in line:
                         raise RuntimeError(line)
@@ -276,5 +283,45 @@ def test_sigterm_and_ctrl_c_stop_every_rank(model_dirs: dict[str, Path], tmp_pat
         assert code == 0 and time.monotonic() - t0 < 10
         assert _processes_marked(mark) == []
         assert "Traceback" not in server.log_path.read_text(errors="replace")
+    finally:
+        server.kill()
+
+
+def test_arle_warmup_reports_each_ranks_memory(model_dirs: dict[str, Path]) -> None:
+    """Each rank holds about half the weights (norms and routers whole on both) and a KV pool
+    of its one KV head per layer at the same pages."""
+    from arle.model.loader import load_model
+
+    whole = load_model(model_dirs["moe"]).num_bytes
+    out = subprocess.run([sys.executable, "-m", "arle", "warmup", "--json", "-m",
+                          str(model_dirs["moe"]), "--tp", "2", "--threads", "1",
+                          "--kv-cache-tokens", "256"],
+                         env=_env(), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    ranks = report["memory"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert 0.45 * whole < r["weights_bytes"] < 0.6 * whole
+        assert r["kv_pages"] == report["memory"]["kv_pool"]["pages"] == 16
+        # 3 layers x K and V x 16 pages x 16 tokens x 1 KV head x 32 dims x 4 bytes
+        assert r["kv_bytes"] == 3 * 2 * 16 * 16 * 1 * 32 * 4
+
+
+def test_killing_rank_0_leaves_no_rank_behind(model_dirs: dict[str, Path],
+                                              tmp_path: Path) -> None:
+    mark = uuid.uuid4().hex
+    server = ServerProcess(["--model", str(model_dirs["qwen3"]), "--tp", "2", "--threads", "1"],
+                           tmp_path / "serve.log", env={"ARLE_TP_TEST_MARK": mark,
+                                                        "OMP_NUM_THREADS": "1"})
+    try:
+        server.wait_ready()
+        assert len(_processes_marked(mark)) == 2
+        server.proc.kill()
+        server.proc.wait(10)
+        deadline = time.monotonic() + 5
+        while _processes_marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_marked(mark) == []
     finally:
         server.kill()
