@@ -22,6 +22,7 @@ import httpx
 import pytest
 import torch
 from conftest import assert_all_pages_back, run_many, tokens_of
+from helpers import require_smollm2_gguf
 from model_dirs import hf_config, write_model_dir, write_qwen3_5_dir
 from served import ROOT, ServerProcess
 
@@ -325,3 +326,14 @@ def test_killing_rank_0_leaves_no_rank_behind(model_dirs: dict[str, Path],
         assert _processes_marked(mark) == []
     finally:
         server.kill()
+
+
+@pytest.mark.slow
+def test_the_default_gguf_model_splits_over_3_not_2() -> None:
+    """SmolLM2-135M (9 heads, 3 KV heads, Q4_1 GGUF, dequantised at load): refused at --tp 2
+    with what does not divide, and at --tp 3 the greedy answer of one rank."""
+    path = require_smollm2_gguf()
+    with pytest.raises(ModelLoadError, match="num_attention_heads 9 does not divide by 2"):
+        check_tensor_parallel(path, 2)
+    answers = [_complete(path, tp) for tp in (1, 3)]
+    assert answers[0]["text"] == answers[1]["text"]
