@@ -44,7 +44,7 @@ def run(rank: int, port: int, iters: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
-    ranks = TPRanks(TPGroup(rank, 2), dist.new_group(backend="gloo"), [])
+    ranks = TPRanks(TPGroup(rank, 2), dist.new_group(backend="gloo"))
     for name, plan in plans().items():
         inputs = StepInputs.of(plan, 16)
         times = []

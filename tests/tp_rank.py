@@ -26,14 +26,8 @@ PROMPTS = [[(7 * i + 3) % 250 for i in range(21)], [(5 * i + 11) % 250 for i in 
 NEXT = [17, 42]
 
 
-def main() -> None:
-    model_dir, out, rank, size, port = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-    torch.set_num_threads(1)
-    tp = SINGLE
-    if size > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=size, timeout=timedelta(seconds=60))
-        tp = TPGroup(rank, size)
+def step_logits(model_dir: str, tp: TPGroup = SINGLE) -> list[torch.Tensor | None]:
+    """Both steps' full logits [tokens, vocab] (None on ranks > 0)."""
     loaded = load_model(model_dir, "float32", "cpu", tp)
     model = loaded.model
     ex = CPUExecutor(model, num_pages=16, page_size=PAGE, num_slots=3,
@@ -57,6 +51,18 @@ def main() -> None:
                                                       PAGE))
         inputs.save_states(ex.state)
         logits.append(tp.gather_columns(model.logits(hidden), model.config.vocab_size))
+    return logits
+
+
+def main() -> None:
+    model_dir, out, rank, size, port = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+    torch.set_num_threads(1)
+    tp = SINGLE
+    if size > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=size, timeout=timedelta(seconds=60))
+        tp = TPGroup(rank, size)
+    logits = step_logits(model_dir, tp)
     if rank == 0:
         torch.save(logits, out)
     if size > 1:

@@ -121,15 +121,19 @@ class WorkerSpec:
 class TPRanks:
     """This process's place in the group, and on rank 0 the other ranks' processes."""
 
-    def __init__(self, tp: TPGroup, control: Any, procs: list[subprocess.Popen[bytes]]) -> None:
+    def __init__(self, tp: TPGroup, control: Any) -> None:
         self.tp = tp
         self.control = control  # the step messages' gloo group
-        self.procs = procs  # ranks 1..N-1 when arle started them (empty under torchrun)
+        #: ranks 1..N-1 when rank 0 started them (none under torchrun, none on the others)
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.infos: list[dict[str, Any]] = []
         self._closing = False
         self._failed = threading.Event()
-        if procs:
-            threading.Thread(target=self._watch, name="arle-tp-watch", daemon=True).start()
+
+    def watch(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        """Rank 0: its child ranks, watched from a thread of their own (`_watch`)."""
+        self.procs = procs
+        threading.Thread(target=self._watch, name="arle-tp-watch", daemon=True).start()
 
     # ---- every step ---------------------------------------------------------------------
     def send(self, message: object) -> None:
@@ -255,7 +259,7 @@ def _join(rank: int, size: int, init_method: str, backend: str) -> TPRanks:
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-    return TPRanks(TPGroup(rank, size), control, [])
+    return TPRanks(TPGroup(rank, size), control)
 
 
 def start_ranks(size: int, device_type: str, build: Build) -> TPRanks | None:
@@ -292,8 +296,7 @@ def start_ranks(size: int, device_type: str, build: Build) -> TPRanks | None:
         for p in procs:
             p.kill()
         raise
-    ranks.procs = procs
-    threading.Thread(target=ranks._watch, name="arle-tp-watch", daemon=True).start()
+    ranks.watch(procs)
     return ranks
 
 
