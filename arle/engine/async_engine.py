@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from arle.config import EngineConfig
 from arle.engine.cache import CacheManager
@@ -30,7 +30,7 @@ from arle.logging import get_logger
 from arle.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from arle.executor.distributed import TPRanks
+    from arle.executor.distributed import RankExecutor, TPRanks
     from arle.model.loader import LoadedModel
     from arle.model.parallel import TPGroup
 
@@ -216,8 +216,9 @@ class AsyncEngine:
                 "load_ms": round(loaded.load_ms, 1), "device": str(loaded.device),
                 **getattr(executor, "startup_info", {})}
         if ranks is not None:
-            executor.ranks = ranks  # type: ignore[attr-defined]
-            ranks.gather_infos(executor.rank_info())  # type: ignore[attr-defined]
+            member = cast("RankExecutor", executor)  # the CPU and CUDA executors are
+            member.ranks = ranks
+            ranks.gather_infos(member.rank_info())
             info["tensor_parallel_size"] = ranks.tp.size
             info["ranks"] = ranks.infos
             log.info("tensor_parallel_ranks", ranks=ranks.infos)

@@ -134,8 +134,9 @@ class CUDAExecutor:
         self.num_snapshots = config.num_snapshots
         # NOTE: the spare entry past the slots is start-up's profile step's (pad_slot); padding
         # rows of the graphs touch no state (slot -1)
-        self.state = StatePool.for_model(model.rank_config, config.num_slots + 1, config.num_snapshots,
-                                         next(model.parameters()).dtype, self.device)
+        self.state = StatePool.for_model(model.rank_config, config.num_slots + 1,
+                                         config.num_snapshots, next(model.parameters()).dtype,
+                                         self.device)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         # NOTE: the weights, the rotary table and the token buffer were written on the default
         # stream; everything after runs on ours.
