@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import httpx
 import pytest
 import torch
 import tp_rank
-from conftest import assert_all_pages_back, run_many, tokens_of
+from conftest import assert_all_pages_back, run, run_many, tokens_of
 from helpers import require_smollm2_gguf
 from model_dirs import hf_config, write_model_dir, write_qwen3_5_dir
 from served import ROOT, ServerProcess
@@ -214,8 +215,7 @@ async def test_cancellation_and_preemption_under_tp(model_dirs: dict[str, Path])
     prompts = [[(11 * i + 7 * j) % 250 for j in range(20 + 3 * i)] for i in range(4)]
     results = {}
     for tp in (1, 2):
-        engine = await AsyncEngine.create(EngineConfig(**{**base.__dict__,
-                                                          "tensor_parallel_size": tp}))
+        engine = await AsyncEngine.create(replace(base, tensor_parallel_size=tp))
         try:
             out = await run_many(engine, prompts, max_tokens=24, temperature=0.0,
                                  ignore_eos=True)
@@ -229,6 +229,32 @@ async def test_cancellation_and_preemption_under_tp(model_dirs: dict[str, Path])
         finally:
             await engine.close()
     assert results[2] == results[1]
+
+
+async def test_a_prefix_hit_restores_every_ranks_state(model_dirs: dict[str, Path]) -> None:
+    """Qwen3.5 at TP=2: a prompt that extends an earlier one reuses its pages and the state
+    snapshot at their end (each rank's heads of it), and answers as TP=1 does without any
+    reuse."""
+    turn1 = [(13 * j + 5) % 250 for j in range(64)]
+    base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, kv_cache_tokens=1024,
+                        max_running_requests=2)
+    engine = await AsyncEngine.create(replace(base, tensor_parallel_size=2))
+    try:
+        # one token: the 64 prompt tokens computed, a snapshot at their page boundary
+        await run(engine, turn1, max_tokens=1, ignore_eos=True)
+        turn2 = turn1 + [(3 * j + 1) % 250 for j in range(30)]
+        hit = await run(engine, turn2, max_tokens=12, ignore_eos=True)
+        assert hit[-1].trace is not None
+        prefix = hit[-1].trace["prefix"]
+        assert prefix["state_restored"] and prefix["matched_tokens"] == 64, prefix
+    finally:
+        await engine.close()
+    cold = await AsyncEngine.create(replace(base, enable_prefix_cache=False))
+    try:
+        assert tokens_of(await run(cold, turn2, max_tokens=12, ignore_eos=True)) == \
+            tokens_of(hit)
+    finally:
+        await cold.close()
 
 
 def test_serve_tp2_answers_and_dies_cleanly_with_a_rank(model_dirs: dict[str, Path],
