@@ -135,6 +135,21 @@ def test_arle_complete_tp2_gives_the_greedy_tokens_of_tp1(model_dirs: dict[str, 
     assert _processes_marked(mark) == []  # rank 1 exited with rank 0
 
 
+def test_under_torchrun_the_ranks_join_its_group(model_dirs: dict[str, Path]) -> None:
+    """`torchrun --nproc-per-node 2 -m arle complete --tp 2`: rank 0 answers (env://
+    rendezvous), rank 1 serves it and exits 0, the answer is one rank's."""
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "arle", "complete", "The quick brown fox",
+         "--model", str(model_dirs["qwen3"]), "--max-tokens", "16", "--temperature", "0",
+         "--ignore-eos", "--threads", "1", "--tp", "2", "--json"],
+        env=_env(), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    answers = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(answers) == 1  # rank 0's
+    assert answers[0]["text"] == _complete(model_dirs["qwen3"], 1)["text"]
+
+
 def test_a_model_that_does_not_split_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
     write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", num_attention_heads=6,
                                         num_key_value_heads=3, intermediate_size=288))
