@@ -54,8 +54,10 @@ class EngineConfig:
     state_snapshots: int | None = None
     #: Overlap CPU scheduling of step N+1 with the execution of step N.
     overlap: bool = True
-    #: CPU threads for torch (None: torch's default).
+    #: CPU threads for torch (None: torch's default); with TP, each rank's.
     num_threads: int | None = None
+    #: Ranks (one per device) the model is split over; rank 0 runs the engine (docs/parallel.md).
+    tensor_parallel_size: int = 1
     seed: int = 0
     # ---- CUDA only ----
     #: Share of GPU memory for weights, activations and the KV pool; the pool takes what the
@@ -73,7 +75,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running_requests", "max_batched_tokens",
-                     "chunked_prefill_size", "max_waiting_requests", "cuda_graph_max_bs"):
+                     "chunked_prefill_size", "max_waiting_requests", "cuda_graph_max_bs",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -151,7 +154,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("overlap", "--disable-overlap", inverted=True,
                  help="Schedule the next step only after the current one ran."),
     EngineOption("num_threads", "--threads", min=1,
-                 help="CPU threads for torch (default: torch's)."),
+                 help="CPU threads for torch (default: torch's; with --tp, each rank's)."),
+    EngineOption("tensor_parallel_size", "--tensor-parallel-size", aliases=("--tp",), min=1,
+                 help="Split the model over this many devices, one process each "
+                      "(docs/parallel.md)."),
     EngineOption("mem_fraction_static", "--mem-fraction-static", min=0.05, max=0.99,
                  help="CUDA: share of GPU memory for weights, activations and the KV pool."),
     EngineOption("kv_cache_dtype", "--kv-cache-dtype",

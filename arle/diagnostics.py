@@ -335,6 +335,8 @@ def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
             "cuda": engine.model_info.get("memory_plan"),
             "cuda_graphs": engine.model_info.get("cuda_graphs"),
             "extend_graphs": engine.model_info.get("extend_graphs"),
+            # tensor parallel: each rank's weights, KV and state pools (rank 0 first)
+            "ranks": engine.model_info.get("ranks"),
             "max_model_len": engine.max_model_len,
             "max_running_requests": engine.scheduler.config.max_running_requests,
             "max_batched_tokens": engine.config.max_batched_tokens,

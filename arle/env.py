@@ -22,6 +22,9 @@ XDG_DATA_HOME = "XDG_DATA_HOME"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 TRITON_CACHE_DIR = "TRITON_CACHE_DIR"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
 
 #: Name -> what it does.
 VARIABLES: dict[str, str] = {
@@ -38,6 +41,11 @@ VARIABLES: dict[str, str] = {
                       "checks that it is writable); unset: ~/.triton/cache.",
     CUDA_VISIBLE_DEVICES: "The GPUs CUDA shows (CUDA reads it; `arle doctor` and `arle warmup` "
                           "say when it hides every GPU).",
+    RANK: "Set by torchrun: this process's rank; with --tensor-parallel-size, arle joins "
+          "torchrun's group (env:// rendezvous, MASTER_ADDR / MASTER_PORT) instead of "
+          "starting its own ranks.",
+    WORLD_SIZE: "Set by torchrun: the number of ranks (must equal --tensor-parallel-size).",
+    LOCAL_RANK: "Set by torchrun: the rank on this host (its GPU's index).",
 }
 
 
@@ -66,3 +74,11 @@ def triton_cache_dir() -> str | None:
 def cuda_visible_devices() -> str | None:
     """CUDA_VISIBLE_DEVICES as set: None when unset, "" (every GPU hidden) when empty."""
     return get(CUDA_VISIBLE_DEVICES)
+
+
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) when torchrun started this process, else None."""
+    rank, world = get(RANK), get(WORLD_SIZE)
+    if not rank or not world:
+        return None
+    return int(rank), int(world), int(get(LOCAL_RANK) or rank)

@@ -146,6 +146,16 @@ def configure_logging(fmt: LogFormat | None = None, level: str | int = "info") -
     root.addHandler(handler)
     root.setLevel(max(logging.WARNING, level_no))
     _configured = True
+    _settings[:] = [fmt, level_no]
+
+
+#: what the last configure_logging() set: [format, level] (tensor-parallel ranks repeat it)
+_settings: list[Any] = ["console", logging.INFO]
+
+
+def logging_settings() -> tuple[LogFormat, int]:
+    """The format and level the last `configure_logging` set."""
+    return _settings[0], _settings[1]
 
 
 def get_logger(name: str) -> FilteringBoundLogger:

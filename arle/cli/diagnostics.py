@@ -118,6 +118,10 @@ def _print_report(r: dict[str, Any]) -> None:
         out(f"  step       {mem['max_batched_tokens']} tokens, chunks of "
             f"{mem['chunked_prefill_size']} ({'arle serve' if mem['serving'] else 'engine'} "
             f"settings)")
+        for rank in mem.get("ranks") or []:
+            out(f"  rank {rank['rank']:<5} {rank['device']}: weights {_size(rank['weights_bytes'])}"
+                f", kv pool {rank['kv_pages']} pages {_size(rank['kv_bytes'])}, state pool "
+                f"{_size(rank['state_bytes'])}")
         if mem.get("cuda"):
             cuda = mem["cuda"]
             out(f"  activations {_size(cuda['activation_peak_bytes'])} (profile run peak), "

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
+from typing import Any
 
 import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
+from arle.executor.distributed import TPRanks, peer_inputs, sample_on_first_rank
 from arle.executor.paged import (
     KVCache,
     PagedAttention,
@@ -25,13 +27,16 @@ from arle.executor.paged import (
     step_views,
 )
 from arle.executor.plan import StepPlan
-from arle.executor.sampler import PenaltyState, logprobs_of, sample_into
+from arle.executor.sampler import PenaltyState, SampleOutput, logprobs_of, sample_into
 from arle.model.decoder import DecoderLM
 from arle.threads import torch_thread
 from arle_kernels.ops import ops_for
 
 
 class CPUExecutor:
+    #: rank 0 of a tensor-parallel group: the other ranks (None: one rank)
+    ranks: TPRanks | None = None
+
     def __init__(self, model: DecoderLM, num_pages: int, page_size: int, num_slots: int,
                  kv_dtype: torch.dtype, max_positions: int, seed: int = 0,
                  num_snapshots: int = 0) -> None:
@@ -40,12 +45,14 @@ class CPUExecutor:
         self.model = model
         self.page_size = page_size
         self.num_slots = num_slots
-        self.kv = KVCache.for_model(cfg, num_pages, page_size, kv_dtype, torch.device("cpu"))
+        self.tp = model.tp
+        self.kv = KVCache.for_model(model.rank_config, num_pages, page_size, kv_dtype,
+                                    torch.device("cpu"))
         self.kv_pool = KVPoolInfo(num_pages, page_size, self.kv.nbytes, kv_format(kv_dtype))
         self.num_snapshots = num_snapshots
         # NOTE: one spare state entry past the slots, as on CUDA (start-up's profile step)
-        self.state = StatePool.for_model(cfg, num_slots + 1, num_snapshots, kv_dtype,
-                                         torch.device("cpu"))
+        self.state = StatePool.for_model(model.rank_config, num_slots + 1, num_snapshots,
+                                         kv_dtype, torch.device("cpu"))
         self.rotary = model.rotary_table(max_positions)
         self.token_buffer = torch.zeros(num_slots, dtype=torch.int32)
         self.penalties = PenaltyState(num_slots, cfg.vocab_size, "cpu")
@@ -56,9 +63,17 @@ class CPUExecutor:
     def launch(self, plan: StepPlan) -> Awaitable[StepOutput]:
         """Flatten the plan here (the caller's thread); run it on the worker thread."""
         inputs = StepInputs.of(plan, self.page_size)
-        return asyncio.wrap_future(self._worker.submit(self._run, inputs))
+        if self.ranks is not None:
+            return asyncio.wrap_future(self._worker.submit(self._run_group, inputs))
+        return asyncio.wrap_future(self._worker.submit(self.run_step, inputs))
 
-    def _run(self, inputs: StepInputs) -> StepOutput:
+    def _run_group(self, inputs: StepInputs) -> StepOutput:
+        """Rank 0 of a TP group: the step to the other ranks, then run it with them."""
+        assert self.ranks is not None
+        return self.ranks.run(peer_inputs(inputs), lambda: self.run_step(inputs))
+
+    def run_step(self, inputs: StepInputs) -> StepOutput:
+        """One step, on the calling thread (the worker thread; a TP rank's main thread)."""
         t0 = time.perf_counter()
         for new_slot in inputs.new_slots:
             self.penalties.start_slot(*new_slot)
@@ -71,14 +86,41 @@ class CPUExecutor:
         hidden = self.model(step.input_ids, PagedAttention(self.kv, step, self.rotary, self.model,
                                                            self.state, self.page_size))
         inputs.save_states(self.state)
-        if inputs.sampling is None:
+        if not packed.sample_rows:
             return StepOutput([], [], time.perf_counter() - t0)
         logits = self.model.logits(hidden[packed.view(meta, "sample_index")])
+        if self.tp.size > 1:
+            return self._sample_group(logits, inputs, packed.view(meta, "sample_slots"), t0)
+        assert inputs.sampling is not None
         out = sample_into(logits, inputs.sampling, packed.view(meta, "sample_slots"),
                           self.penalties, self.token_buffer, self.generator)
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
                           time.perf_counter() - t0)
 
+    def _sample_group(self, logits: torch.Tensor, inputs: StepInputs, slots: torch.Tensor,
+                      t0: float) -> StepOutput:
+        """TP: rank 0 samples the gathered logits; the others learn the ids."""
+        def sample(full: torch.Tensor) -> SampleOutput:
+            assert inputs.sampling is not None
+            return sample_into(full, inputs.sampling, slots, self.penalties, self.token_buffer,
+                               self.generator)
+
+        out = sample_on_first_rank(self.tp, logits, self.model.config.vocab_size, slots,
+                                   self.token_buffer, sample)
+        if out is None:
+            return StepOutput([], [], time.perf_counter() - t0)
+        return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
+                          time.perf_counter() - t0)
+
+    def rank_info(self) -> dict[str, Any]:
+        """This rank's memory: weights, KV pool, recurrent state pool (`arle warmup`)."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return {"rank": self.tp.rank, "device": "cpu", "weights_bytes": weights,
+                "kv_pages": self.kv_pool.num_pages, "kv_bytes": self.kv.nbytes,
+                "state_bytes": self.state.nbytes if self.state is not None else 0}
+
     def close(self) -> None:
         # The thread is shared (see torch_thread): wait for this executor's steps, keep it.
-        self._worker.submit(lambda: None).result()
+        # NOTE: a TP group stops after the last step, on the same thread
+        ranks = self.ranks
+        self._worker.submit(ranks.close if ranks is not None else lambda: None).result()

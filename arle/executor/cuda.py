@@ -26,12 +26,14 @@ import asyncio
 import concurrent.futures
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, DecodeGraphs, ExtendGraphs
 from arle.executor.cuda_startup import start_up
+from arle.executor.distributed import TPRanks, peer_inputs, sample_on_first_rank
 from arle.executor.paged import (
     FP8_KV,
     DeviceStep,
@@ -100,10 +102,19 @@ class CUDAExecutor:
 
     Built in two phases: the device state a step touches (streams, the token buffer, the
     penalty counts, the rotary table), then `start_up` (cuda_startup.py): the memory plan and
-    the KV pool, the graphs, every kernel variant built ahead."""
+    the KV pool, the graphs, every kernel variant built ahead.
+
+    Tensor parallel (`model.tp`): the model's all-reduces run inside the graphs (NCCL's
+    all_reduce is capturable); the lm_head's gather to rank 0, the sampling there and the ids'
+    broadcast run eagerly after them, on the stream (`sample_on_first_rank`, as on the CPU).
+    NOTE: not run on GPUs yet (docs/parallel.md says what is untested)."""
+
+    #: rank 0 of a tensor-parallel group: the other ranks (None: one GPU)
+    ranks: TPRanks | None = None
 
     def __init__(self, model: DecoderLM, config: CUDAExecutorConfig) -> None:
         self.model, self.config = model, config
+        self.tp = model.tp
         self.device = next(model.parameters()).device
         self.page_size = config.page_size
         self.num_slots = config.num_slots
@@ -123,8 +134,9 @@ class CUDAExecutor:
         self.num_snapshots = config.num_snapshots
         # NOTE: the spare entry past the slots is start-up's profile step's (pad_slot); padding
         # rows of the graphs touch no state (slot -1)
-        self.state = StatePool.for_model(model.config, config.num_slots + 1, config.num_snapshots,
-                                         next(model.parameters()).dtype, self.device)
+        self.state = StatePool.for_model(model.rank_config, config.num_slots + 1,
+                                         config.num_snapshots, next(model.parameters()).dtype,
+                                         self.device)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         # NOTE: the weights, the rotary table and the token buffer were written on the default
         # stream; everything after runs on ours.
@@ -150,13 +162,14 @@ class CUDAExecutor:
                                    self.max_pages, self.device,
                                    self.pad_slot if self.state is not None else None)
         if config.extend_graph_max_tokens > 0:
-            cfg = self.model.config
+            cfg = self.model.rank_config
             block_t = block_tokens(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads,
                                    config.kv_dtype == FP8_KV)
+            # NOTE: the logits buffer is this rank's vocabulary range (TP: gathered after)
             self.extend_graphs = ExtendGraphs(
                 min(config.extend_graph_max_tokens, config.max_batched_tokens),
                 min(EXTEND_GRAPH_ROWS, config.num_slots), block_t, self.max_pages,
-                cfg.vocab_size, self.pad_slot, self.device)
+                self.model.lm_head.weight.shape[0], self.pad_slot, self.device)
 
     def eager_decode_above(self) -> int | None:
         """Decode steps of more rows than this run eagerly: 0 without graphs, the largest
@@ -169,7 +182,7 @@ class CUDAExecutor:
 
     def pick_num_splits(self, num_decode: int) -> int:
         """The decode kernel's split count for a batch of that many decode rows."""
-        return pick_num_splits(num_decode, self.model.config.num_kv_heads,
+        return pick_num_splits(num_decode, self.model.rank_config.num_kv_heads,
                                self.config.max_model_len, self.num_sms)
 
     def backend(self, step: DeviceStep) -> PagedAttention:
@@ -193,7 +206,10 @@ class CUDAExecutor:
     # ---- the event loop's thread ----------------------------------------------------------
     def launch(self, plan: StepPlan) -> Awaitable[StepOutput]:
         host = self.prepare(plan)
-        queued = self._launcher.submit(self._enqueue, host)
+        if self.ranks is not None:
+            queued = self._launcher.submit(self._enqueue_group, host)
+        else:
+            queued = self._launcher.submit(self._enqueue, host)
         return self._result(queued)
 
     async def _result(self, queued: concurrent.futures.Future[tuple[torch.cuda.Event, _Pending]]
@@ -216,6 +232,27 @@ class CUDAExecutor:
                         graph_bs, extend_t)
 
     # ---- the launcher thread: queue the step, never wait -----------------------------------
+    def _enqueue_group(self, h: HostStep) -> tuple[torch.cuda.Event, _Pending]:
+        """Rank 0 of a TP group: the step to the other ranks, then queue it with them."""
+        assert self.ranks is not None
+        return self.ranks.run((peer_inputs(h.inputs), h.graph_bs, h.extend_tokens),
+                              lambda: self._enqueue(h))
+
+    def run_step(self, message: tuple[StepInputs, int, int]) -> None:
+        """A TP rank > 0: queue the step rank 0 sent (`_enqueue_group`); nothing waits for
+        it (the next step's collectives keep the ranks in step)."""
+        inputs, graph_bs, extend_tokens = message
+        meta = torch.tensor(inputs.packed.meta, dtype=torch.int32).pin_memory()
+        self._enqueue(HostStep(inputs, meta, graph_bs, extend_tokens))
+
+    def rank_info(self) -> dict[str, Any]:
+        """This rank's memory plan (`arle warmup`)."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return {"rank": self.tp.rank, "device": str(self.device), "weights_bytes": weights,
+                "kv_pages": self.kv_pool.num_pages, "kv_bytes": self.kv.nbytes,
+                "state_bytes": self.state.nbytes if self.state is not None else 0,
+                "memory_plan": self.startup_info.get("memory_plan")}
+
     def _enqueue(self, h: HostStep) -> tuple[torch.cuda.Event, _Pending]:
         start = torch.cuda.Event(enable_timing=True)
         with torch.inference_mode():
@@ -239,7 +276,11 @@ class CUDAExecutor:
                     logits = self.model.logits(hidden[index]) if index.numel() else hidden[:0]
                 h.inputs.save_states(self.state)
                 out = None
-                if batch is not None:
+                if self.tp.size > 1:
+                    if h.layout.sample_rows:
+                        out = self._sample_group(logits, batch, h.layout.view(meta,
+                                                                              "sample_slots"))
+                elif batch is not None:
                     slots = h.layout.view(meta, "sample_slots")
                     out = sample_into(logits, batch, slots, self.penalties, self.token_buffer,
                                       self.generator, self.model.ops.greedy_pick)
@@ -247,6 +288,17 @@ class CUDAExecutor:
             event = torch.cuda.Event(enable_timing=True, blocking=True)
             pending.out = self._copy_out(out, event)
         return event, pending
+
+    def _sample_group(self, logits: torch.Tensor, batch: SamplingBatch | None,
+                      slots: torch.Tensor) -> SampleOutput | None:
+        """TP: rank 0 samples the gathered logits; the others learn the ids."""
+        def sample(full: torch.Tensor) -> SampleOutput:
+            assert batch is not None
+            return sample_into(full, batch, slots, self.penalties, self.token_buffer,
+                               self.generator, self.model.ops.greedy_pick)
+
+        return sample_on_first_rank(self.tp, logits, self.model.config.vocab_size, slots,
+                                    self.token_buffer, sample)
 
     def _copy_in(self, h: HostStep) -> tuple[torch.Tensor, SamplingBatch | None]:
         """The step's packed array (and, unless the batch takes the greedy pick, which reads

@@ -18,7 +18,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,7 +100,10 @@ def start_up(ex: CUDAExecutor) -> dict[str, Any]:
         torch.cuda.empty_cache()
         profile_s = time.perf_counter() - t0 - built["seconds"]
         plan = plan_memory(ex, weights, states, peak)
-        m = ex.model.config
+        # NOTE: TP: every rank's pool has the pages of the smallest plan (rank 0's cache
+        # manager hands out page ids every rank's pool must hold)
+        plan = replace(plan, num_pages=ex.model.tp.all_min(plan.num_pages, ex.device))
+        m = ex.model.rank_config
         ex.kv = KVCache.for_model(m, plan.num_pages, config.page_size, config.kv_dtype,
                                   ex.device)
     fmt = kv_format(config.kv_dtype)
@@ -137,7 +140,7 @@ def start_up(ex: CUDAExecutor) -> dict[str, Any]:
 
 def scratch_cache(ex: CUDAExecutor) -> KVCache:
     """A KV cache for the profile step: one full prefill chunk."""
-    m = ex.model.config
+    m = ex.model.rank_config
     pages = -(-ex.config.max_batched_tokens // ex.page_size) + 1
     return KVCache.for_model(m, pages, ex.page_size, ex.config.kv_dtype, ex.device)
 
@@ -234,7 +237,7 @@ def plan_memory(ex: CUDAExecutor, weights: int, states: int, peak: int) -> Memor
     """The KV pool's pages: `--mem-fraction-static` of the GPU, less the weights, the state
     pool and the profile step's activation peak (`peak` counts all three) and the graphs'
     reserve; or `--kv-cache-tokens` where given."""
-    config, m = ex.config, ex.model.config
+    config, m = ex.config, ex.model.rank_config
     total = torch.cuda.get_device_properties(ex.device).total_memory
     per_token = m.kv_bytes_per_token(torch.finfo(config.kv_dtype).bits // 8,
                                      4 if config.kv_dtype == FP8_KV else 0)
@@ -264,7 +267,7 @@ def build_eager_decode_variants(ex: CUDAExecutor, above: int = 0) -> None:
     PRELOAD_MAX_BATCH rows), and a whole decode step at one row count per class the other
     kernels compile by (`token_classes`). On padding rows (no K/V written, no recurrent
     state); the outputs are thrown away."""
-    m, model, device = ex.model.config, ex.model, ex.device
+    m, model, device = ex.model.rank_config, ex.model, ex.device
     # each (split count, preload, merge variant) variant, at the fewest rows that pick it
     rows_for = {(pick_num_splits(b, m.num_kv_heads, ex.config.max_model_len, ex.num_sms),
                  b <= PRELOAD_MAX_BATCH, b <= MERGE_O_WITH_LSE_MAX_BATCH): b

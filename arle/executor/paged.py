@@ -164,7 +164,7 @@ class PagedAttention:
 
     def __init__(self, kv: KVCache, step: DeviceStep, rotary: torch.Tensor,
                  model: DecoderLM, state: StatePool | None = None, page_size: int = 16) -> None:
-        cfg = model.config
+        cfg = model.rank_config  # this rank's heads
         self.kv, self.step, self.rotary, self.ops = kv, step, rotary, model.ops
         self.state, self.page_size = state, page_size
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads

@@ -7,7 +7,7 @@ One `ModelConfig` describes every family: the dense fields, then what a layer ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from arle.errors import ModelLoadError
@@ -205,6 +205,19 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Dims of each head that rotary turns (the first ones; the rest pass through)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def shard(self, tp: int) -> ModelConfig:
+        """The config as one of `tp` tensor-parallel ranks holds it: its share of the attention
+        heads (at least one KV head: replicated where fewer than ranks) and of the Gated
+        DeltaNet heads. The weights' loaders use the full config; this sizes the caches."""
+        if tp == 1:
+            return self
+        la = self.linear_attention
+        if la is not None:
+            la = replace(la, num_key_heads=la.num_key_heads // tp,
+                         num_value_heads=la.num_value_heads // tp)
+        return replace(self, num_heads=self.num_heads // tp,
+                       num_kv_heads=max(1, self.num_kv_heads // tp), linear_attention=la)
 
     # ---- what a request holds ---------------------------------------------------------------
     def kv_bytes_per_token(self, element_bytes: int, scale_bytes: int = 0) -> int:

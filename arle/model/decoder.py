@@ -82,6 +82,33 @@ def load_one_plus(param: nn.Parameter, loaded: torch.Tensor, shard: str | int | 
     param.data.copy_(1.0 + loaded.float())
 
 
+def kv_replicas(num_kv_heads: int, tp: int) -> dict[str | int, int]:
+    """Ranks sharing each KV head where there are fewer KV heads than ranks (each rank keeps
+    one: `tp / kv_heads` ranks hold the same), for the k and v projections."""
+    n = tp // num_kv_heads if num_kv_heads < tp else 1
+    return {"k": n, "v": n}
+
+
+def tp_problems(cfg: ModelConfig, tp: int) -> list[str]:
+    """What does not split over `tp` ranks (empty: the model splits)."""
+    if tp == 1:
+        return []
+    sizes = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size}
+    if cfg.moe is not None:
+        sizes["moe_intermediate_size"] = cfg.moe.intermediate_size
+        if cfg.moe.shared_expert_intermediate_size:
+            sizes["shared_expert_intermediate_size"] = cfg.moe.shared_expert_intermediate_size
+    la = cfg.linear_attention
+    if la is not None and cfg.linear_layers:
+        sizes["linear_num_key_heads"] = la.num_key_heads
+        sizes["linear_num_value_heads"] = la.num_value_heads
+    out = [f"{name} {n} does not divide by {tp}" for name, n in sizes.items() if n % tp]
+    kvh = cfg.num_kv_heads
+    if cfg.attention_layers and (kvh % tp if kvh >= tp else tp % kvh):
+        out.append(f"num_key_value_heads {kvh} neither divides by {tp} nor divides it")
+    return out
+
+
 class QKVGateLinear(MergedColumnParallelLinear):
     """Gated attention's q, k, v and output gate in one GEMM, each row [q | k | v | gate]: the
     backend reads q, k, v as one block of the row, the gate follows. The checkpoint's q_proj
@@ -93,7 +120,7 @@ class QKVGateLinear(MergedColumnParallelLinear):
         self.head_dim = head_dim
         super().__init__(hidden, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
                                   "v": num_kv_heads * head_dim, "gate": num_heads * head_dim},
-                         bias=bias, tp=tp)
+                         bias=bias, tp=tp, replicas=kv_replicas(num_kv_heads, tp.size))
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
                    shard: str | int | None = None) -> None:
@@ -145,7 +172,7 @@ class Attention(nn.Module):
             MergedColumnParallelLinear(
                 cfg.hidden_size,
                 {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d},
-                bias=cfg.attention_bias, tp=tp))
+                bias=cfg.attention_bias, tp=tp, replicas=kv_replicas(cfg.num_kv_heads, tp.size)))
         # Llama/Qwen3 `attention_bias` covers o_proj too; Qwen2's q/k/v biases do not.
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=o_bias, tp=tp)
@@ -253,6 +280,10 @@ class DecoderLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
+        #: the config as this rank holds it: its share of the heads (the KV cache, the state
+        #: pool and the attention backend are sized by it)
+        self.rank_config = cfg.shard(tp.size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_zero_centered)
@@ -269,8 +300,8 @@ class DecoderLM(nn.Module):
         """Hidden states after the final norm, [T, hidden]. Positions live in the backend.
         id_source: the ids are id_source[input_ids] (the CUDA decode graphs pass their rows'
         slots and the token buffer: the embedding kernel reads the ids there itself)."""
-        x: torch.Tensor | SplitSums = self.ops.embed(self.embed_tokens.weight, input_ids,
-                                                     id_source)
+        x: torch.Tensor | SplitSums = self.embed_tokens.lookup(self.ops.embed, input_ids,
+                                                               id_source)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, backend, self.ops)
@@ -288,7 +319,8 @@ class DecoderLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
         """lm_head(hidden): fp32, or (upcast=False) in the model's dtype, for a consumer that
-        upcasts only what it needs (the CUDA decode graphs: the greedy pick reads bf16)."""
+        upcasts only what it needs (the CUDA decode graphs: the greedy pick reads bf16).
+        NOTE: with TP, this rank's vocabulary range only (`TPGroup.gather_columns`)."""
         y = linear(hidden, self.lm_head.weight)
         return y.float() if upcast else y
 

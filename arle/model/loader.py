@@ -25,9 +25,9 @@ import torch
 from arle.errors import ModelLoadError
 from arle.logging import get_logger
 from arle.model.config import ModelConfig, QuantConfig
-from arle.model.decoder import DecoderLM
+from arle.model.decoder import DecoderLM, tp_problems
 from arle.model.moe import unfuse_experts
-from arle.model.parallel import FP8, HoldsFp8, fp8_weights, load_whole
+from arle.model.parallel import FP8, SINGLE, HoldsFp8, TPGroup, fp8_weights, load_whole
 from arle.model.tokenizer import Tokenizer
 from arle_kernels.fp8 import fp8_dequant_ref
 from arle_kernels.ops import ops_for
@@ -66,7 +66,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: str = "auto",
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", tp: TPGroup = SINGLE) -> LoadedModel:
+    """The model at `path` on `device`; with `tp` of size > 1, this rank's slice of it."""
     t0 = time.perf_counter()
     path = Path(path).expanduser()
     dev = torch.device(device)
@@ -94,11 +95,18 @@ def load_model(path: str | Path, dtype: str = "auto",
     else:
         raise ModelLoadError(path, "not a model directory (config.json + *.safetensors) "
                                    "or a .gguf file")
+    problems = tp_problems(config, tp.size)
+    if problems:
+        raise ModelLoadError(path, f"does not split over --tensor-parallel-size {tp.size}: "
+                                   + "; ".join(problems))
     kept = _kept_fp8(config, dev)
     fp8: AbstractContextManager[None] = (nullcontext() if kept is None
                                          else fp8_weights(kept.block))
     with _default_dtype(torch_dtype), dev, fp8:
-        model = DecoderLM(config)
+        try:
+            model = DecoderLM(config, tp)
+        except ValueError as e:  # an FP8 block grid a TP slice cuts through
+            raise ModelLoadError(path, str(e)) from None
     if kept is not None:
         _settle_fp8(model, names, kept, torch_dtype)
     _load_weights(model, tensors, path, _HostToDevice(dev) if dev.type == "cuda" else None)
@@ -110,6 +118,25 @@ def load_model(path: str | Path, dtype: str = "auto",
                        device=dev, num_bytes=num_bytes,
                        load_ms=(time.perf_counter() - t0) * 1e3,
                        generation_defaults=gen_defaults)
+
+
+def check_tensor_parallel(path: str | Path, tp: int) -> None:
+    """Raise ModelLoadError, naming what does not divide, if the model at `path` does not
+    split over `tp` ranks (read from its config only: before any rank starts)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        config = ModelConfig.from_hf(_read_json(path / "config.json", required=True),
+                                     path / "config.json")
+    elif path.exists():
+        from arle.model.gguf_io import read_gguf
+
+        config = ModelConfig.from_hf(read_gguf(path).config, path)
+    else:
+        raise ModelLoadError(path, "no such file or directory")
+    problems = tp_problems(config, tp)
+    if problems:
+        raise ModelLoadError(path, f"does not split over --tensor-parallel-size {tp}: "
+                                   + "; ".join(problems))
 
 
 @contextmanager

@@ -1,7 +1,8 @@
-"""Tensor-parallel-ready linear layers (column / row split). World size is 1 today.
+"""Tensor-parallel layers: column / row split linears, the vocab-parallel embedding, and
+`TPGroup`, this rank's place in the group (size 1: one device, no collective is ever called).
 
 Each parameter carries a `weight_loader(param, loaded, shard)` that copies this rank's slice of a
-full checkpoint tensor, so multi-GPU needs a process group and an all-reduce, not a rewrite.
+full checkpoint tensor: every rank reads the same checkpoint and keeps its slice.
 
 Block-scaled FP8 weights are a property of a linear, not of a model: a linear built inside
 `fp8_weights(block)` holds `weight` float8_e4m3fn and `weight_scale_inv` fp32 (one scale per
@@ -12,10 +13,10 @@ through `arle_kernels.fp8.fp8_linear`. The loader decides which linears stay FP8
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -27,13 +28,44 @@ from arle_kernels.split_sums import SplitSums
 
 @dataclass(frozen=True)
 class TPGroup:
+    """This rank among `size` tensor-parallel ranks. `group`: the torch.distributed process
+    group of the model's collectives (NCCL on GPUs, gloo on CPUs; None: the default group).
+
+    NOTE: size 1 short-circuits every method: one device runs no collective at all."""
+
     rank: int = 0
     size: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:  # pragma: no cover - multi-GPU comes later
-            torch.distributed.all_reduce(x)
+        """Sum x over the ranks, in place (the partial sums of a row-parallel linear)."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
         return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank (in place)."""
+        if self.size > 1:
+            torch.distributed.broadcast(x, src=0, group=self.group)
+        return x
+
+    def all_min(self, value: int, device: torch.device) -> int:
+        """The smallest of the ranks' values (one rank: its own)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def gather_columns(self, x: torch.Tensor, width: int) -> torch.Tensor | None:
+        """Every rank's x [rows, n] side by side on rank 0, cut to `width` columns (the
+        vocab-parallel logits, the padding past the vocabulary dropped); None on the others."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        torch.distributed.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1)[:, :width] if parts is not None else None
 
 
 SINGLE = TPGroup()
@@ -241,6 +273,11 @@ class ColumnParallelLinear(_Linear):
         """(first row in this rank's weight, rows) of a checkpoint shard."""
         return 0, self.weight.shape[0]
 
+    def _source_rows(self, shard: str | int | None) -> tuple[int, int]:
+        """(first row of this rank's slice in the checkpoint shard, the shard's rows)."""
+        n = self._shard_rows(shard)[1]
+        return self.tp.rank * n, n * self.tp.size
+
     def _scale_layout(self, block: tuple[int, int]) -> tuple[int, int]:
         return scale_layout([self.weight.shape[0]], block, self.tp.size == 1)
 
@@ -255,16 +292,18 @@ class ColumnParallelLinear(_Linear):
         assert self.ckpt_block is not None
         bn = self.ckpt_block[0]
         offset, n = self._shard_rows(shard)
-        whole = n * self.tp.size  # the shard's rows in the checkpoint
+        start, whole = self._source_rows(shard)
         if loaded.shape != (_cdiv(whole, bn), param.shape[1]):
             raise ValueError(f"scale shape {tuple(loaded.shape)} does not fit {whole} rows of "
                              f"blocks {self.ckpt_block} ({param.shape[1]} column blocks)")
         if fp8_scale_of(self.weight)[1][0] == 1:  # one scale row per weight row
-            part = expand_scale_rows(loaded, bn, whole).narrow(0, self.tp.rank * n, n)
+            part = expand_scale_rows(loaded, bn, whole).narrow(0, start, n)
             _copy(param.data.narrow(0, offset, n), part)
         else:
-            part = (loaded.narrow(0, self.tp.rank * n // bn, _cdiv(n, bn)) if self.tp.size > 1
-                    else loaded)
+            if n != whole and (start % bn or n % bn):
+                raise ValueError(f"a TP slice of {n} rows at row {start} is not a whole "
+                                 f"number of {bn}-row FP8 blocks")
+            part = loaded.narrow(0, start // bn, _cdiv(n, bn)) if n != whole else loaded
             _copy(param.data.narrow(0, offset // bn, part.shape[0]), part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,12 +315,21 @@ class ColumnParallelLinear(_Linear):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections in one GEMM (gate+up, or q+k+v)."""
+    """Several column-parallel projections in one GEMM (gate+up, or q+k+v).
+
+    replicas[key]: how many ranks hold the same slice of that projection (K and V of a model
+    with fewer KV heads than ranks: each rank keeps one head, shared by tp / kv_heads ranks)."""
 
     def __init__(self, in_features: int, sizes: dict[str | int, int], bias: bool = False,
-                 tp: TPGroup = SINGLE) -> None:
-        self.shard_sizes = {k: v // tp.size for k, v in sizes.items()}
-        super().__init__(in_features, sum(sizes.values()), bias, tp)
+                 tp: TPGroup = SINGLE, replicas: Mapping[str | int, int] | None = None) -> None:
+        rep = replicas or {}
+        for key, size in sizes.items():
+            assert (size * rep.get(key, 1)) % tp.size == 0, f"{key}: {size} rows do not split"
+        #: this rank's rows of each projection, and where they start in the checkpoint's
+        self.shard_sizes = {k: v * rep.get(k, 1) // tp.size for k, v in sizes.items()}
+        self.source_starts = {k: tp.rank // rep.get(k, 1) * self.shard_sizes[k] for k in sizes}
+        self.source_sizes = dict(sizes)
+        super().__init__(in_features, sum(self.shard_sizes.values()) * tp.size, bias, tp)
 
     def _shard_rows(self, shard: str | int | None) -> tuple[int, int]:
         if shard is None:
@@ -293,13 +341,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             offset += size
         raise ValueError(f"unknown shard {shard!r}")
 
+    def _source_rows(self, shard: str | int | None) -> tuple[int, int]:
+        self._shard_rows(shard)  # checks the shard id
+        assert shard is not None
+        return self.source_starts[shard], self.source_sizes[shard]
+
     def _scale_layout(self, block: tuple[int, int]) -> tuple[int, int]:
         return scale_layout(list(self.shard_sizes.values()), block, self.tp.size == 1)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
                    shard: str | int | None = None) -> None:
         offset, size = self._shard_rows(shard)
-        part = loaded.narrow(0, self.tp.rank * size, size) if self.tp.size > 1 else loaded
+        start, whole = self._source_rows(shard)
+        part = loaded.narrow(0, start, size) if size != whole else loaded
         _copy(param.data.narrow(0, offset, size), part)
 
 
@@ -357,11 +411,40 @@ class ReplicatedLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding rows split by vocabulary range across ranks (world size 1: the whole table). A
-    weight holder: the lookup is `ops.embed` (the model's forward), the projection `linear`."""
+    """Embedding rows split by vocabulary range across ranks: rank r holds rows
+    [r * n, (r + 1) * n), n = ceil(vocab / tp), zero rows past the vocabulary. A weight holder
+    for the lm_head projection (`linear`, then `TPGroup.gather_columns`) and the lookup
+    (`lookup`: each rank looks up the ids in its range, the others give zeros, all-reduced)."""
 
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        assert tp.size == 1, "vocab-parallel embedding with TP > 1 is not written yet"
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
-        _set_loader(self.weight, load_whole)
+        self.tp, self.vocab_size = tp, vocab_size
+        self.rows = _cdiv(vocab_size, tp.size)
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, dim), requires_grad=False)
+        _set_loader(self.weight, load_whole if tp.size == 1 else self.load_rows)
+
+    def load_rows(self, param: nn.Parameter, loaded: torch.Tensor,
+                  shard: str | int | None = None) -> None:
+        """This rank's vocabulary range of the checkpoint's table (zeros past its end)."""
+        if loaded.shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"shape {tuple(loaded.shape)} does not fit "
+                             f"({self.vocab_size}, {param.shape[1]})")
+        n = max(0, min(self.rows, self.vocab_size - self.start))
+        param.data.zero_()
+        param.data[:n].copy_(loaded.narrow(0, self.start, n))
+
+    def lookup(self, embed: Callable[..., torch.Tensor], ids: torch.Tensor,
+               source: torch.Tensor | None = None) -> torch.Tensor:
+        """The embeddings of ids (or of source[ids]) with `embed` (the kernels' `ops.embed`)."""
+        if self.tp.size == 1:
+            return embed(self.weight, ids, source)
+        if source is not None:
+            ids = source[ids.long()]
+        local = ids.long() - self.start
+        outside = (local < 0) | (local >= self.rows)
+        # NOTE: ids outside this rank's range read row 0 and are zeroed: the rank holding
+        # them adds their row in the all-reduce
+        y = embed(self.weight, local.masked_fill(outside, 0))
+        y.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(y)
