@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from arle.config import EngineConfig
 from arle.engine.cache import CacheManager
+from arle.engine.grammar import GrammarCompiler
 from arle.engine.output import IncrementalDetokenizer, StopStringMatcher
 from arle.engine.request import Delta, GenerateRequest, SamplingParams, TokenLogprob, Usage
 from arle.engine.scheduler import Scheduler, SchedulerConfig
@@ -85,6 +86,7 @@ class AsyncEngine:
         self._closed = False
         self._ids = itertools.count()
         self.stats: collections.Counter[str] = collections.Counter()
+        self.grammars = GrammarCompiler(tokenizer)
         log.info("scheduler_settings", max_running_requests=self.scheduler.config.max_running_requests,
                  max_batched_tokens=config.max_batched_tokens,
                  chunked_prefill_size=self.scheduler.config.chunked_prefill_size,
@@ -221,6 +223,8 @@ class AsyncEngine:
                 f"(max_waiting_requests={self.scheduler.config.max_waiting_requests})")
         t_created = time.perf_counter()
         ids, nbytes = await asyncio.to_thread(self._tokenize, request)
+        matcher = (await asyncio.to_thread(self.grammars.matcher, request.grammar)
+                   if request.grammar is not None else None)
         t_tok = time.perf_counter()
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -236,8 +240,12 @@ class AsyncEngine:
             raise InvalidRequestError(f"request id {rid!r} is already running", param="request_id")
         seq = Sequence(request_id=rid, prompt_ids=ids, params=params,
                        max_total_tokens=self.max_model_len,
-                       eos_ids=frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids,
-                       route=request.route, stream=request.stream, prompt_bytes=nbytes)
+                       # NOTE: a grammar ends at EOS whatever ignore_eos says: the mask allows it
+                       # only where the output is complete
+                       eos_ids=(frozenset() if params.ignore_eos and matcher is None
+                                else self.tokenizer.eos_token_ids),
+                       route=request.route, stream=request.stream, prompt_bytes=nbytes,
+                       grammar=matcher)
         seq.timeline.created, seq.timeline.tokenized = t_created, t_tok
         seq.timeline.tokenize_us = (t_tok - t_created) * 1e6
         seq.timeline.queue_depth = len(self.scheduler.waiting)
@@ -474,7 +482,9 @@ class AsyncEngine:
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
         if request.messages is not None:
-            text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True)
+            extra = {} if request.tools is None else {"tools": request.tools}
+            text = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
+                                                      **extra)
             return self.tokenizer.encode(text, add_special_tokens=False), len(text.encode())
         if isinstance(request.prompt, str):
             return (self.tokenizer.encode(request.prompt, request.add_special_tokens),

@@ -16,6 +16,7 @@ from collections.abc import Awaitable
 import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
+from arle.executor.grammar import GrammarMasks
 from arle.executor.paged import (
     KVCache,
     PagedAttention,
@@ -50,6 +51,7 @@ class CPUExecutor:
         self.token_buffer = torch.zeros(num_slots, dtype=torch.int32)
         self.penalties = PenaltyState(num_slots, cfg.vocab_size, "cpu")
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammar_masks = GrammarMasks(cfg.vocab_size)
         # NOTE: one worker thread: steps run in launch order, as on a CUDA stream.
         self._worker = torch_thread()
 
@@ -64,6 +66,9 @@ class CPUExecutor:
             self.penalties.start_slot(*new_slot)
         inputs.start_states(self.state)
         packed = inputs.packed
+        # NOTE: the grammar rows' masks are filled on their own thread while the forward runs.
+        masks = (self.grammar_masks.start(inputs.grammars, inputs.sampling.size)
+                 if inputs.grammars and inputs.sampling is not None else None)
         meta = torch.tensor(packed.meta, dtype=torch.int32)
         step, decode_slots = step_views(packed, meta, num_splits=1)
         if packed.num_decode:
@@ -75,10 +80,14 @@ class CPUExecutor:
             return StepOutput([], [], time.perf_counter() - t0)
         logits = self.model.logits(hidden[packed.view(meta, "sample_index")])
         out = sample_into(logits, inputs.sampling, packed.view(meta, "sample_slots"),
-                          self.penalties, self.token_buffer, self.generator)
+                          self.penalties, self.token_buffer, self.generator,
+                          bitmask=masks.result() if masks is not None else None)
+        if inputs.grammars:
+            self.grammar_masks.sampled(inputs.grammars, out.token_ids)
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
                           time.perf_counter() - t0)
 
     def close(self) -> None:
         # The thread is shared (see torch_thread): wait for this executor's steps, keep it.
         self._worker.submit(lambda: None).result()
+        self.grammar_masks.close()
