@@ -90,3 +90,24 @@ async def test_a_bad_schema_is_the_requests_fault(tiny, make_engine) -> None:  #
     assert e.value.param == "response_format.json_schema"
     deltas = await run(engine, "still fine", max_tokens=3)  # the engine goes on
     assert deltas[-1].finish_reason == "length"
+
+
+async def test_steps_without_grammar_rows_start_no_mask_job(tiny, make_engine) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(tiny)
+    masks = engine.executor.grammar_masks
+    started: list[int] = []
+    start = masks.start
+
+    def counted(rows, batch_size):  # type: ignore[no-untyped-def]
+        started.append(len(rows))
+        return start(rows, batch_size)
+
+    masks.start = counted
+    await run(engine, "plain", max_tokens=8)
+    assert started == []
+    req = GenerateRequest(prompt="x", grammar=Grammar("regex", "[ab]{6}"),
+                          params=SamplingParams(temperature=0.0, max_tokens=20))
+    deltas = [d async for d in engine.generate(req)]
+    text = "".join(d.text for d in deltas)
+    assert len(text) == 6 and set(text) <= {"a", "b"} and deltas[-1].finish_reason == "stop"
+    assert started and all(n == 1 for n in started)

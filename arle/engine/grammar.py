@@ -39,7 +39,7 @@ def grammar_text(grammar: Grammar) -> str:
             return str(llguidance.LLMatcher.grammar_from_lark(str(grammar.source)))
         if grammar.kind == "regex":
             return str(llguidance.LLMatcher.grammar_from_regex(str(grammar.source)))
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # NOTE: whatever the library raises, the grammar is the request's
         raise InvalidRequestError(f"invalid {grammar.param}: {e}", param=grammar.param) from None
     raise InvalidRequestError(f"unknown grammar kind {grammar.kind!r}", param=grammar.param)
 

@@ -38,7 +38,7 @@ from arle.logging import get_logger
 from arle.server import DEFAULT_MAX_BODY_BYTES, protocol
 from arle.server.metrics import CONTENT_TYPE, ServerMetrics
 from arle.server.protocol import ChatCompletionRequest, CompletionRequest, Decoder
-from arle.server.responses import ResponseShape, chat_body
+from arle.server.responses import ResponseShape, chat_body, renamed
 from arle.server.structured import response_format_grammar
 from arle.server.tools import (
     ToolCallParser,
@@ -281,7 +281,10 @@ class _Handlers:
         body = await self._read_json(request)
         translated = chat_body(body)
         shape = ResponseShape(body, self.s.model_name, protocol.now())
-        return await self._generate(request, chat=True, body=translated, shape=shape)
+        try:
+            return await self._generate(request, chat=True, body=translated, shape=shape)
+        except InvalidRequestError as e:
+            raise renamed(e) from None
 
     async def _generate(self, request: Request, chat: bool, body: Any = None,
                         shape: ResponseShape | None = None) -> Response:

@@ -51,6 +51,8 @@ def chat_body(body: object) -> dict[str, Any]:
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     if body.get("tools"):
+        if not isinstance(body["tools"], list):
+            raise InvalidRequestError("tools must be a list", param="tools")
         out["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function":
@@ -118,6 +120,22 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
         raise InvalidRequestError("only function tools are supported", param=f"tools.{i}.type")
     fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
     return {"type": "function", "function": fn}
+
+
+#: chat parameter -> the Responses parameter it came from, for errors
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text",
+           "tool_choice.function": "tool_choice"}
+
+
+def renamed(e: InvalidRequestError) -> InvalidRequestError:
+    """A chat route error, naming the Responses parameter the client wrote."""
+    param = e.param or ""
+    for chat, ours in _PARAMS.items():
+        if param == chat or param.startswith(chat + "."):
+            out = InvalidRequestError(str(e), param=ours)
+            out.http_status = e.http_status
+            return out
+    return e
 
 
 # ---- the answer --------------------------------------------------------------------------------
