@@ -8,7 +8,7 @@ and the decode time per step of each: (end-to-end - time to first token) / (toke
 offline, the grammar's own host work per token over the constrained outputs: filling one mask
 and consuming one token (llguidance), which the executor overlaps with the step's forward.
 
-    python scripts/bench_structured.py [--model PATH] [--batch 1 8] [--rounds 3]
+    python scripts/bench_structured.py [--model PATH] [--batch 1 8] [--rounds 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from arle.model.default import resolve_model_path
 from arle.threads import torch_thread
 
 SCHEMA = {"type": "object", "properties": {
-    "order": {"type": "integer"},
+    "order": {"type": "integer", "minimum": 0, "maximum": 99999},
     "items": {"type": "array", "minItems": 6, "maxItems": 6, "items": {
         "type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                         "qty": {"type": "integer", "minimum": 1}},
+                                         "qty": {"type": "integer", "minimum": 1,
+                                                 "maximum": 99}},
         "required": ["name", "qty"], "additionalProperties": False}}},
     "required": ["order", "items"], "additionalProperties": False}
 PROMPT = "<|im_start|>user\nList a grocery order as JSON.<|im_end|>\n<|im_start|>assistant\n"
@@ -79,7 +80,8 @@ def host_cost(engine: AsyncEngine, outputs: list[list[int]]) -> dict[str, float]
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype,
-                          max_running_requests=max(args.batch), kv_cache_tokens=32768)
+                          max_running_requests=max(args.batch), kv_cache_tokens=32768,
+                          num_threads=args.threads)
     engine = await asyncio.wrap_future(torch_thread().submit(AsyncEngine.build, config))
     grammar = Grammar("json_schema", SCHEMA)
     results: dict[str, Any] = {"model": str(resolve_model_path(args.model)), "schema": SCHEMA,
@@ -113,6 +115,7 @@ if __name__ == "__main__":
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     res = asyncio.run(main(args))

@@ -76,7 +76,7 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with arle_server(["--model", str(path), "--max-model-len", "2048",
                       "--kv-cache-tokens", "16384", "--max-running-requests", "20",
-                      "--served-model-name", "smol"], log) as s:
+                      "--served-model-name", "smol"], log, timeout_s=600) as s:
         yield s
 
 
@@ -257,7 +257,7 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     from model_dirs import hf_config, write_model_dir
 
     path = tmp_path_factory.mktemp("qwen3") / "qwen3"
-    write_model_dir(path, hf_config("Qwen3ForCausalLM"))
+    write_model_dir(path, hf_config("Qwen3ForCausalLM", max_position_embeddings=4096))
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps(
         {**cfg, "chat_template": QWEN3_TOOLS_TEMPLATE}))
@@ -296,7 +296,9 @@ def test_auto_renders_tools_through_the_template(qwen3: ServerProcess) -> None:
     assert r.usage.prompt_tokens == qwen3_prompt_tokens(QWEN3_TOOLS_TEMPLATE, messages, [WEATHER])
     assert plain.usage.prompt_tokens == qwen3_prompt_tokens(QWEN3_TOOLS_TEMPLATE, messages, None)
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    # what arle hands the template: a call's arguments as an object, its null content as ""
     history_dicts = tool_history()
+    history_dicts[1]["content"] = ""
     history_dicts[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris",
                                                                   "unit": "celsius"}
     assert history.usage.prompt_tokens == qwen3_prompt_tokens(
