@@ -343,6 +343,8 @@ def test_tool_call_parsing() -> None:
             entry[0] += d["function"].get("name", "")
             entry[1] += d["function"]["arguments"]
         assert [(n, json.loads(a)) for n, a in assembled.values()] == calls
+    single = tool_message(ToolCallParser(ToolPlan("auto", [WEATHER, TIME], parallel=False)), qwen)
+    assert [c["function"]["name"] for c in single["tool_calls"]] == ["get_weather"]
 
 
 

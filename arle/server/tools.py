@@ -44,6 +44,8 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # OpenAI's tool objects, as the template takes them
     named: str | None = None
     grammar: Grammar | None = None
+    #: parallel_tool_calls false: an answer's calls after its first are dropped
+    parallel: bool = True
 
     @classmethod
     def of(cls, req: ChatCompletionRequest) -> ToolPlan | None:
@@ -61,7 +63,7 @@ class ToolPlan:
                   for t in req.tools}
         strict = {t.function.name: bool(t.function.strict) for t in req.tools}
         if choice in (None, "auto"):
-            return cls("auto", tools)
+            return cls("auto", tools, parallel=req.parallel_tool_calls is not False)
         if req.response_format is not None and req.response_format.type != "text":
             raise InvalidRequestError("response_format cannot be combined with a tool_choice "
                                       "that forces a call", param="response_format")
@@ -236,6 +238,8 @@ class ToolCallParser:
     def _add(self, calls: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
         deltas = []
         for name, args in calls:
+            if self.calls and not self.plan.parallel:
+                break
             text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
             call = {"id": call_id(), "type": "function",
                     "function": {"name": str(name), "arguments": text}}
