@@ -398,6 +398,26 @@ def test_responses_tools_and_structured_text(client: openai.OpenAI) -> None:
     assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]
 
 
+def test_messages_for_a_template_without_tools() -> None:
+    from arle.server.tools import prepare_messages
+
+    call = tool_history()[1]["tool_calls"][0]
+    out = prepare_messages([
+        {"role": "system", "content": [{"type": "text", "text": "Be nice."}]},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "assistant", "content": [{"type": "text", "text": "So:"}], "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21"}], None, [WEATHER])
+    block = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+             '"unit": "celsius"}}\n</tool_call>')
+    assert out[0]["role"] == "system" and "get_weather" in out[0]["content"]
+    assert out[1]["content"] == [{"type": "text", "text": "Be nice."}]
+    assert out[2]["content"] == block
+    assert out[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris",
+                                                                "unit": "celsius"}
+    assert out[3]["content"] == [{"type": "text", "text": "So:"}, {"type": "text", "text": block}]
+    assert out[4] == {"role": "tool", "tool_call_id": "call_1", "content": "21"}
+
+
 def test_responses_request_becomes_a_chat_request() -> None:
     from arle.errors import InvalidRequestError
     from arle.server.responses import chat_body

@@ -105,15 +105,18 @@ def prepare_messages(messages: list[dict[str, Any]], template: str | None,
             if not knows_calls:
                 text = "\n".join(f"{_OPEN}\n{json.dumps(_wire_call(c), ensure_ascii=False)}\n"
                                  f"{_CLOSE}" for c in calls)
-                m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + text
-        if m.get("content") is None:
-            m["content"] = ""  # NOTE: templates concatenate content; an assistant call has none
+                content = m.get("content")
+                m["content"] = ([*content, {"type": "text", "text": text}]
+                                if isinstance(content, list)
+                                else (content + "\n" if content else "") + text)
+            if m.get("content") is None:
+                m["content"] = ""  # NOTE: templates concatenate content; a call has none
         out.append(m)
     if tools and "tools" not in source:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         note = ("You may call one or more functions. The functions:\n" + listing + "\nTo call "
                 f"one, answer {_OPEN}\n{{\"name\": <name>, \"arguments\": <object>}}\n{_CLOSE}")
-        if out and out[0]["role"] == "system" and isinstance(out[0]["content"], str):
+        if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
             out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + note}
         else:
             out.insert(0, {"role": "system", "content": note})
