@@ -285,7 +285,7 @@ BAD: list[tuple[str, str, bytes | dict[str, Any], int, str | None]] = [
      "messages.0.role"),
     ("POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     400, "tools"),
+     400, "tools.0.function"),
     ("POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "zz": 1}]}]},
      400, "messages.0.content.0.zz"),

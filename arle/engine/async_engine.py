@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from arle.config import EngineConfig
 from arle.engine.cache import CacheManager
+from arle.engine.grammar import GrammarCompiler
 from arle.engine.output import IncrementalDetokenizer, StopStringMatcher
 from arle.engine.request import Delta, GenerateRequest, SamplingParams, TokenLogprob, Usage
 from arle.engine.scheduler import Scheduler, SchedulerConfig
@@ -126,6 +127,7 @@ class AsyncEngine:
         self._admitting = 0
         self._ids = itertools.count()
         self.stats: collections.Counter[str] = collections.Counter()
+        self.grammars = GrammarCompiler(tokenizer)
         log.info("scheduler_settings", max_running_requests=self.scheduler.config.max_running_requests,
                  max_batched_tokens=config.max_batched_tokens,
                  chunked_prefill_size=self.scheduler.config.chunked_prefill_size,
@@ -297,6 +299,8 @@ class AsyncEngine:
         try:
             t_created = time.perf_counter()
             ids, nbytes = await asyncio.to_thread(self._tokenize, request)
+            matcher = (await asyncio.to_thread(self.grammars.matcher, request.grammar)
+                       if request.grammar is not None else None)
             t_tok = time.perf_counter()
             self._check_prompt(ids, request)
             rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
@@ -309,8 +313,12 @@ class AsyncEngine:
             self._admitting -= 1
         seq = Sequence(request_id=rid, prompt_ids=ids, params=params,
                        max_total_tokens=self.max_model_len,
-                       eos_ids=frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids,
-                       route=request.route, stream=request.stream, prompt_bytes=nbytes)
+                       # NOTE: a grammar ends at EOS whatever ignore_eos says: the mask allows it
+                       # only where the output is complete
+                       eos_ids=(frozenset() if params.ignore_eos and matcher is None
+                                else self.tokenizer.eos_token_ids),
+                       route=request.route, stream=request.stream, prompt_bytes=nbytes,
+                       grammar=matcher)
         seq.timeline.created, seq.timeline.tokenized = t_created, t_tok
         seq.timeline.tokenize_us = (t_tok - t_created) * 1e6
         seq.timeline.queue_depth = len(self.scheduler.waiting)
@@ -585,7 +593,9 @@ class AsyncEngine:
         if request.messages is not None:
             # NOTE: special tokens' text inside message content stays text (encode_chat); a
             # raw text prompt is the caller's to shape, special tokens included.
-            ids, text = self.tokenizer.encode_chat(request.messages, add_generation_prompt=True)
+            extra = {} if request.tools is None else {"tools": request.tools}
+            ids, text = self.tokenizer.encode_chat(request.messages, add_generation_prompt=True,
+                                                   **extra)
             return ids, len(text.encode())
         if isinstance(request.prompt, str):
             return (self.tokenizer.encode(request.prompt, request.add_special_tokens),

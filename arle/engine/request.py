@@ -12,9 +12,21 @@ from typing import Any, Literal
 
 from arle.sampling import SamplingParams, TokenLogprob
 
-__all__ = ["Delta", "FinishReason", "GenerateRequest", "SamplingParams", "TokenLogprob", "Usage"]
+__all__ = ["Delta", "FinishReason", "GenerateRequest", "Grammar", "SamplingParams",
+           "TokenLogprob", "Usage"]
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on the output, enforced token by token (arle.engine.grammar)."""
+
+    kind: Literal["json_schema", "json_object", "lark", "regex"]
+    #: the JSON schema (a dict), the Lark grammar or the regex; None for json_object
+    source: Any = None
+    #: the request parameter it came from, named in errors
+    param: str = "response_format"
 
 
 @dataclass
@@ -33,6 +45,10 @@ class GenerateRequest:
     #: max_tokens is the caller's demand (an API client gave it): refuse a request whose prompt
     #: leaves less room than that. Otherwise it is a cap, and generation stops at the context.
     strict_max_tokens: bool = False
+    #: Constrain the output to a grammar (structured output, forced tool calls).
+    grammar: Grammar | None = None
+    #: Chat prompts: tool definitions (OpenAI's `tools` list) for the chat template.
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

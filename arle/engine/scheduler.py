@@ -90,7 +90,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             decode_rows.append(Row(rc.slot, seq.num_scheduled, 1, None, True, seq.num_sampled,
-                                   rc.pages, seq.params, seq))
+                                   rc.pages, seq.params, seq, seq.grammar))
             budget -= 1
 
         # 2. prefill chunks of running requests (admitted earlier, prompt not done yet).
@@ -161,4 +161,4 @@ class Scheduler:
         assert seq.cache is not None
         done = start + n == seq.prefill_target
         return Row(seq.cache.slot, start, n, seq.tokens[start:start + n], done, seq.num_output,
-                   seq.cache.pages, seq.params, seq)
+                   seq.cache.pages, seq.params, seq, seq.grammar)

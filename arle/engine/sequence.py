@@ -79,6 +79,9 @@ class Sequence:
     timeline: Timeline = field(default_factory=Timeline)
     #: output processing state (detokenizer, stop matcher), owned by the engine
     output_state: Any = None
+    #: the grammar matcher of a constrained request (arle.engine.grammar); the executor
+    #: advances it, in step order
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -18,6 +18,7 @@ import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.distributed import TPRanks, peer_inputs, sample_on_first_rank
+from arle.executor.grammar import GrammarMasks
 from arle.executor.paged import (
     KVCache,
     PagedAttention,
@@ -57,6 +58,7 @@ class CPUExecutor:
         self.token_buffer = torch.zeros(num_slots, dtype=torch.int32)
         self.penalties = PenaltyState(num_slots, cfg.vocab_size, "cpu")
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammar_masks = GrammarMasks(cfg.vocab_size)
         # NOTE: one worker thread: steps run in launch order, as on a CUDA stream.
         self._worker = torch_thread()
 
@@ -79,6 +81,9 @@ class CPUExecutor:
             self.penalties.start_slot(*new_slot)
         inputs.start_states(self.state)
         packed = inputs.packed
+        # NOTE: the grammar rows' masks are filled on their own thread while the forward runs.
+        masks = (self.grammar_masks.start(inputs.grammars, inputs.sampling.size)
+                 if inputs.grammars and inputs.sampling is not None else None)
         meta = torch.tensor(packed.meta, dtype=torch.int32)
         step, decode_slots = step_views(packed, meta, num_splits=1)
         if packed.num_decode:
@@ -89,26 +94,21 @@ class CPUExecutor:
         if not packed.sample_rows:
             return StepOutput([], [], time.perf_counter() - t0)
         logits = self.model.logits(hidden[packed.view(meta, "sample_index")])
-        if self.tp.size > 1:
-            return self._sample_group(logits, inputs, packed.view(meta, "sample_slots"), t0)
-        assert inputs.sampling is not None
-        out = sample_into(logits, inputs.sampling, packed.view(meta, "sample_slots"),
-                          self.penalties, self.token_buffer, self.generator)
-        return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
-                          time.perf_counter() - t0)
+        slots = packed.view(meta, "sample_slots")
 
-    def _sample_group(self, logits: torch.Tensor, inputs: StepInputs, slots: torch.Tensor,
-                      t0: float) -> StepOutput:
-        """TP: rank 0 samples the gathered logits; the others learn the ids."""
         def sample(full: torch.Tensor) -> SampleOutput:
             assert inputs.sampling is not None
             return sample_into(full, inputs.sampling, slots, self.penalties, self.token_buffer,
-                               self.generator)
+                               self.generator,
+                               bitmask=masks.result() if masks is not None else None)
 
-        out = sample_on_first_rank(self.tp, logits, self.model.config.vocab_size, slots,
-                                   self.token_buffer, sample)
+        # NOTE: TP: rank 0 samples the gathered logits; the others learn the ids (None here)
+        out = (sample(logits) if self.tp.size == 1 else sample_on_first_rank(
+            self.tp, logits, self.model.config.vocab_size, slots, self.token_buffer, sample))
         if out is None:
             return StepOutput([], [], time.perf_counter() - t0)
+        if inputs.grammars:
+            self.grammar_masks.sampled(inputs.grammars, out.token_ids)
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
                           time.perf_counter() - t0)
 
@@ -124,3 +124,4 @@ class CPUExecutor:
         # NOTE: a TP group stops after the last step, on the same thread
         ranks = self.ranks
         self._worker.submit(ranks.close if ranks is not None else lambda: None).result()
+        self.grammar_masks.close()

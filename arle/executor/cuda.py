@@ -8,7 +8,9 @@ One step, in three threads:
   `self.stream` (a CUDA graph replay for decode-only batches, eager kernels otherwise) and
   sampling, then a device-to-host copy of the sampled ids into pinned memory (on a copy-out
   stream) followed by an event. No copy sits between two steps' kernels on `self.stream`. It
-  returns as soon as the work is queued: it never waits for the GPU;
+  returns as soon as the work is queued: it never waits for the GPU (but in a step with grammar
+  rows, for the previous grammar step's tokens, after queuing the forward:
+  arle.executor.grammar);
 - the waiter thread (`_wait`): blocks on that event (a blocking-sync event: the thread sleeps,
   no spinning) and hands the ids to the loop.
 The sampled ids also go to `token_buffer[slot]` on the device, where the next step's decode rows
@@ -34,6 +36,7 @@ from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, DecodeGraphs, ExtendGraphs
 from arle.executor.cuda_startup import start_up
 from arle.executor.distributed import TPRanks, peer_inputs, sample_on_first_rank
+from arle.executor.grammar import GrammarMasks
 from arle.executor.paged import (
     FP8_KV,
     DeviceStep,
@@ -138,6 +141,7 @@ class CUDAExecutor:
                                          config.num_snapshots, next(model.parameters()).dtype,
                                          self.device)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.grammar_masks = GrammarMasks(model.config.vocab_size, pin_memory=True)
         # NOTE: the weights, the rotary table and the token buffer were written on the default
         # stream; everything after runs on ours.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -257,6 +261,12 @@ class CUDAExecutor:
         start = torch.cuda.Event(enable_timing=True)
         with torch.inference_mode():
             meta, batch = self._copy_in(h)
+            grammars = h.inputs.grammars if batch is not None else []
+            # NOTE: a step with grammar rows starts filling their masks now, on the grammar
+            # thread: it waits for the previous grammar step's tokens while this step's forward
+            # is queued and runs (see arle.executor.grammar).
+            masks = (self.grammar_masks.start(grammars, batch.size)
+                     if grammars and batch is not None else None)
             with torch.cuda.stream(self.stream):
                 start.record(self.stream)
                 for new_slot in h.inputs.new_slots:
@@ -276,29 +286,29 @@ class CUDAExecutor:
                     logits = self.model.logits(hidden[index]) if index.numel() else hidden[:0]
                 h.inputs.save_states(self.state)
                 out = None
-                if self.tp.size > 1:
+                slots = h.layout.view(meta, "sample_slots")
+
+                def sample(full: torch.Tensor) -> SampleOutput:
+                    assert batch is not None
+                    # NOTE: the launcher's only wait, and only in steps with grammar rows.
+                    bitmask = (masks.result().to(self.device, non_blocking=True)
+                               if masks is not None else None)
+                    return sample_into(full, batch, slots, self.penalties, self.token_buffer,
+                                       self.generator, self.model.ops.greedy_pick, bitmask)
+
+                if self.tp.size > 1:  # rank 0 samples the gathered logits; the others learn ids
                     if h.layout.sample_rows:
-                        out = self._sample_group(logits, batch, h.layout.view(meta,
-                                                                              "sample_slots"))
+                        out = sample_on_first_rank(self.tp, logits, self.model.config.vocab_size,
+                                                   slots, self.token_buffer, sample)
                 elif batch is not None:
-                    slots = h.layout.view(meta, "sample_slots")
-                    out = sample_into(logits, batch, slots, self.penalties, self.token_buffer,
-                                      self.generator, self.model.ops.greedy_pick)
+                    out = sample(logits)
             pending = _Pending(start, h.inputs.want_logprobs)
             event = torch.cuda.Event(enable_timing=True, blocking=True)
             pending.out = self._copy_out(out, event)
+            if grammars and pending.out is not None:
+                # consumed by the next grammar step's mask job, once the copy is done
+                self.grammar_masks.sampled(grammars, pending.out.token_ids, event.synchronize)
         return event, pending
-
-    def _sample_group(self, logits: torch.Tensor, batch: SamplingBatch | None,
-                      slots: torch.Tensor) -> SampleOutput | None:
-        """TP: rank 0 samples the gathered logits; the others learn the ids."""
-        def sample(full: torch.Tensor) -> SampleOutput:
-            assert batch is not None
-            return sample_into(full, batch, slots, self.penalties, self.token_buffer,
-                               self.generator, self.model.ops.greedy_pick)
-
-        return sample_on_first_rank(self.tp, logits, self.model.config.vocab_size, slots,
-                                    self.token_buffer, sample)
 
     def _copy_in(self, h: HostStep) -> tuple[torch.Tensor, SamplingBatch | None]:
         """The step's packed array (and, unless the batch takes the greedy pick, which reads
@@ -366,6 +376,7 @@ class CUDAExecutor:
     def close(self) -> None:
         self._launcher.submit(lambda: None).result()
         self._waiter.shutdown(wait=True)
+        self.grammar_masks.close()
         torch.cuda.synchronize(self.device)
 
 

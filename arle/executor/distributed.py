@@ -67,9 +67,9 @@ _T = TypeVar("_T")
 
 
 def peer_inputs(inputs: StepInputs) -> StepInputs:
-    """What the other ranks run of a step: not the sampling rows' parameters nor the new
-    requests' token lists (only rank 0's sampler reads them)."""
-    return replace(inputs, sampling=None, want_logprobs=[], new_slots=[])
+    """What the other ranks run of a step: not the sampling rows' parameters, the new
+    requests' token lists nor the grammar rows' matchers (only rank 0's sampler reads them)."""
+    return replace(inputs, sampling=None, want_logprobs=[], new_slots=[], grammars=[])
 
 
 def sample_on_first_rank(tp: TPGroup, logits: torch.Tensor, vocab: int, slots: torch.Tensor,

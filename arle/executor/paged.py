@@ -5,8 +5,9 @@ CPU, Triton on CUDA). Also `pack_step`: a plan flattened into one int32 array on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -410,6 +411,8 @@ class StepInputs:
     state_starts: list[tuple[int, int | None]]
     saves_before: list[tuple[int, int]]
     saves_after: list[tuple[int, int]]
+    #: (index among the sampling rows, matcher) of each grammar row (arle.executor.grammar)
+    grammars: list[tuple[int, Any]] = field(default_factory=list)
 
     @classmethod
     def of(cls, plan: StepPlan, page_size: int, graph_bs: int = 0,
@@ -422,7 +425,8 @@ class StepInputs:
                    [(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
                     for n in plan.new_slots],
                    [(n.slot, n.restore) for n in plan.new_slots],
-                   list(plan.saves_before), list(plan.saves_after))
+                   list(plan.saves_before), list(plan.saves_after),
+                   [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None])
 
     def start_states(self, state: StatePool | None) -> None:
         """Before the step: the snapshots of requests released since the last step, then the

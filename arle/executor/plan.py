@@ -23,6 +23,8 @@ class Row:
     params: SamplingParams
     #: NOTE: the engine's own request object; executors never read it.
     owner: Any = None
+    #: The request's grammar matcher (arle.executor.grammar) when its output is constrained.
+    grammar: Any = None
 
     @property
     def seq_len(self) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from arle.executor.grammar import apply_token_bitmask
 from arle.sampling import SamplingParams, TokenLogprob
 from arle_kernels.greedy import GreedyPick, greedy_pick_ref
 from arle_kernels.noise import exponential_noise, mix_seed
@@ -148,11 +149,14 @@ def sample(
     token_counts: Tensor | None = None,
     prompt_mask: Tensor | None = None,
     generator: torch.Generator | None = None,
+    bitmask: Tensor | None = None,
 ) -> SampleOutput:
     """Pick one token per row of `logits` [B, V].
 
     `token_counts` [B, V] (int) and `prompt_mask` [B, V] (bool) are needed only when
     `batch.any_penalty` (see `PenaltyState.gather`). `generator` drives the unseeded rows.
+    `bitmask` [B, W] (int32, arle.executor.grammar): the tokens each row may pick; the
+    logprobs stay those of the unmodified logits.
     """
     if logits.dim() != 2 or logits.shape[0] != batch.size:
         raise ValueError(f"logits {tuple(logits.shape)} do not match a batch of {batch.size}")
@@ -162,6 +166,8 @@ def sample(
         if token_counts is None or prompt_mask is None:
             raise ValueError("batch has penalties: pass token_counts and prompt_mask")
         x = apply_penalties(x, batch, token_counts, prompt_mask)
+    if bitmask is not None:
+        x = apply_token_bitmask(x, bitmask)
 
     if batch.all_greedy:
         token_ids = x.argmax(dim=-1)
@@ -181,19 +187,23 @@ def sample(
 
 def sample_into(logits: Tensor, batch: SamplingBatch, slots: Tensor, penalties: PenaltyState,
                 token_buffer: Tensor, generator: torch.Generator | None,
-                greedy: GreedyPick = greedy_pick_ref) -> SampleOutput:
+                greedy: GreedyPick = greedy_pick_ref, bitmask: Tensor | None = None
+                ) -> SampleOutput:
     """Sample one token per row (row i belongs to request slot `slots[i]`) and record it where
     the next step needs it: `token_buffer[slot]` (the decode rows' input) and the slot's
     penalty counts. All on the logits' device, no host sync. A batch of greedy rows with no
     penalty and no logprobs takes `greedy` (the executor's kernel: the argmax and the write in
-    one pass, on the logits in their own dtype)."""
+    one pass, on the logits in their own dtype), after the grammar rows' `bitmask` if any."""
     if batch.takes_greedy_pick:
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
         out = SampleOutput(token_ids=greedy(logits, slots, token_buffer))
     else:
         counts = mask = None
         if batch.any_penalty:
             counts, mask = penalties.gather(slots)
-        out = sample(logits, batch, token_counts=counts, prompt_mask=mask, generator=generator)
+        out = sample(logits, batch, token_counts=counts, prompt_mask=mask, generator=generator,
+                     bitmask=bitmask)
         token_buffer[slots] = out.token_ids.to(token_buffer.dtype)
     if len(penalties):  # NOTE: slots without penalties map to the sentinel row: a no-op
         penalties.update(slots, out.token_ids)

@@ -231,6 +231,10 @@ class Tokenizer:
             pad_token_id=token_id("padding_token_id"),
         )
 
+    def backend_json(self) -> str:
+        """The Rust tokenizer as tokenizer.json text (what grammar libraries read)."""
+        return str(self._tok.to_str())
+
     def save(self, path: Path) -> None:
         """Write tokenizer.json (the Rust tokenizer only; configs are the caller's business)."""
         self._tok.save(str(path))

@@ -40,6 +40,15 @@ from arle.server import DEFAULT_MAX_BODY_BYTES, protocol
 from arle.server.guards import Guards, Refusal
 from arle.server.metrics import CONTENT_TYPE, ServerMetrics
 from arle.server.protocol import ChatCompletionRequest, CompletionRequest, Decoder
+from arle.server.responses import ResponseShape, chat_body, renamed
+from arle.server.structured import response_format_grammar
+from arle.server.tools import (
+    ToolCallParser,
+    ToolPlan,
+    prepare_messages,
+    tool_finish_reason,
+    tool_message,
+)
 
 if TYPE_CHECKING:
     from arle.engine.async_engine import AsyncEngine
@@ -276,10 +285,23 @@ class _Handlers:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
-    async def _generate(self, request: Request, chat: bool) -> Response:
+    async def responses(self, request: Request) -> Response:
+        """The Responses API, translated onto the chat route (arle.server.responses)."""
         self._auth(request)
         self.s.engine.check_admission()  # before the body is read: a burst is refused at once
         body = await self._read_json(request)
+        translated = chat_body(body)
+        shape = ResponseShape(body, self.s.model_name, protocol.now())
+        try:
+            return await self._generate(request, chat=True, body=translated, shape=shape)
+        except InvalidRequestError as e:
+            raise renamed(e) from None
+
+    async def _generate(self, request: Request, chat: bool, body: Any = None,
+                        shape: ResponseShape | None = None) -> Response:
+        if body is None:
+            self._auth(request)
+            body = await self._read_json(request)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
         req = protocol.parse_request(model_cls, body)
         self._check_model(req.model)
@@ -288,13 +310,21 @@ class _Handlers:
         if self.s.shutting_down:
             raise OverloadedError("the server is shutting down")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        tools = ToolPlan.of(req) if chat else None
+        grammar = (tools.grammar if tools is not None and tools.grammar is not None
+                   else response_format_grammar(req.response_format))
+        template = getattr(engine.tokenizer, "chat_template", None)
+        messages = (prepare_messages(req.message_dicts(), template,
+                                     tools.tools if tools else None) if chat else None)
         greq = GenerateRequest(
             prompt=None if chat else req.prompt_input,
-            messages=req.message_dicts() if chat else None, params=params, request_id=rid,
+            messages=messages, params=params, request_id=rid,
             route=request.url.path, stream=bool(req.stream),
             add_special_tokens=True if chat else req.add_special_tokens,
-            strict_max_tokens=_max_tokens_given(req, chat))
+            strict_max_tokens=_max_tokens_given(req, chat), grammar=grammar,
+            tools=tools.tools if tools else None)
         run = _Run(self.s, request.url.path, rid, chat, req)
+        run.tools = ToolCallParser(tools) if tools is not None else None
         # NOTE: generate() is an async generator; aclose() is what aborts it deterministically.
         gen = cast(AsyncGenerator[Delta, None], engine.generate(greq))
         try:
@@ -310,6 +340,11 @@ class _Handlers:
                 raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens", 1),
                                           param="max_completion_tokens") from None
             raise
+        if shape is not None:
+            if req.stream:
+                return SSEResponse(shape.translate_stream(run.stream(first, gen)))
+            return JSONResponse(shape.response(
+                await _until_disconnect(request.receive, run.collect(first, gen))))
         if req.stream:
             return SSEResponse(run.stream(first, gen))
         return JSONResponse(await _until_disconnect(request.receive, run.collect(first, gen)))
@@ -325,6 +360,8 @@ class _Run:
         #: When the previous token arrived; None until the first (its wait is TTFT, not ITL).
         self._last_t: float | None = None
         self.finished = False
+        #: chat with tools: the output parsed into tool calls (arle.server.tools)
+        self.tools: ToolCallParser | None = None
 
     def _seen(self, delta: Delta) -> None:
         if delta.token_ids:
@@ -357,6 +394,25 @@ class _Run:
                 "created": self.created, "model": self.model, "system_fingerprint": None,
                 "choices": choices}
 
+    def _finish_reason(self, delta: Delta) -> str | None:
+        reason = protocol.finish_reason_json(delta)
+        return reason if self.tools is None else tool_finish_reason(self.tools, reason)
+
+    def _chat_delta(self, text: str, last: bool) -> dict[str, Any]:
+        """A stream chunk's `delta`: the content, and with tools the calls completed so far."""
+        if self.tools is None:
+            return {"content": text} if text or not last else {}
+        content, calls = self.tools.feed(text)
+        if last:
+            more, more_calls = self.tools.finish()
+            content, calls = content + more, calls + more_calls
+        out: dict[str, Any] = {}
+        if content:
+            out["content"] = content
+        if calls:
+            out["tool_calls"] = calls
+        return out
+
     async def collect(self, first: Delta, gen: AsyncGenerator[Delta, None]) -> dict[str, Any]:
         text: list[str] = []
         lps: list[TokenLogprob] = []
@@ -379,12 +435,12 @@ class _Run:
         logprobs = self._logprobs(lps if lps else None, 0)
         out = "".join(text)
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
-                                                             "content": out},
-                                      "logprobs": logprobs}
+            message = ({"role": "assistant", "content": out} if self.tools is None
+                       else tool_message(self.tools, out))
+            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": out, "logprobs": logprobs}
-        choice["finish_reason"] = protocol.finish_reason_json(delta)
+        choice["finish_reason"] = self._finish_reason(delta)
         choice["stop_reason"] = delta.stop_reason
         return {**self._envelope([choice], chunk=False), "usage": protocol.usage_json(delta.usage)}
 
@@ -418,11 +474,11 @@ class _Run:
                 if delta.text or last or delta.logprobs:
                     c: dict[str, Any] = {"index": 0}
                     if self.chat:
-                        c["delta"] = {"content": delta.text} if delta.text or not last else {}
+                        c["delta"] = self._chat_delta(delta.text, last)
                     else:
                         c["text"] = delta.text
                     c["logprobs"] = self._logprobs(delta.logprobs, offset)
-                    c["finish_reason"] = protocol.finish_reason_json(delta)
+                    c["finish_reason"] = self._finish_reason(delta)
                     if last:
                         c["stop_reason"] = delta.stop_reason
                     offset += len(delta.text)
@@ -514,6 +570,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> S
         route("/v1/stats", h.stats, "GET"),
         route("/v1/completions", h.completions, "POST"),
         route("/v1/chat/completions", h.chat_completions, "POST"),
+        route("/v1/responses", h.responses, "POST"),
     ]
     known = {r.path for r in routes}
     guards = Middleware(Guards, allowed_hosts=settings.allowed_hosts,

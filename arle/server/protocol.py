@@ -23,6 +23,23 @@ _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 Stop = str | list[str] | None
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = _STRICT
+    name: str = "response"
+    description: str | None = None
+    #: NOTE: named `schema` on the wire; the attribute avoids BaseModel.schema.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: text, any JSON object, or JSON that validates against a schema."""
+
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
@@ -89,6 +106,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
+    response_format: ResponseFormat | None = None
     prompt: str | list[int] | list[str]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
@@ -127,12 +145,51 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -143,20 +200,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         self._check_common()
-        if self.tools:
-            raise InvalidRequestError("tools are not supported yet", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError("tool_choice is not supported yet", param="tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported",
-                                      param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -164,7 +214,7 @@ class ChatCompletionRequest(_SamplingFields):
                                       param="max_completion_tokens")
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        return [m.model_dump(exclude_none=True, by_alias=True) for m in self.messages]
 
     def sampling_params(self, engine_defaults: Any, max_model_len: int) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -219,7 +269,7 @@ def parse_request(model: type[CompletionRequest] | type[ChatCompletionRequest],
 def _is_branch_tag(part: object) -> bool:
     # pydantic names union branches like 'str', 'list[int]', 'function-after[...]'.
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
-                                      or "[" in part or part in ("TextPart",))
+                                      or "[" in part or part in ("TextPart", "NamedToolChoice"))
 
 
 # ---- responses -------------------------------------------------------------------------------
