@@ -363,7 +363,7 @@ class AsyncEngine:
         self.stats["device_us"] += round(exec_us)
         width = len(plan.rows)
         admitted = {ns.slot for ns in plan.new_slots}
-        k = 0
+        k = scored = 0
         for row in plan.rows:
             seq: Sequence = row.owner
             seq.num_inflight -= 1
@@ -377,6 +377,10 @@ class AsyncEngine:
                 tl.prefill_tokens += row.num_tokens
             if row.slot in admitted:
                 tl.admission_us += plan.schedule_us
+            if row.score_targets:
+                if seq.prompt_scores is not None:
+                    seq.prompt_scores.extend(out.prompt_scores[scored])
+                scored += 1
             if not row.sample:
                 continue
             token = out.token_ids[k]
@@ -429,7 +433,11 @@ class AsyncEngine:
                 text += more if matched is not None else more + state.stops.flush()
                 if matched is not None:
                     reason = ("stop", matched)
-        delta = Delta(seq.request_id, text, [token], [lp] if lp is not None else None)
+        delta = Delta(seq.request_id, text, [token], [lp] if lp is not None else None,
+                      usage=Usage(seq.num_prompt, seq.num_output, max(seq.matched_tokens, 0)))
+        if seq.prompt_scores is not None:
+            delta.prompt_logprobs = [None, *seq.prompt_scores]
+            seq.prompt_scores = None
         if reason is None:
             seq.queue.put_nowait(delta)
         else:

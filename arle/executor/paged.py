@@ -5,7 +5,7 @@ CPU, Triton on CUDA). Also `pack_step`: a plan flattened into one int32 array on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -250,6 +250,8 @@ class PackedStep:
     (the graph's static `meta` block, copied whole), then page_table [bs, max_pages].
     Both: sample_index [S], the row (graph) or token (eager) index each sampling row reads its
     logits at (`sample_rows` on the host), and sample_slots [S], that row's request slot.
+    Eager steps also: score_index and score_targets [num_scores], each scored prompt position's
+    token index and the prompt token it scores (`Row.score_targets`).
     """
 
     meta: list[int]
@@ -261,6 +263,7 @@ class PackedStep:
     max_q_len: int
     max_seq_len: int
     sample_rows: list[int]
+    num_scores: int = 0
 
     def segment(self, name: str) -> list[int]:
         start, n = self.offsets[name]
@@ -323,10 +326,28 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
         put("page_table", table)
     put("sample_index", sample_at)
     put("sample_slots", [r.slot for r in rows if r.sample])
+    score_at, targets = _score_segments(rows)
+    # NOTE: scored positions need every token's hidden state: only eager steps have them
+    assert not score_at or (not graph_bs and extend is None), "scoring needs an eager step"
+    put("score_index", score_at)
+    put("score_targets", targets)
     return PackedStep(meta, offsets, num_tokens=plan.num_tokens, num_rows=len(rows),
                       num_decode=nd, max_pages=max_pages,
                       max_q_len=max((r.num_tokens for r in rows[nd:]), default=1),
-                      max_seq_len=max_seq, sample_rows=sample_at)
+                      max_seq_len=max_seq, sample_rows=sample_at, num_scores=len(score_at))
+
+
+def _score_segments(rows: list[Row]) -> tuple[list[int], list[int]]:
+    """The eager layout's token index of each scored prompt position, and its target id."""
+    index: list[int] = []
+    targets: list[int] = []
+    first = 0  # the row's first token index in the step
+    for r in rows:
+        if r.score_targets:
+            index += range(first + r.score_from, first + r.score_from + len(r.score_targets))
+            targets += r.score_targets
+        first += r.num_tokens
+    return index, targets
 
 
 def _token_segments(rows: list[Row], ps: int
@@ -410,6 +431,13 @@ class StepInputs:
     state_starts: list[tuple[int, int | None]]
     saves_before: list[tuple[int, int]]
     saves_after: list[tuple[int, int]]
+    #: (positions scored, top-N asked) of each row that scores prompt tokens, in row order
+    score_rows: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def score_top(self) -> int:
+        """The most alternatives any scoring row asks for."""
+        return max((n for _, n in self.score_rows), default=0)
 
     @classmethod
     def of(cls, plan: StepPlan, page_size: int, graph_bs: int = 0,
@@ -422,7 +450,9 @@ class StepInputs:
                    [(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
                     for n in plan.new_slots],
                    [(n.slot, n.restore) for n in plan.new_slots],
-                   list(plan.saves_before), list(plan.saves_after))
+                   list(plan.saves_before), list(plan.saves_after),
+                   [(len(r.score_targets), r.params.prompt_logprobs or 0)
+                    for r in plan.rows if r.score_targets])
 
     def start_states(self, state: StatePool | None) -> None:
         """Before the step: the snapshots of requests released since the last step, then the

@@ -23,6 +23,10 @@ class Row:
     params: SamplingParams
     #: NOTE: the engine's own request object; executors never read it.
     owner: Any = None
+    #: Prompt scoring: the row's tokens from index `score_from` on each score the prompt token
+    #: after them, these ids (their logits give its logprob); None: nothing to score.
+    score_targets: list[int] | None = None
+    score_from: int = 0
 
     @property
     def seq_len(self) -> int:
