@@ -437,6 +437,7 @@ class AsyncEngine:
                       usage=Usage(seq.num_prompt, seq.num_output, max(seq.matched_tokens, 0)))
         if seq.prompt_scores is not None:
             delta.prompt_logprobs = [None, *seq.prompt_scores]
+            delta.prompt_token_ids = seq.prompt_ids
             seq.prompt_scores = None
         if reason is None:
             seq.queue.put_nowait(delta)

@@ -54,6 +54,8 @@ class Delta:
     #: `params.prompt_logprobs`: one entry per prompt token (the first None: nothing before
     #: it to score it by), on the first delta only.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: the prompt's ids, beside `prompt_logprobs`
+    prompt_token_ids: list[int] | None = None
     finish_reason: FinishReason | None = None
     #: What stopped it: the matched stop string, the stop token id, "eos", "max_tokens", "context".
     stop_reason: str | int | None = None
