@@ -107,3 +107,37 @@ async def test_scoring_in_a_batch_with_other_requests(
     assert len(ours) == len(ids[0]) and ours[0] is None
     for lp, (ref_lp, _) in zip(ours[1:], ref, strict=True):
         assert lp is not None and lp.top == () and abs(lp.logprob - ref_lp) < 1e-3
+
+
+async def test_scores_survive_preemption_mid_prefill(tiny: LoadedModel,
+                                                     make_engine: Any) -> None:
+    """A long scoring prompt, prefilled in small chunks while seven short requests decode in
+    a pool too small for all: it is preempted before its prefill ends, recomputed, and its
+    scores come out whole and as in a roomy pool (no position scored twice or skipped)."""
+    short = [list(range(300 + 11 * i, 324 + 11 * i)) for i in range(7)]  # 24 tokens each
+    long = list(range(1000, 1180))  # 180 tokens
+
+    async def serve(engine: AsyncEngine) -> list[Delta]:
+        others = [asyncio.ensure_future(run(engine, p, max_tokens=80, ignore_eos=True))
+                  for p in short]
+        await asyncio.sleep(0)  # the short ones are queued first
+        scored = await run(engine, long, max_tokens=3, prompt_logprobs=1)
+        await asyncio.gather(*others)
+        return scored
+
+    expected = await serve(make_engine(tiny, chunked_prefill_size=4))
+    # 33 pages: all eight fit at admission (7 x 2 + 12, and a page per running request spare),
+    # and the short ones' third pages; their fourth, before the long prompt's 45 chunks are
+    # done, do not
+    tight = make_engine(tiny, kv_cache_tokens=33 * 16, max_model_len=200, chunked_prefill_size=4)
+    got = await serve(tight)
+    assert got[-1].trace is not None
+    sched = got[-1].trace["scheduler"]
+    # preempted before its first token (all its decodes came after), some prompt recomputed
+    assert sched["preemptions"] > 0 and sched["decode_tokens"] == 2
+    assert len(long) < sched["prefill_tokens"] < 2 * len(long)
+    a, b = prompt_lps(expected), prompt_lps(got)
+    assert len(a) == len(b) == len(long) and a[0] is None and b[0] is None
+    for x, y in zip(a[1:], b[1:], strict=True):
+        assert x is not None and y is not None and x.token_id == y.token_id
+        assert abs(x.logprob - y.logprob) < 1e-4 and x.top[0][0] == y.top[0][0]
