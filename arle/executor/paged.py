@@ -250,8 +250,8 @@ class PackedStep:
     (the graph's static `meta` block, copied whole), then page_table [bs, max_pages].
     Both: sample_index [S], the row (graph) or token (eager) index each sampling row reads its
     logits at (`sample_rows` on the host), and sample_slots [S], that row's request slot.
-    Eager steps also: score_index and score_targets [num_scores], each scored prompt position's
-    token index and the prompt token it scores (`Row.score_targets`).
+    Eager steps that score prompt tokens also: score_index and score_targets [num_scores], each
+    scored position's token index and the prompt token it scores (`Row.score_targets`).
     """
 
     meta: list[int]
@@ -327,10 +327,11 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
     put("sample_index", sample_at)
     put("sample_slots", [r.slot for r in rows if r.sample])
     score_at, targets = _score_segments(rows)
-    # NOTE: scored positions need every token's hidden state: only eager steps have them
-    assert not score_at or (not graph_bs and extend is None), "scoring needs an eager step"
-    put("score_index", score_at)
-    put("score_targets", targets)
+    if score_at:
+        # NOTE: scored positions need every token's hidden state: only eager steps have them
+        assert not graph_bs and extend is None, "scoring needs an eager step"
+        put("score_index", score_at)
+        put("score_targets", targets)
     return PackedStep(meta, offsets, num_tokens=plan.num_tokens, num_rows=len(rows),
                       num_decode=nd, max_pages=max_pages,
                       max_q_len=max((r.num_tokens for r in rows[nd:]), default=1),

@@ -558,9 +558,11 @@ class _Run:
         try:
             if self.chat:
                 for c in self.choices:
+                    assert c.first is not None and c.first.usage is not None
                     yield self._chunk([{"index": c.index,
                                         "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], c.first)
+                                        "logprobs": None, "finish_reason": None}],
+                                      dataclasses.replace(c.first.usage, completion_tokens=0))
             tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
             live = len(tasks)
             while live:
@@ -581,10 +583,10 @@ class _Run:
         finally:
             await self._end_all(tasks)
 
-    def _chunk(self, choices: list[dict[str, Any]], delta: Delta | None) -> bytes:
+    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None) -> bytes:
         body = self._envelope(choices, chunk=True)
-        if self.req.continuous_usage and delta is not None:
-            body["usage"] = protocol.usage_json(self._usage(delta.usage))
+        if self.req.continuous_usage:
+            body["usage"] = protocol.usage_json(self._usage(usage))
         elif self.req.include_usage:
             body["usage"] = None
         return _sse(body)
@@ -613,7 +615,7 @@ class _Run:
                 if last:
                     self._finish(d, delta)
                 offset += len(text)
-                yield self._chunk([d], delta)
+                yield self._chunk([d], delta.usage)
             first = False
 
 
