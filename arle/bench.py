@@ -6,6 +6,14 @@ sent as a token-id prompt to /v1/completions (so its length is exact, no re-toke
 vLLM and SGLang accept `ignore_eos` too). The vocabulary size comes from `--vocab-size`, else
 from arle's `/v1/models` card (`vocab_size`, an arle extension).
 
+`backend` picks the request shape, so a number here and one from another load generator come
+from the same requests (`REQUEST_SHAPES`): arle's own (token-id prompts, include_usage), SGLang
+bench_serving's `sglang-oai` (/v1/completions, best_of 1, no stream_options) and
+`sglang-oai-chat`, and guidellm's (/v1/chat/completions, max_completion_tokens, stop null,
+ignore_eos, stream_options with continuous_usage_stats). The chat shapes send text: the random
+ids become text through the server's /detokenize once, before the run, and the prompt's length is
+what the server's usage reports.
+
 Every request streams; the client times what a user sees: TTFT (first text), the gaps between
 text chunks (ITL), TPOT ((e2e - ttft) / (output tokens - 1)) and e2e latency. The summary's field
 names are those of SGLang's `bench_serving` JSON, so runs can be compared side by side.
@@ -47,8 +55,13 @@ class BenchConfig:
     vocab_size: int | None = None
     #: Per-request timeout in seconds.
     timeout_s: float = 600.0
+    #: The request shape (`REQUEST_SHAPES`).
+    backend: str = "arle"
 
     def __post_init__(self) -> None:
+        if self.backend not in REQUEST_SHAPES:
+            raise ArleError(f"unknown backend {self.backend!r}; one of "
+                            f"{', '.join(REQUEST_SHAPES)}")
         for name in ("num_prompts", "input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ArleError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -69,6 +82,50 @@ class RequestResult:
     #: Arrival time of each text chunk and how many tokens it stands for.
     chunk_times: list[tuple[float, int]] = field(default_factory=list)
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What one load generator sends: the route and the body, on top of model, prompt,
+    max_tokens, greedy and stream."""
+
+    route: str
+    chat: bool
+    extra: dict[str, Any]
+    #: the output limit's field name
+    limit: str = "max_tokens"
+
+    def body(self, model: str, prompt: list[int] | str, output_len: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model, "temperature": 0.0, "stream": True,
+                                self.limit: output_len, **self.extra}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return body
+
+
+REQUEST_SHAPES: dict[str, RequestShape] = {
+    "arle": RequestShape("/v1/completions", False, {
+        "ignore_eos": True, "stream_options": {"include_usage": True}}),
+    # SGLang's bench_serving, --backend sglang-oai / sglang-oai-chat
+    "sglang-oai": RequestShape("/v1/completions", False, {"best_of": 1, "ignore_eos": True}),
+    "sglang-oai-chat": RequestShape("/v1/chat/completions", True, {"ignore_eos": True}),
+    # guidellm's openai_http backend with a fixed output length (chat completions)
+    "guidellm": RequestShape("/v1/chat/completions", True, {
+        "stop": None, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        limit="max_completion_tokens"),
+}
+
+
+def _chunk_text(obj: dict[str, Any], chat: bool) -> str:
+    choices = obj.get("choices") or []
+    if not choices:
+        return ""
+    if chat:
+        return str((choices[0].get("delta") or {}).get("content") or "")
+    return str(choices[0].get("text") or "")
 
 
 class _InFlight:
@@ -126,17 +183,33 @@ def random_prompts(cfg: BenchConfig, vocab_size: int, count: int, seed: int) -> 
     return [[rng.randrange(vocab_size) for _ in range(cfg.input_len)] for _ in range(count)]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int],
-                      output_len: int) -> RequestResult:
-    """Stream one completion and time it."""
-    result = RequestResult(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def as_text(client: httpx.AsyncClient, prompts: list[list[int]]) -> list[str]:
+    """The prompts as text, through the server's /detokenize (for the chat shapes)."""
+    out = []
+    for ids in prompts:
+        try:
+            resp = await client.post("/detokenize", json={"tokens": ids})
+        except httpx.HTTPError as e:
+            raise ArleError(f"POST /detokenize: {e}") from None
+        if resp.status_code != 200:
+            raise ArleError(f"this backend sends text prompts and the server's /detokenize "
+                            f"answered {resp.status_code}: {resp.text[:200]}")
+        out.append(str(resp.json()["prompt"]))
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int] | str,
+                      output_len: int, shape: RequestShape = REQUEST_SHAPES["arle"],
+                      prompt_len: int = 0) -> RequestResult:
+    """Stream one completion and time it. `prompt_len`: a text prompt's length in tokens
+    (the server's usage, where it reports one, has the last word)."""
+    result = RequestResult(prompt_len=len(prompt) if isinstance(prompt, list) else prompt_len)
+    body = shape.body(model, prompt, output_len)
     start = last = time.perf_counter()
     chunks = 0
     usage_tokens: int | None = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
+        async with client.stream("POST", shape.route, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {text[:200]}"
@@ -153,10 +226,10 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int],
                     return result
                 if obj.get("usage"):
                     usage_tokens = obj["usage"].get("completion_tokens")
+                    result.prompt_len = obj["usage"].get("prompt_tokens") or result.prompt_len
                     details = obj["usage"].get("prompt_tokens_details") or {}
                     result.cached_tokens = int(details.get("cached_tokens") or 0)
-                choices = obj.get("choices") or []
-                if not choices or not choices[0].get("text"):
+                if not _chunk_text(obj, shape.chat):
                     continue
                 now = time.perf_counter()
                 if chunks == 0:
@@ -210,7 +283,7 @@ def summarize(cfg: BenchConfig, model: str, results: list[RequestResult], durati
         for t, n in r.chunk_times:
             per_second[int(t - first)] = per_second.get(int(t - first), 0) + n
     out: dict[str, Any] = {
-        "backend": "openai-compatible", "dataset_name": "random", "model": model,
+        "backend": cfg.backend, "dataset_name": "random", "model": model,
         "base_url": cfg.base_url, "num_prompts": cfg.num_prompts,
         "random_input_len": cfg.input_len, "random_output_len": cfg.output_len,
         "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
@@ -249,19 +322,27 @@ async def run_bench(cfg: BenchConfig, progress: Callable[[], None] | None = None
                                  timeout=httpx.Timeout(cfg.timeout_s, connect=10.0),
                                  headers=_headers(cfg.api_key)) as client:
         model, vocab = await discover(client, cfg)
-        for prompt in random_prompts(cfg, vocab, cfg.warmup_requests, cfg.seed + 1):
-            warm = await one_request(client, model, prompt, min(cfg.output_len, 16))
+        shape = REQUEST_SHAPES[cfg.backend]
+
+        async def prompts_of(ids: list[list[int]]) -> list[list[int]] | list[str]:
+            return await as_text(client, ids) if shape.chat else ids
+
+        for prompt in await prompts_of(random_prompts(cfg, vocab, cfg.warmup_requests,
+                                                      cfg.seed + 1)):
+            warm = await one_request(client, model, prompt, min(cfg.output_len, 16), shape,
+                                     cfg.input_len)
             if not warm.ok:
                 raise ArleError(f"the warm-up request failed: {warm.error}")
-        prompts = random_prompts(cfg, vocab, cfg.num_prompts, cfg.seed)
+        prompts = await prompts_of(random_prompts(cfg, vocab, cfg.num_prompts, cfg.seed))
         gate = asyncio.Semaphore(limit)
         in_flight = _InFlight()
         rng = random.Random(cfg.seed)
 
-        async def send(prompt: list[int]) -> RequestResult:
+        async def send(prompt: list[int] | str) -> RequestResult:
             async with gate:
                 with in_flight:
-                    r = await one_request(client, model, prompt, cfg.output_len)
+                    r = await one_request(client, model, prompt, cfg.output_len, shape,
+                                          cfg.input_len)
             if progress is not None:
                 progress()
             return r

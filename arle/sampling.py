@@ -30,6 +30,8 @@ class SamplingParams:
     ignore_eos: bool = False
     #: None: no logprobs; 0: the chosen token's only; N: also the top N alternatives.
     logprobs: int | None = None
+    #: The prompt's own logprobs (the first token has none): None, or as `logprobs` says.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     MAX_LOGPROBS = 20
@@ -78,6 +80,8 @@ class SamplingParams:
             raise bad("seed", "must be an integer >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"must be in [0, {self.MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         # NOTE: the messages give the counts, not the values: the values can be huge.

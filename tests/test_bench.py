@@ -97,6 +97,33 @@ def test_bench_reports_prefix_cache_hits(smol_server: ServerProcess, tmp_path: P
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sglang-oai", "sglang-oai-chat", "guidellm"])
+def test_bench_with_other_generators_request_shapes(smol_server: ServerProcess, tmp_path: Path,
+                                                    backend: str) -> None:
+    """SGLang's and guidellm's request bodies (the chat ones with text prompts from
+    /detokenize): every request completes with exactly the asked output length."""
+    out = tmp_path / "bench.json"
+    proc = _bench(smol_server.url, out, "--backend", backend, "--num-prompts", "3",
+                  "--random-input-len", "16", "--random-output-len", "4",
+                  "--warmup-requests", "0", "--seed", "41")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["backend"] == backend and result["completed"] == 3 and result["failed"] == 0
+    assert result["mean_ttft_ms"] > 0
+    if backend != "sglang-oai":  # no stream_options: the output length is the chunk count
+        assert result["total_output_tokens"] == 3 * 4
+    if backend.endswith("chat") or backend == "guidellm":  # the templated text's own length
+        assert result["total_input_tokens"] > 3 * 16 * 0.5
+    else:
+        assert result["total_input_tokens"] == 3 * 16
+
+
+def test_bench_refuses_an_unknown_backend(tmp_path: Path) -> None:
+    proc = _bench("http://127.0.0.1:9", tmp_path / "x.json", "--backend", "tgi")
+    assert proc.returncode != 0 and "unknown backend 'tgi'" in proc.stderr
+
+
+@pytest.mark.slow
 def test_bench_poisson_rate(smol_server: ServerProcess, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = _bench(smol_server.url, out, "--num-prompts", "4", "--random-input-len", "8",

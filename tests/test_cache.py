@@ -160,3 +160,21 @@ def test_dense_models_and_a_disabled_cache_take_no_snapshots() -> None:
         cm.release(rc, list(range(10)), 10)
         assert cm.take_saves() == []
         cm.check([])
+
+
+def test_a_match_can_be_capped() -> None:
+    """A request that must compute the logits of early positions (prompt scoring) takes at
+    most `max_match` tokens from the cache, in whole pages."""
+    cm = CacheManager(num_pages=16, page_size=4, num_slots=4)
+    tokens = list(range(17))
+    a = cm.admit(tokens, 18)
+    assert a is not None
+    cm.publish(a, tokens, len(tokens))
+    assert len(cm.match(tokens)) == 4
+    assert len(cm.match(tokens, max_match=9)) == 2  # 9 tokens: two whole pages
+    assert cm.match(tokens, max_match=0) == []
+    b = cm.admit(tokens, 18, max_match=0)
+    assert b is not None and not b.shared
+    cm.release(a, tokens, len(tokens))
+    cm.release(b, tokens, 0)
+    cm.check([])

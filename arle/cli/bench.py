@@ -36,6 +36,11 @@ def bench(
         "--api-key", envvar=env.ARLE_API_KEY, help="Bearer key for the server.")] = None,
     dataset: Annotated[str, _opt(
         "--dataset", help="The workload; only 'random' for now.")] = "random",
+    backend: Annotated[str, _opt(
+        "--backend", help="The request shape: arle (token ids, include_usage), sglang-oai, "
+                          "sglang-oai-chat (SGLang bench_serving's), guidellm (its chat "
+                          "requests: continuous_usage_stats, ignore_eos). The chat shapes "
+                          "send text, made by the server's /detokenize.")] = "arle",
     num_prompts: Annotated[int, _opt("--num-prompts", min=1, help="Requests to send.")] = 100,
     input_len: Annotated[int, _opt(
         "--random-input-len", min=1, help="Prompt length in tokens (exact).")] = 256,
@@ -74,7 +79,7 @@ def bench(
                       input_len=input_len, output_len=output_len,
                       max_concurrency=max_concurrency, request_rate=request_rate,
                       warmup_requests=warmup_requests, seed=seed, vocab_size=vocab_size,
-                      timeout_s=timeout)
+                      timeout_s=timeout, backend=backend)
     path = output_file or Path(f"arle-bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
 
     from rich.console import Console

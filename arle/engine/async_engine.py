@@ -291,6 +291,11 @@ class AsyncEngine:
             raise ArleError("the engine is shut down")
         params = request.params
         params.validate()
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            # NOTE: each rank holds a slice of the vocabulary: scoring would need the gather
+            # that only the sampled rows get
+            raise InvalidRequestError("prompt logprobs (echo) are not supported with "
+                                      "--tensor-parallel-size > 1", param="echo")
         self.check_admission()
         # NOTE: a request counts as waiting from here, through its tokenization (a thread hop
         # during which others arrive), until it is in the scheduler's queue: the bound holds
@@ -478,7 +483,7 @@ class AsyncEngine:
         self.stats["device_us"] += round(exec_us)
         width = len(plan.rows)
         admitted = {ns.slot for ns in plan.new_slots}
-        k = 0
+        k = scored = 0
         for row in plan.rows:
             seq: Sequence = row.owner
             seq.num_inflight -= 1
@@ -492,6 +497,10 @@ class AsyncEngine:
                 tl.prefill_tokens += row.num_tokens
             if row.slot in admitted:
                 tl.admission_us += plan.schedule_us
+            if row.score_targets:
+                if seq.prompt_scores is not None:
+                    seq.prompt_scores.extend(out.prompt_scores[scored])
+                scored += 1
             if not row.sample:
                 continue
             token = out.token_ids[k]
@@ -544,7 +553,12 @@ class AsyncEngine:
                 text += more if matched is not None else more + state.stops.flush()
                 if matched is not None:
                     reason = ("stop", matched)
-        delta = Delta(seq.request_id, text, [token], [lp] if lp is not None else None)
+        delta = Delta(seq.request_id, text, [token], [lp] if lp is not None else None,
+                      usage=Usage(seq.num_prompt, seq.num_output, max(seq.matched_tokens, 0)))
+        if seq.prompt_scores is not None:
+            delta.prompt_logprobs = [None, *seq.prompt_scores]
+            delta.prompt_token_ids = seq.prompt_ids
+            seq.prompt_scores = None
         if reason is None:
             seq.queue.put_nowait(delta)
         else:

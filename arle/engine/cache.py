@@ -209,26 +209,28 @@ class CacheManager:
         return self.pages.alloc(n)
 
     # ---- a request's life ---------------------------------------------------------------
-    def match(self, tokens: list[int]) -> list[RadixNode]:
-        """Cached full pages usable by a request with these tokens. At least one token is
-        left uncached, so the request still computes the logits of its last token. A hybrid
-        model's match ends at the deepest node with a state snapshot (KV without the state at
-        its end is of no use)."""
+    def match(self, tokens: list[int], max_match: int | None = None) -> list[RadixNode]:
+        """Cached full pages usable by a request with these tokens (at most `max_match`
+        tokens of them). At least one token is left uncached, so the request still computes
+        the logits of its last token. A hybrid model's match ends at the deepest node with a
+        state snapshot (KV without the state at its end is of no use)."""
         if not self.enable_prefix_cache or len(tokens) < 2:
             return []
-        nodes = self.radix.match(tokens[:len(tokens) - 1])
+        limit = len(tokens) - 1 if max_match is None else min(len(tokens) - 1, max_match)
+        nodes = self.radix.match(tokens[:limit])
         if self.hybrid:
             while nodes and nodes[-1].snapshot is None:
                 nodes.pop()
         return nodes
 
-    def admit(self, tokens: list[int], reserve_tokens: int,
-              headroom_pages: int = 0) -> RequestCache | None:
-        """Take a slot, lock the cached prefix and reserve pages for `reserve_tokens` tokens.
-        None (nothing taken) when it does not fit with `headroom_pages` to spare."""
+    def admit(self, tokens: list[int], reserve_tokens: int, headroom_pages: int = 0,
+              max_match: int | None = None) -> RequestCache | None:
+        """Take a slot, lock the cached prefix (at most `max_match` tokens of it) and reserve
+        pages for `reserve_tokens` tokens. None (nothing taken) when it does not fit with
+        `headroom_pages` to spare."""
         if not self._free_slots:
             return None
-        shared = self.match(tokens)
+        shared = self.match(tokens, max_match)
         need = self.pages_for(reserve_tokens) - len(shared)
         # Locking the prefix makes its evictable pages unavailable: count them out first.
         locked_evictable = sum(1 for n in shared if n.refs == 0)

@@ -64,12 +64,17 @@ class Usage:
 
 @dataclass
 class Delta:
-    """A piece of output. The last delta of a request has `finish_reason` and `usage` set."""
+    """A piece of output. Every delta carries the usage so far; the last has `finish_reason`."""
 
     request_id: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    #: `params.prompt_logprobs`: one entry per prompt token (the first None: nothing before
+    #: it to score it by), on the first delta only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: the prompt's ids, beside `prompt_logprobs`
+    prompt_token_ids: list[int] | None = None
     finish_reason: FinishReason | None = None
     #: What stopped it: the matched stop string, the stop token id, "eos", "max_tokens", "context".
     stop_reason: str | int | None = None

@@ -109,8 +109,11 @@ class Scheduler:
             if seq.num_inflight:  # preempted while a step of it runs: wait for its tokens
                 break
             # Keep a page per running request spare, so admission does not starve decodes.
+            # NOTE: a cached prefix has K/V but no logits: a request that scores its prompt
+            # matches the cache only up to the first position it still has to score.
             rc = self.cache.admit(seq.tokens, len(seq.tokens) + 1,
-                                  headroom_pages=len(self.running))
+                                  headroom_pages=len(self.running),
+                                  max_match=seq.score_next if seq.scoring else None)
             if rc is None:
                 break
             self.waiting.popleft()
@@ -160,5 +163,12 @@ class Scheduler:
         start = seq.num_scheduled
         assert seq.cache is not None
         done = start + n == seq.prefill_target
-        return Row(seq.cache.slot, start, n, seq.tokens[start:start + n], done, seq.num_output,
-                   seq.cache.pages, seq.params, seq, seq.grammar)
+        row = Row(seq.cache.slot, start, n, seq.tokens[start:start + n], done, seq.num_output,
+                  seq.cache.pages, seq.params, seq, seq.grammar)
+        if seq.scoring:
+            # position p's logits score prompt token p + 1 (the last prompt position samples)
+            lo, hi = max(start, seq.score_next), min(start + n, seq.num_prompt - 1)
+            if hi > lo:
+                row.score_targets, row.score_from = seq.tokens[lo + 1:hi + 1], lo - start
+                seq.score_next = hi
+        return row

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arle.engine.cache import RequestCache
-from arle.engine.request import Delta, FinishReason, SamplingParams
+from arle.engine.request import Delta, FinishReason, SamplingParams, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -82,9 +82,22 @@ class Sequence:
     #: the grammar matcher of a constrained request (arle.engine.grammar); the executor
     #: advances it, in step order
     grammar: Any = None
+    #: prompt scoring (`params.prompt_logprobs`): the next position whose logits are to score
+    #: the token after it (positions before it are scored or scheduled to be), and the scores
+    #: of prompt tokens 1.. known so far; handed out with the first delta (`None` after).
+    score_next: int = 0
+    prompt_scores: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_scores = []
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt positions are still to be scored (their logits must be computed, not
+        taken from the prefix cache, which keeps K/V only)."""
+        return self.prompt_scores is not None and self.score_next < self.num_prompt - 1
 
     @property
     def num_prompt(self) -> int:

@@ -26,6 +26,8 @@ class StepOutput:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     #: seconds the device spent on the step (launch to result on the host)
     exec_s: float = 0.0
+    #: per row that scores prompt tokens (`Row.score_targets`), in row order: their logprobs
+    prompt_scores: list[list[TokenLogprob]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,14 @@ from arle.executor.paged import (
     step_views,
 )
 from arle.executor.plan import StepPlan
-from arle.executor.sampler import PenaltyState, SampleOutput, logprobs_of, sample_into
+from arle.executor.sampler import (
+    PenaltyState,
+    SampleOutput,
+    logprobs_of,
+    prompt_scores_of,
+    sample_into,
+    score_positions,
+)
 from arle.model.decoder import DecoderLM
 from arle.threads import torch_thread
 from arle_kernels.ops import ops_for
@@ -91,8 +98,14 @@ class CPUExecutor:
         hidden = self.model(step.input_ids, PagedAttention(self.kv, step, self.rotary, self.model,
                                                            self.state, self.page_size))
         inputs.save_states(self.state)
+        scores = []
+        if packed.num_scores:
+            scored = score_positions(hidden[packed.view(meta, "score_index")],
+                                     packed.view(meta, "score_targets"), inputs.score_top,
+                                     self.model.logits)
+            scores = prompt_scores_of(scored, packed.segment("score_targets"), inputs.score_rows)
         if not packed.sample_rows:
-            return StepOutput([], [], time.perf_counter() - t0)
+            return StepOutput([], [], time.perf_counter() - t0, scores)
         logits = self.model.logits(hidden[packed.view(meta, "sample_index")])
         slots = packed.view(meta, "sample_slots")
 
@@ -110,7 +123,7 @@ class CPUExecutor:
         if inputs.grammars:
             self.grammar_masks.sampled(inputs.grammars, out.token_ids)
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, scores)
 
     def rank_info(self) -> dict[str, Any]:
         """This rank's memory: weights, KV pool, recurrent state pool (`arle warmup`)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,8 +53,11 @@ from arle.executor.sampler import (
     PenaltyState,
     SampleOutput,
     SamplingBatch,
+    ScoreOutput,
     logprobs_of,
+    prompt_scores_of,
     sample_into,
+    score_positions,
 )
 from arle.model.decoder import DecoderLM
 from arle.threads import torch_thread
@@ -226,9 +229,12 @@ class CUDAExecutor:
         rows = plan.rows
         nd = plan.num_decode_rows
         graph_bs = extend_t = 0
+        # NOTE: a step that scores prompt tokens runs eagerly: the graphs keep the logits of
+        # the sampling rows only
+        scoring = any(r.score_targets for r in rows)
         if self.graphs is not None and nd == len(rows) and nd <= self.graphs.max_bs:
             graph_bs = self.graphs.size_for(nd)
-        elif self.extend_graphs is not None:
+        elif self.extend_graphs is not None and not scoring:
             extend_t = self.extend_graphs.size_for(plan.num_tokens, len(rows))
         shape = self.extend_graphs.shapes[extend_t] if self.extend_graphs and extend_t else None
         inputs = StepInputs.of(plan, self.page_size, graph_bs, self.pad_slot, shape)
@@ -272,6 +278,7 @@ class CUDAExecutor:
                 for new_slot in h.inputs.new_slots:
                     self.penalties.start_slot(*new_slot)
                 h.inputs.start_states(self.state)
+                scored = None
                 if h.graph_bs:
                     logits = self._replay(h, meta)
                 elif h.extend_tokens:
@@ -282,6 +289,10 @@ class CUDAExecutor:
                     if nd:
                         step.input_ids[:nd] = self.token_buffer[decode_slots]
                     hidden = self.model(step.input_ids, self.backend(step))
+                    if h.layout.num_scores:
+                        scored = score_positions(hidden[h.layout.view(meta, "score_index")],
+                                                 h.layout.view(meta, "score_targets"),
+                                                 h.inputs.score_top, self.model.logits)
                     index = h.layout.view(meta, "sample_index")
                     logits = self.model.logits(hidden[index]) if index.numel() else hidden[:0]
                 h.inputs.save_states(self.state)
@@ -304,7 +315,10 @@ class CUDAExecutor:
                     out = sample(logits)
             pending = _Pending(start, h.inputs.want_logprobs)
             event = torch.cuda.Event(enable_timing=True, blocking=True)
-            pending.out = self._copy_out(out, event)
+            pending.out, pending.scores = self._copy_out(out, scored, event)
+            if scored is not None:
+                pending.score_targets = h.layout.segment("score_targets")
+                pending.score_rows = h.inputs.score_rows
             if grammars and pending.out is not None:
                 # consumed by the next grammar step's mask job, once the copy is done
                 self.grammar_masks.sampled(grammars, pending.out.token_ids, event.synchronize)
@@ -327,15 +341,23 @@ class CUDAExecutor:
             t.record_stream(self.stream)
         return meta, batch
 
-    def _copy_out(self, out: SampleOutput | None, event: torch.cuda.Event) -> _Copied | None:
-        """The sampled ids (and logprobs) into pinned memory on the copy-out stream, after the
-        step's kernels; `event` marks the step done. NOTE: not on ours, where the copy would
-        wait for the step and step N+1's kernels for the copy."""
+    def _copy_out(self, out: SampleOutput | None, scored: ScoreOutput | None,
+                  event: torch.cuda.Event) -> tuple[_Copied | None, ScoreOutput | None]:
+        """The sampled ids (and logprobs, and prompt scores) into pinned memory on the
+        copy-out stream, after the step's kernels; `event` marks the step done. NOTE: not on
+        ours, where the copy would wait for the step and step N+1's kernels for the copy."""
         self.copy_out_stream.wait_stream(self.stream)
         with torch.cuda.stream(self.copy_out_stream):
-            copied = _Copied.of(out, self.copy_out_stream) if out is not None else None
+            stream = self.copy_out_stream
+            copied = _Copied.of(out, stream) if out is not None else None
+            scores = None
+            if scored is not None:
+                logprobs = _to_host(scored.logprobs, stream)
+                assert logprobs is not None
+                scores = ScoreOutput(logprobs, _to_host(scored.top_ids, stream),
+                                     _to_host(scored.top_logprobs, stream))
             event.record(self.copy_out_stream)
-        return copied
+        return copied, scores
 
     def _replay(self, h: HostStep, meta: torch.Tensor) -> torch.Tensor:
         g = self.graphs
@@ -367,11 +389,13 @@ class CUDAExecutor:
     def _wait(event: torch.cuda.Event, pending: _Pending) -> StepOutput:
         event.synchronize()  # NOTE: a blocking-sync event: the thread sleeps, the GIL is free
         exec_s = pending.start.elapsed_time(event) / 1e3
+        scores = (prompt_scores_of(pending.scores, pending.score_targets, pending.score_rows)
+                  if pending.scores is not None else [])
         if pending.out is None:
-            return StepOutput([], [], exec_s)
+            return StepOutput([], [], exec_s, scores)
         out = pending.out.host()
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, pending.want_logprobs),
-                          exec_s)
+                          exec_s, scores)
 
     def close(self) -> None:
         self._launcher.submit(lambda: None).result()
@@ -392,19 +416,22 @@ class _Copied:
     @classmethod
     def of(cls, out: SampleOutput, stream: torch.cuda.Stream) -> _Copied:
         """Copies queued on `stream` (the current one), which did not make `out`."""
-        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            t.record_stream(stream)  # NOTE: its memory is not reused before the copy ran
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return host.copy_(t, non_blocking=True)
-
-        ids = copy(out.token_ids)
+        ids = _to_host(out.token_ids, stream)
         assert ids is not None
-        return cls(ids, copy(out.logprobs), copy(out.top_ids), copy(out.top_logprobs))
+        return cls(ids, _to_host(out.logprobs, stream), _to_host(out.top_ids, stream),
+                   _to_host(out.top_logprobs, stream))
 
     def host(self) -> SampleOutput:
         return SampleOutput(self.token_ids, self.logprobs, self.top_ids, self.top_logprobs)
+
+
+def _to_host(t: torch.Tensor | None, stream: torch.cuda.Stream) -> torch.Tensor | None:
+    """A non-blocking copy of `t` into pinned memory, queued on `stream` (the current one)."""
+    if t is None:
+        return None
+    t.record_stream(stream)  # NOTE: its memory is not reused before the copy ran
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 @dataclass
@@ -412,4 +439,8 @@ class _Pending:
     start: torch.cuda.Event  # recorded when the step's work began on the stream
     want_logprobs: list[int | None]
     out: _Copied | None = None
+    #: prompt scores in pinned memory, their target ids and (positions, top N) per row
+    scores: ScoreOutput | None = None
+    score_targets: list[int] = field(default_factory=list)
+    score_rows: list[tuple[int, int]] = field(default_factory=list)
 

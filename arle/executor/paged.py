@@ -251,6 +251,8 @@ class PackedStep:
     (the graph's static `meta` block, copied whole), then page_table [bs, max_pages].
     Both: sample_index [S], the row (graph) or token (eager) index each sampling row reads its
     logits at (`sample_rows` on the host), and sample_slots [S], that row's request slot.
+    Eager steps that score prompt tokens also: score_index and score_targets [num_scores], each
+    scored position's token index and the prompt token it scores (`Row.score_targets`).
     """
 
     meta: list[int]
@@ -262,6 +264,7 @@ class PackedStep:
     max_q_len: int
     max_seq_len: int
     sample_rows: list[int]
+    num_scores: int = 0
 
     def segment(self, name: str) -> list[int]:
         start, n = self.offsets[name]
@@ -324,10 +327,29 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
         put("page_table", table)
     put("sample_index", sample_at)
     put("sample_slots", [r.slot for r in rows if r.sample])
+    score_at, targets = _score_segments(rows)
+    if score_at:
+        # NOTE: scored positions need every token's hidden state: only eager steps have them
+        assert not graph_bs and extend is None, "scoring needs an eager step"
+        put("score_index", score_at)
+        put("score_targets", targets)
     return PackedStep(meta, offsets, num_tokens=plan.num_tokens, num_rows=len(rows),
                       num_decode=nd, max_pages=max_pages,
                       max_q_len=max((r.num_tokens for r in rows[nd:]), default=1),
-                      max_seq_len=max_seq, sample_rows=sample_at)
+                      max_seq_len=max_seq, sample_rows=sample_at, num_scores=len(score_at))
+
+
+def _score_segments(rows: list[Row]) -> tuple[list[int], list[int]]:
+    """The eager layout's token index of each scored prompt position, and its target id."""
+    index: list[int] = []
+    targets: list[int] = []
+    first = 0  # the row's first token index in the step
+    for r in rows:
+        if r.score_targets:
+            index += range(first + r.score_from, first + r.score_from + len(r.score_targets))
+            targets += r.score_targets
+        first += r.num_tokens
+    return index, targets
 
 
 def _token_segments(rows: list[Row], ps: int
@@ -413,6 +435,13 @@ class StepInputs:
     saves_after: list[tuple[int, int]]
     #: (index among the sampling rows, matcher) of each grammar row (arle.executor.grammar)
     grammars: list[tuple[int, Any]] = field(default_factory=list)
+    #: (positions scored, top-N asked) of each row that scores prompt tokens, in row order
+    score_rows: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def score_top(self) -> int:
+        """The most alternatives any scoring row asks for."""
+        return max((n for _, n in self.score_rows), default=0)
 
     @classmethod
     def of(cls, plan: StepPlan, page_size: int, graph_bs: int = 0,
@@ -426,7 +455,9 @@ class StepInputs:
                     for n in plan.new_slots],
                    [(n.slot, n.restore) for n in plan.new_slots],
                    list(plan.saves_before), list(plan.saves_after),
-                   [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None])
+                   [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None],
+                   [(len(r.score_targets), r.params.prompt_logprobs or 0)
+                    for r in plan.rows if r.score_targets])
 
     def start_states(self, state: StatePool | None) -> None:
         """Before the step: the snapshots of requests released since the last step, then the

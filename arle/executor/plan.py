@@ -25,6 +25,10 @@ class Row:
     owner: Any = None
     #: The request's grammar matcher (arle.executor.grammar) when its output is constrained.
     grammar: Any = None
+    #: Prompt scoring: the row's tokens from index `score_from` on each score the prompt token
+    #: after them, these ids (their logits give its logprob); None: nothing to score.
+    score_targets: list[int] | None = None
+    score_from: int = 0
 
     @property
     def seq_len(self) -> int:

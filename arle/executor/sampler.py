@@ -15,7 +15,7 @@ The race is what makes seeded requests reproducible: a seeded row's noise depend
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -227,6 +227,59 @@ def logprobs_of(out: SampleOutput, want: list[int | None]) -> list[TokenLogprob 
         top = (tuple(zip(top_ids[i][:w], top_lp[i][:w], strict=False))
                if w and top_ids and top_lp else ())
         result.append(TokenLogprob(ids[i], chosen[i], top))
+    return result
+
+
+#: Scored positions per lm_head block: the [block, V] fp32 logits stay small however long the
+#: prompt chunk (a 2048-token chunk of a 150k vocabulary would be 1.2 GB at once).
+SCORE_BLOCK = 256
+
+
+@dataclass
+class ScoreOutput:
+    """Prompt scores, per scored position: the log-softmax of the raw logits at the prompt's
+    next token and (N > 0) the top N alternatives, best first."""
+
+    logprobs: Tensor  # [P] float32
+    top_ids: Tensor | None = None  # [P, N] int64
+    top_logprobs: Tensor | None = None  # [P, N] float32
+
+
+def score_positions(hidden: Tensor, targets: Tensor, top_n: int,
+                    logits_of: Callable[[Tensor], Tensor]) -> ScoreOutput:
+    """Score prompt tokens from the hidden states of the positions before them, in blocks of
+    SCORE_BLOCK positions. On the device, no host sync (the block loop is over a host count)."""
+    lps: list[Tensor] = []
+    ids: list[Tensor] = []
+    tops: list[Tensor] = []
+    for i in range(0, hidden.shape[0], SCORE_BLOCK):
+        lp = logits_of(hidden[i:i + SCORE_BLOCK]).float().log_softmax(dim=-1)
+        lps.append(lp.gather(-1, targets[i:i + SCORE_BLOCK, None].long()).squeeze(-1))
+        if top_n > 0:
+            top, idx = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
+            tops.append(top)
+            ids.append(idx)
+    return ScoreOutput(torch.cat(lps), torch.cat(ids) if ids else None,
+                       torch.cat(tops) if tops else None)
+
+
+def prompt_scores_of(out: ScoreOutput, targets: list[int], rows: list[tuple[int, int]]
+                     ) -> list[list[TokenLogprob]]:
+    """Split the scores by row ((positions, top N asked) each, in order). Reads `out` on the
+    host."""
+    chosen = out.logprobs.tolist()
+    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+    top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    result: list[list[TokenLogprob]] = []
+    i = 0
+    for count, want in rows:
+        scores = []
+        for j in range(i, i + count):
+            top = (tuple(zip(top_ids[j][:want], top_lp[j][:want], strict=False))
+                   if want and top_ids and top_lp else ())
+            scores.append(TokenLogprob(targets[j], chosen[j], top))
+        result.append(scores)
+        i += count
     return result
 
 

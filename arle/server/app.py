@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import functools
 import hmac
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -33,10 +34,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from arle.engine.request import Delta, GenerateRequest, TokenLogprob
+from arle.engine.request import Delta, GenerateRequest, TokenLogprob, Usage
 from arle.errors import ArleError, EngineStepError, InvalidRequestError, OverloadedError
 from arle.logging import get_logger
-from arle.server import DEFAULT_MAX_BODY_BYTES, protocol
+from arle.server import DEFAULT_MAX_BODY_BYTES, protocol, tokenizer_api
 from arle.server.guards import Guards, Refusal
 from arle.server.metrics import CONTENT_TYPE, ServerMetrics
 from arle.server.protocol import ChatCompletionRequest, CompletionRequest, Decoder
@@ -129,7 +130,7 @@ def error_response(exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
     if isinstance(exc, OverloadedError):
         headers.setdefault("Retry-After", str(retry_after_s))
     body = protocol.error_json(message, type_, getattr(exc, "param", None),
-                               getattr(exc, "code", None) or status)
+                               getattr(exc, "code", None))
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -265,15 +266,44 @@ class _Handlers:
         self._auth(request)
         return JSONResponse({"model": self.s.model_name, **self.s.metrics.stats()})
 
-    async def models(self, request: Request) -> Response:
-        self._auth(request)
+    def _model_card(self) -> dict[str, Any]:
         info = self.s.engine.model_info
-        card = {"id": self.s.model_name, "object": "model",
+        return {"id": self.s.model_name, "object": "model",
                 "created": int(self.s.metrics.started), "owned_by": "arle",
                 "root": info.get("path"), "max_model_len": self.s.engine.max_model_len,
                 # NOTE: an arle extension: `arle bench` draws random prompt token ids below it.
                 "vocab_size": self.s.engine.tokenizer.vocab_size}
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(self, request: Request) -> Response:
+        self._auth(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._auth(request)
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    # -- the tokenizer (tokenizer_api.py) --
+    async def tokenize(self, request: Request) -> Response:
+        self._auth(request)
+        req = protocol.parse_request(tokenizer_api.TokenizeRequest, await self._read_json(request))
+        self._check_model(req.model)
+        engine = self.s.engine
+        return JSONResponse(await asyncio.to_thread(tokenizer_api.tokenize, engine.tokenizer,
+                                                    req, engine.max_model_len))
+
+    async def detokenize(self, request: Request) -> Response:
+        self._auth(request)
+        req = protocol.parse_request(tokenizer_api.DetokenizeRequest,
+                                     await self._read_json(request))
+        self._check_model(req.model)
+        return JSONResponse(await asyncio.to_thread(tokenizer_api.detokenize,
+                                                    self.s.engine.tokenizer, req))
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        self._auth(request)
+        engine = self.s.engine
+        return JSONResponse(tokenizer_api.tokenizer_info(engine.tokenizer, engine.max_model_len))
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi_schema())
@@ -301,10 +331,13 @@ class _Handlers:
                         shape: ResponseShape | None = None) -> Response:
         if body is None:
             self._auth(request)
+            self.s.engine.check_admission()  # before the body is read: a burst is refused at once
             body = await self._read_json(request)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
         req = protocol.parse_request(model_cls, body)
         self._check_model(req.model)
+        if chat and req.reasoning_effort is not None:
+            self._check_reasoning_effort()
         engine = self.s.engine
         params = req.sampling_params(engine.default_params, engine.max_model_len)
         if self.s.shutting_down:
@@ -316,69 +349,166 @@ class _Handlers:
         template = getattr(engine.tokenizer, "chat_template", None)
         messages = (prepare_messages(req.message_dicts(), template,
                                      tools.tools if tools else None) if chat else None)
-        greq = GenerateRequest(
-            prompt=None if chat else req.prompt_input,
-            messages=messages, params=params, request_id=rid,
-            route=request.url.path, stream=bool(req.stream),
-            add_special_tokens=True if chat else req.add_special_tokens,
-            strict_max_tokens=_max_tokens_given(req, chat), grammar=grammar,
-            tools=tools.tools if tools else None)
-        run = _Run(self.s, request.url.path, rid, chat, req)
-        run.tools = ToolCallParser(tools) if tools is not None else None
-        # NOTE: generate() is an async generator; aclose() is what aborts it deterministically.
-        gen = cast(AsyncGenerator[Delta, None], engine.generate(greq))
+        prompts: list[str | list[int] | None] = [None] if chat else list(req.prompts)
+        n = req.num_choices
+        many = len(prompts) * n > 1
+        choices: list[_Choice] = []
+        for prompt in prompts:
+            leader: _Choice | None = None
+            for j in range(n):
+                p = req.choice_params(params, j)
+                if leader is not None:  # the leader scores the prompt for all its choices
+                    p = dataclasses.replace(p, prompt_logprobs=None)
+                i = len(choices)
+                greq = GenerateRequest(
+                    prompt=prompt, messages=messages, params=p,
+                    request_id=f"{rid}-{i}" if many else rid, route=request.url.path,
+                    stream=bool(req.stream),
+                    add_special_tokens=True if chat else req.add_special_tokens,
+                    strict_max_tokens=_max_tokens_given(req, chat), grammar=grammar,
+                    tools=tools.tools if tools else None)
+                choices.append(_Choice(i, greq, leader, ToolCallParser(tools) if tools else None))
+                leader = leader or choices[-1]
+        run = _Run(self.s, request.url.path, rid, chat, req, choices)
+        # NOTE: every choice's first delta is awaited before any byte is sent, so a request the
+        # engine refuses (prompt too long, queue full) gets a real status, not a broken stream.
         try:
-            # NOTE: the first delta is awaited before any byte is sent, so a request the engine
-            # refuses (prompt too long, queue full) gets a real status, not a broken stream.
-            first = await _until_disconnect(request.receive, gen.__anext__())
-        except BaseException as e:
-            await gen.aclose()
-            if isinstance(e, ClientGone):
-                run.note_if_aborted()
-            if isinstance(e, InvalidRequestError) and e.param == "max_tokens" and chat \
-                    and req.max_completion_tokens is not None:
+            await run.start(request.receive)
+        except InvalidRequestError as e:
+            if e.param == "max_tokens" and chat and req.max_completion_tokens is not None:
                 raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens", 1),
                                           param="max_completion_tokens") from None
             raise
         if shape is not None:
             if req.stream:
-                return SSEResponse(shape.translate_stream(run.stream(first, gen)))
+                return SSEResponse(shape.translate_stream(run.stream()))
             return JSONResponse(shape.response(
-                await _until_disconnect(request.receive, run.collect(first, gen))))
+                await _until_disconnect(request.receive, run.collect())))
         if req.stream:
-            return SSEResponse(run.stream(first, gen))
-        return JSONResponse(await _until_disconnect(request.receive, run.collect(first, gen)))
+            return SSEResponse(run.stream())
+        return JSONResponse(await _until_disconnect(request.receive, run.collect()))
+
+    def _check_reasoning_effort(self) -> None:
+        """reasoning_effort is ignored where the chat template has no thinking switch; where it
+        has one, ignoring it would give a different answer than asked."""
+        template = self.s.engine.tokenizer.chat_template or ""
+        if "enable_thinking" in template or "reasoning_effort" in template:
+            raise InvalidRequestError("reasoning_effort is not supported for this model (its "
+                                      "chat template has a thinking switch arle does not set "
+                                      "from it)", param="reasoning_effort")
+
+
+@dataclass(eq=False)
+class _Choice:
+    """One choice of a request: one engine request. With n > 1 the first choice of a prompt
+    leads: the others start once its first delta is out, when its prefill has put the prompt's
+    pages in the prefix cache, so they share its K/V instead of computing their own."""
+
+    index: int
+    greq: GenerateRequest
+    leader: _Choice | None
+    #: chat with tools: the output parsed into tool calls (arle.server.tools)
+    tools: ToolCallParser | None = None
+    gen: AsyncGenerator[Delta, None] | None = None
+    first: Delta | None = None
+    usage: Usage | None = None
+    finished: bool = False
+    closed: bool = False
+    #: When the previous token arrived; None until the first (its wait is TTFT, not ITL).
+    last_t: float | None = None
+
+    @property
+    def prompt_delta(self) -> Delta:
+        """The delta with the prompt's logprobs (the leader's first)."""
+        first = (self.leader or self).first
+        assert first is not None
+        return first
 
 
 class _Run:
-    """One generation's deltas turned into OpenAI JSON (whole, or as stream chunks)."""
+    """A request's choices' deltas turned into OpenAI JSON (whole, or as stream chunks)."""
 
-    def __init__(self, state: ServerState, route: str, rid: str, chat: bool, req: Any) -> None:
+    def __init__(self, state: ServerState, route: str, rid: str, chat: bool, req: Any,
+                 choices: list[_Choice]) -> None:
         self.s, self.route, self.rid, self.chat, self.req = state, route, rid, chat, req
+        self.choices = choices
         self.created = protocol.now()
         self.model = state.model_name
-        #: When the previous token arrived; None until the first (its wait is TTFT, not ITL).
-        self._last_t: float | None = None
-        self.finished = False
-        #: chat with tools: the output parsed into tool calls (arle.server.tools)
-        self.tools: ToolCallParser | None = None
+        self.echo = not chat and bool(req.echo)
+        self.score_only = not chat and req.score_only
 
-    def _seen(self, delta: Delta) -> None:
+    # -- the choices' lives --
+    async def start(self, receive: Receive) -> None:
+        """Start the leaders, then (after their first deltas) the others; raise (aborting all)
+        if the engine refuses any."""
+        try:
+            for group in ([c for c in self.choices if c.leader is None],
+                          [c for c in self.choices if c.leader is not None]):
+                for c in group:
+                    c.gen = cast(AsyncGenerator[Delta, None], self.s.engine.generate(c.greq))
+                firsts = await _until_disconnect(receive, asyncio.gather(
+                    *(_first(c) for c in group), return_exceptions=True))
+                for c, first in zip(group, firsts, strict=True):
+                    if isinstance(first, BaseException):
+                        raise first
+                    c.first = first
+        except BaseException as e:
+            for c in self.choices:
+                await self._close(c, note=isinstance(e, ClientGone))
+            raise
+
+    async def _close(self, c: _Choice, note: bool = True) -> None:
+        """End choice c's engine request (an abort, unless it finished). Idempotent."""
+        if c.closed or c.gen is None:
+            return
+        c.closed = True
+        if note:
+            self._note_if_aborted(c)
+        await c.gen.aclose()
+
+    async def _end_all(self, tasks: Sequence[asyncio.Future[Any]]) -> None:
+        """Cancel the choices' tasks and close every engine request. NOTE: a task cancelled
+        before it ran never runs its `finally`: the requests are closed here too."""
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in self.choices:
+            await self._close(c)
+
+    def _seen(self, c: _Choice, delta: Delta) -> None:
         if delta.token_ids:
             now = time.perf_counter()
-            if self._last_t is not None:
-                self.s.metrics.observe_gap(now - self._last_t)
-            self._last_t = now
+            if c.last_t is not None:
+                self.s.metrics.observe_gap(now - c.last_t)
+            c.last_t = now
         if delta.finish_reason is not None:
-            self.finished = True
+            c.finished = True
+            c.usage = delta.usage
             self.s.metrics.observe_finished(delta.trace)
 
-    def note_if_aborted(self) -> None:
-        if not self.finished:
+    def _note_if_aborted(self, c: _Choice) -> None:
+        if not c.finished:
             self.s.metrics.requests.labels(self.route, "abort").inc()
-            log.info("request_aborted", request_id=self.rid, route=self.route,
+            log.info("request_aborted", request_id=c.greq.request_id, route=self.route,
                      error="ended before it finished (client gone or server shutting down)")
 
+    async def _deltas(self, c: _Choice) -> AsyncGenerator[Delta, None]:
+        """Choice c's deltas, from its first; closes its engine request at the end."""
+        assert c.gen is not None and c.first is not None
+        delta = c.first
+        try:
+            while True:
+                self._seen(c, delta)
+                if delta.finish_reason == "error":
+                    raise EngineStepError(delta.error or "generation failed")
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+                delta = await c.gen.__anext__()
+        finally:
+            await self._close(c)
+
+    # -- JSON --
     def _logprobs(self, lps: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
         # NOTE: not `in (None, False)`: 0 == False, and completions' logprobs=0 asks for the
         # chosen tokens' logprobs.
@@ -388,23 +518,57 @@ class _Run:
         return (protocol.chat_logprobs(lps, dec) if self.chat
                 else protocol.completion_logprobs(lps, dec, offset))
 
+    def _echo(self, c: _Choice) -> tuple[str, dict[str, Any] | None]:
+        """An echoed prompt: its text and (logprobs asked) its logprobs object."""
+        prompt = c.greq.prompt
+        first = c.prompt_delta
+        ids = first.prompt_token_ids
+        text = prompt if isinstance(prompt, str) else self.s.decoder.decode(list(prompt or ()))
+        if first.prompt_logprobs is None or ids is None:
+            return text, None
+        return text, protocol.completion_logprobs(first.prompt_logprobs, self.s.decoder, 0, ids)
+
+    def _usage(self, usage: Usage | None) -> Usage | None:
+        """A choice's usage as reported: a score-only request's dropped token does not count."""
+        if usage is None or not self.score_only:
+            return usage
+        return dataclasses.replace(usage, completion_tokens=0)
+
+    def _total_usage(self) -> dict[str, Any]:
+        """Each prompt counts once (its choices share it), every choice's completion."""
+        prompt = completion = cached = 0
+        for c in self.choices:
+            u = self._usage(c.usage)
+            if u is None:
+                continue
+            completion += u.completion_tokens
+            if c.leader is None:
+                prompt += u.prompt_tokens
+                cached += u.cached_tokens
+        return protocol.usage_json(Usage(prompt, completion, cached))
+
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
         return {"id": self.rid, "object": kind + (".chunk" if chunk and self.chat else ""),
                 "created": self.created, "model": self.model, "system_fingerprint": None,
                 "choices": choices}
 
-    def _finish_reason(self, delta: Delta) -> str | None:
+    def _finish(self, c: _Choice, choice: dict[str, Any], delta: Delta) -> None:
+        if self.score_only:  # the prompt is all there is: cut at max_tokens 0
+            choice["finish_reason"], choice["stop_reason"] = "length", None
+            return
         reason = protocol.finish_reason_json(delta)
-        return reason if self.tools is None else tool_finish_reason(self.tools, reason)
+        choice["finish_reason"] = (reason if c.tools is None
+                                   else tool_finish_reason(c.tools, reason))
+        choice["stop_reason"] = delta.stop_reason
 
-    def _chat_delta(self, text: str, last: bool) -> dict[str, Any]:
+    def _chat_delta(self, c: _Choice, text: str, last: bool) -> dict[str, Any]:
         """A stream chunk's `delta`: the content, and with tools the calls completed so far."""
-        if self.tools is None:
+        if c.tools is None:
             return {"content": text} if text or not last else {}
-        content, calls = self.tools.feed(text)
+        content, calls = c.tools.feed(text)
         if last:
-            more, more_calls = self.tools.finish()
+            more, more_calls = c.tools.finish()
             content, calls = content + more, calls + more_calls
         out: dict[str, Any] = {}
         if content:
@@ -413,86 +577,143 @@ class _Run:
             out["tool_calls"] = calls
         return out
 
-    async def collect(self, first: Delta, gen: AsyncGenerator[Delta, None]) -> dict[str, Any]:
+    # -- a whole answer --
+    async def collect(self) -> dict[str, Any]:
+        tasks = [asyncio.ensure_future(self._collect(c)) for c in self.choices]
+        try:
+            choices = await asyncio.gather(*tasks)
+        finally:  # one choice failed, or the client left: the others end too
+            await self._end_all(tasks)
+        return {**self._envelope(list(choices), chunk=False), "usage": self._total_usage()}
+
+    async def _collect(self, c: _Choice) -> dict[str, Any]:
         text: list[str] = []
         lps: list[TokenLogprob] = []
-        delta = first
-        try:
-            while True:
-                self._seen(delta)
-                text.append(delta.text)
-                lps.extend(delta.logprobs or ())
-                if delta.finish_reason is not None:
-                    break
-                delta = await gen.__anext__()
-        finally:
-            self.note_if_aborted()
-            await gen.aclose()
-        if delta.finish_reason == "error":
-            raise EngineStepError(delta.error or "generation failed")
+        delta = c.first
+        async for delta in self._deltas(c):
+            text.append(delta.text)
+            lps.extend(delta.logprobs or ())
+        assert delta is not None
         if delta.error is not None:  # aborted by the server (shutting down)
             raise EndedByServer(delta.error)
-        logprobs = self._logprobs(lps if lps else None, 0)
+        if self.score_only:
+            text, lps = [], []
         out = "".join(text)
+        logprobs = self._logprobs(lps if lps else None, 0)
         if self.chat:
-            message = ({"role": "assistant", "content": out} if self.tools is None
-                       else tool_message(self.tools, out))
-            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": logprobs}
+            message = ({"role": "assistant", "content": out} if c.tools is None
+                       else tool_message(c.tools, out))
+            choice: dict[str, Any] = {"index": c.index, "message": message, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": out, "logprobs": logprobs}
-        choice["finish_reason"] = self._finish_reason(delta)
-        choice["stop_reason"] = delta.stop_reason
-        return {**self._envelope([choice], chunk=False), "usage": protocol.usage_json(delta.usage)}
+            if self.echo:
+                echo, echo_lps = self._echo(c)
+                out = echo + out
+                logprobs = _join_logprobs(echo_lps, logprobs, self.req.logprobs is not None)
+            choice = {"index": c.index, "text": out, "logprobs": logprobs}
+        self._finish(c, choice, delta)
+        return choice
 
-    async def stream(self, first: Delta, gen: AsyncGenerator[Delta, None]
-                     ) -> AsyncGenerator[bytes, None]:
-        include_usage = self.req.include_usage
-        offset = 0
+    # -- a stream --
+    async def stream(self) -> AsyncGenerator[bytes, None]:
+        """The choices' chunks as they come (each names its choice's index), then the usage
+        chunk (include_usage) and [DONE]."""
+        queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
 
-        def chunk(choices: list[dict[str, Any]]) -> bytes:
-            body = self._envelope(choices, chunk=True)
-            if include_usage:
-                body["usage"] = None
-            return _sse(body)
+        async def pump(c: _Choice) -> None:
+            try:
+                async for chunk in self._chunks(c):
+                    queue.put_nowait(chunk)
+            except Exception as e:
+                queue.put_nowait(e)
+            finally:
+                queue.put_nowait(None)
 
+        tasks: list[asyncio.Future[None]] = []
         try:
             if self.chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
-            delta: Delta | None = first
-            while delta is not None:
-                self._seen(delta)
-                last = delta.finish_reason is not None
-                if last and delta.finish_reason == "error":
-                    err = EngineStepError(delta.error or "generation failed")
-                    yield _sse(protocol.error_json(str(err), err.error_type, None, 500))
+                for c in self.choices:
+                    assert c.first is not None and c.first.usage is not None
+                    yield self._chunk([{"index": c.index,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}],
+                                      dataclasses.replace(c.first.usage, completion_tokens=0))
+            tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
+            live = len(tasks)
+            while live:
+                item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    # NOTE: a failed step, or the server shutting down past its grace period
+                    err = (item if isinstance(item, (EngineStepError, EndedByServer))
+                           else EngineStepError(f"generation failed: {item!r}"))
+                    yield _sse(protocol.error_json(str(err), err.error_type))
                     break
-                if last and delta.error is not None:  # aborted by the server (shutting down)
-                    yield _sse(protocol.error_json(delta.error, OverloadedError.error_type,
-                                                   None, 503))
-                    break
-                if delta.text or last or delta.logprobs:
-                    c: dict[str, Any] = {"index": 0}
-                    if self.chat:
-                        c["delta"] = self._chat_delta(delta.text, last)
-                    else:
-                        c["text"] = delta.text
-                    c["logprobs"] = self._logprobs(delta.logprobs, offset)
-                    c["finish_reason"] = self._finish_reason(delta)
-                    if last:
-                        c["stop_reason"] = delta.stop_reason
-                    offset += len(delta.text)
-                    yield chunk([c])
-                if last:
-                    if include_usage:
-                        yield _sse({**self._envelope([], chunk=True),
-                                    "usage": protocol.usage_json(delta.usage)})
-                    break
-                delta = await gen.__anext__()
+                else:
+                    yield item
+            else:
+                if self.req.include_usage:
+                    yield _sse({**self._envelope([], chunk=True), "usage": self._total_usage()})
             yield _DONE
         finally:
-            self.note_if_aborted()
-            await gen.aclose()
+            await self._end_all(tasks)
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None) -> bytes:
+        body = self._envelope(choices, chunk=True)
+        if self.req.continuous_usage:
+            body["usage"] = protocol.usage_json(self._usage(usage))
+        elif self.req.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    async def _chunks(self, c: _Choice) -> AsyncGenerator[bytes, None]:
+        offset = 0
+        first = True
+        async for delta in self._deltas(c):
+            last = delta.finish_reason is not None
+            if last and delta.error is not None:  # aborted by the server (shutting down)
+                raise EndedByServer(delta.error)
+            text, lps = delta.text, delta.logprobs
+            if self.score_only:
+                text, lps = "", None
+            logprobs = self._logprobs(lps, offset)
+            if first and self.echo:
+                echo, echo_lps = self._echo(c)
+                logprobs = _join_logprobs(echo_lps, logprobs, self.req.logprobs is not None)
+                text = echo + text
+            if text or last or lps or (first and self.echo):
+                d: dict[str, Any] = {"index": c.index}
+                if self.chat:
+                    d["delta"] = self._chat_delta(c, text, last)
+                else:
+                    d["text"] = text
+                d["logprobs"] = logprobs
+                d["finish_reason"] = None
+                if last:
+                    self._finish(c, d, delta)
+                offset += len(text)
+                yield self._chunk([d], delta.usage)
+            first = False
+
+
+async def _first(c: _Choice) -> Delta:
+    assert c.gen is not None
+    return await c.gen.__anext__()
+
+
+def _join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None,
+                   asked: bool) -> dict[str, Any] | None:
+    """An echoed prompt's logprobs object followed by the completion's (offsets shifted)."""
+    if not asked:
+        return None
+    empty: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                             "text_offset": []}
+    head, tail = head or empty, tail or empty
+    shift = sum(len(t) for t in head["tokens"])
+    return {"tokens": head["tokens"] + tail["tokens"],
+            "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+            "top_logprobs": head["top_logprobs"] + tail["top_logprobs"],
+            "text_offset": head["text_offset"] + [o + shift for o in tail["text_offset"]]}
 
 
 def _max_tokens_given(req: Any, chat: bool) -> bool:
@@ -567,6 +788,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> S
         route("/metrics", h.metrics, "GET"),
         route("/openapi.json", h.openapi, "GET"),
         route("/v1/models", h.models, "GET"),
+        route("/v1/models/{model:path}", h.model, "GET"),
+        route("/tokenize", h.tokenize, "POST"),
+        route("/detokenize", h.detokenize, "POST"),
+        route("/tokenizer_info", h.tokenizer_info, "GET"),
         route("/v1/stats", h.stats, "GET"),
         route("/v1/completions", h.completions, "POST"),
         route("/v1/chat/completions", h.chat_completions, "POST"),
@@ -590,7 +815,9 @@ def openapi_schema() -> dict[str, Any]:
 @functools.cache
 def _openapi_schema() -> dict[str, Any]:
     _, defs = models_json_schema(
-        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
+         (tokenizer_api.TokenizeRequest, "validation"),
+         (tokenizer_api.DetokenizeRequest, "validation")],
         ref_template="#/components/schemas/{model}")
     error = {"description": "An error (OpenAI's body)", "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
@@ -599,7 +826,7 @@ def _openapi_schema() -> dict[str, Any]:
             "type": "object", "required": ["message", "type"],
             "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                            "param": {"type": ["string", "null"]},
-                           "code": {"type": ["string", "integer", "null"]}}}}}}
+                           "code": {"type": ["string", "null"]}}}}}}
 
     def get(summary: str) -> dict[str, Any]:
         return {"get": {"summary": summary, "responses": {
@@ -621,6 +848,14 @@ def _openapi_schema() -> dict[str, Any]:
             "/v1/completions": post("Text completion", "CompletionRequest"),
             "/v1/chat/completions": post("Chat completion", "ChatCompletionRequest"),
             "/v1/models": get("The served model"),
+            "/v1/models/{model}": {"get": {**get("The served model by its id (404 for "
+                                                 "another)")["get"], "parameters": [{
+                "name": "model", "in": "path", "required": True,
+                "schema": {"type": "string"}}]}},
+            "/tokenize": post("Text or chat messages to token ids (vLLM's shape)",
+                              "TokenizeRequest"),
+            "/detokenize": post("Token ids to text (vLLM's shape)", "DetokenizeRequest"),
+            "/tokenizer_info": get("The tokenizer's special tokens and chat template"),
             "/v1/stats": get("Server and engine statistics (JSON)"),
             "/health": get("Liveness"),
             "/ready": get("Readiness: the model is loaded and warm"),

@@ -3,18 +3,24 @@ responses and stream chunks.
 
 NOTE: pydantic checks *shapes and types* here; *ranges* (top_p <= 1, max_tokens >= 1, ...) are
 checked once, by `SamplingParams.validate()`, so the server, the CLI and the engine agree on them.
-A field the engine cannot honour is rejected with 400 naming it (`check_supported`), never ignored.
+A field the engine cannot honour is rejected with 400 naming it (`check_supported`), never ignored;
+a field that changes nothing arle computes (`IGNORED_FIELDS`) is accepted and logged at debug.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from arle.engine.request import Delta, SamplingParams, TokenLogprob, Usage
 from arle.errors import InvalidRequestError
+from arle.logging import get_logger
+
+log = get_logger("arle.server")
 
 # NOTE: strict: "1" is not an int and 1.5 is not an int; floats reject NaN/inf. An int is
 # accepted where a float is expected (JSON has one number type).
@@ -40,9 +46,23 @@ class ResponseFormat(BaseModel):
     json_schema: JSONSchemaFormat | None = None
 
 
+#: Fields accepted and ignored: none changes what arle computes (bookkeeping for OpenAI's own
+#: platform, a cache-routing hint, a latency hint whose output must equal the plain answer).
+#: `reasoning_effort` is ignored only for a chat template without a thinking switch (app.py).
+IGNORED_FIELDS = ("metadata", "service_tier", "store", "user", "safety_identifier",
+                  "prompt_cache_key", "prediction", "reasoning_effort")
+
+#: At most this many choices (prompts x n) per request: each is an engine request.
+MAX_CHOICES = 128
+
+
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    #: vLLM's: every chunk carries the usage so far (guidellm sends it).
+    continuous_usage_stats: bool = False
+    #: OpenAI's padding of chunks against length side channels: no effect on the text.
+    include_obfuscation: bool | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -67,9 +87,17 @@ class _SamplingFields(BaseModel):
     # every field): null means the default.
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     n: int | None = 1
     logit_bias: dict[str, float] | None = None
+    # accepted and ignored (IGNORED_FIELDS)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
     def _sampling(self, engine_defaults: Any, max_tokens: int | None, logprobs: int | None,
                   default_max_tokens: int) -> SamplingParams:
@@ -90,9 +118,12 @@ class _SamplingFields(BaseModel):
         return params
 
     def _check_common(self) -> None:
-        if self.n not in (None, 1):
-            raise InvalidRequestError(f"n must be 1 (arle returns one choice), got {self.n}",
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequestError(f"n must be in [1, {MAX_CHOICES}], got {self.n}",
                                       param="n")
+        ignored = [name for name in IGNORED_FIELDS if getattr(self, name) is not None]
+        if ignored:
+            log.debug("ignored_fields", fields=ignored)
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -102,12 +133,28 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def choice_params(self, params: SamplingParams, i: int) -> SamplingParams:
+        """Choice i's params: with a seed, choice i > 0 draws from seed + i, so the choices
+        differ while each stays reproducible."""
+        if i == 0 or params.seed is None:
+            return params
+        return replace(params, seed=params.seed + i)
+
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     response_format: ResponseFormat | None = None
-    prompt: str | list[int] | list[str]
+    #: One prompt (text or token ids), or a list of them: one choice per prompt (times n).
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool | None = False
@@ -117,26 +164,43 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         self._check_common()
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError("best_of must be 1", param="best_of")
+        if self.best_of is not None and self.best_of != self.num_choices:
+            # NOTE: best_of > n would rank the candidates by their logprob: not implemented
+            raise InvalidRequestError(f"best_of must equal n ({self.num_choices}), got "
+                                      f"{self.best_of}", param="best_of")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
-        p = self.prompt
-        if isinstance(p, list) and len(p) > 1 and isinstance(p[0], str):
-            raise InvalidRequestError(
-                f"a list of {len(p)} prompts: arle takes one prompt per request", param="prompt")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens 0 (score the prompt only) needs echo: true",
+                                      param="max_tokens")
+        total = len(self.prompts) * self.num_choices
+        if total > MAX_CHOICES:
+            raise InvalidRequestError(f"{len(self.prompts)} prompts x n={self.num_choices} is "
+                                      f"{total} choices, over {MAX_CHOICES}", param="prompt")
 
     @property
-    def prompt_input(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice group (a list of ids is one prompt)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            return str(p[0])
-        return p  # type: ignore[return-value]
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]  # type: ignore[list-item]
+
+    @property
+    def score_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt and its logprobs, no new token."""
+        return self.max_tokens == 0
 
     def sampling_params(self, engine_defaults: Any, max_model_len: int) -> SamplingParams:
-        return self._sampling(engine_defaults, self.max_tokens, self.logprobs, 16)
+        # NOTE: a score-only request samples one token at the end of its prefill (no extra
+        # forward pass) and the server drops it: the engine always samples at least one.
+        max_tokens = 1 if self.score_only else self.max_tokens
+        params = self._sampling(engine_defaults, max_tokens, self.logprobs, 16)
+        if self.echo and self.logprobs is not None:
+            params = replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 class TextPart(BaseModel):
@@ -235,8 +299,7 @@ class ChatCompletionRequest(_SamplingFields):
                                       param=alias) from None
 
 
-def parse_request(model: type[CompletionRequest] | type[ChatCompletionRequest],
-                  data: object) -> Any:
+def parse_request(model: type[Any], data: object) -> Any:
     """Validate a decoded JSON body; the first problem becomes an InvalidRequestError naming
     its parameter (`messages.0.role`, `top_p`, ...)."""
     if not isinstance(data, dict):
@@ -290,7 +353,8 @@ def finish_reason_json(delta: Delta) -> str | None:
 
 
 def error_json(message: str, type_: str, param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body: `code` is a string or null, never a number."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -303,23 +367,31 @@ class Decoder:
     def text(self, token_id: int) -> str:
         return str(self._tok.decode([token_id], skip_special_tokens=False))
 
+    def decode(self, ids: list[int]) -> str:
+        """A prompt's ids as text, special tokens kept (an echo shows what the model read)."""
+        return str(self._tok.decode(ids, skip_special_tokens=False))
 
-def completion_logprobs(lps: list[TokenLogprob], dec: Decoder, offset: int) -> dict[str, Any]:
-    """The legacy completions logprobs object."""
-    tokens = [dec.text(lp.token_id) for lp in lps]
+
+def completion_logprobs(lps: Sequence[TokenLogprob | None], dec: Decoder, offset: int,
+                        ids: Sequence[int] = ()) -> dict[str, Any]:
+    """The legacy completions logprobs object. A None entry (an echoed prompt's first token:
+    nothing before it scores it) is token `ids[i]` with null logprob and null alternatives."""
+    tokens = [dec.text(ids[i] if lp is None else lp.token_id) for i, lp in enumerate(lps)]
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    def top(lp: TokenLogprob) -> dict[str, float]:
+    def top(lp: TokenLogprob | None) -> dict[str, float] | None:
         # NOTE: keyed by text, two tokens can collide (lone bytes all read as U+FFFD): keep
         # the first, the likelier (`top` is best first).
+        if lp is None:
+            return None
         out: dict[str, float] = {}
         for t, p in lp.top:
             out.setdefault(dec.text(t), p)
         return out
 
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
             "top_logprobs": [top(lp) for lp in lps], "text_offset": offsets}
 
 
