@@ -56,6 +56,14 @@ def tiny(smol: LoadedModel) -> LoadedModel:
                    path=Path("tiny"), generation_defaults={})
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama directory for `arle serve` (served.write_tiny_model), per module."""
+    from served import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
 @pytest.fixture
 async def make_engine() -> AsyncIterator[Callable[..., AsyncEngine]]:
     """Build engines around a LoadedModel; every engine is closed (and its pages checked) after."""

@@ -13,12 +13,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import types
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from arle.engine.request import Delta, GenerateRequest, SamplingParams, Usage
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -141,3 +144,26 @@ def arle_server(args: list[str], log_path: Path, timeout_s: float = 120.0
         yield server
     finally:
         server.kill()
+
+
+class OneTokenEngine:
+    """Just enough of AsyncEngine for the app (`create_app`): every request answers one token.
+    Tests override `generate` for other behaviours."""
+
+    model_name, max_model_len = "fake", 64
+    model_info: dict[str, Any] = {}  # noqa: RUF012
+    tokenizer = types.SimpleNamespace(vocab_size=10, decode=lambda ids, **kw: "t")
+
+    def default_params(self, **overrides: Any) -> SamplingParams:
+        return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
+
+    def check_admission(self) -> None:
+        pass
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"running": 0, "waiting": 0, "kv_pages_total": 4, "kv_pages_free": 4,
+                "kv_pages_cached": 0, "kv_pages_evictable": 0, "preemptions": 0}
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
+        yield Delta(req.request_id or "r", text="t", token_ids=[1], finish_reason="length",
+                    usage=Usage(1, 1), trace={"route": req.route, "error": None})

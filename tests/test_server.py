@@ -10,7 +10,6 @@ import json
 import signal
 import threading
 import time
-import types
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from served import ServerProcess, arle_server, write_tiny_model
+from served import OneTokenEngine, ServerProcess, arle_server
 
-from arle.engine.request import Delta, GenerateRequest, SamplingParams, Usage
+from arle.engine.request import Delta, GenerateRequest, Usage
 from arle.server.app import create_app, openapi_schema
 from arle.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -31,11 +30,6 @@ pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 1024
 MAX_BODY = 65536
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -462,26 +456,11 @@ def test_fuzz_wrong_types_and_values(server: ServerProcess, path: str,
 # ---- a failing engine step: 500 for its requests, the server goes on ------------------------------
 
 
-class _FailingEngine:
-    """Just enough of AsyncEngine for the app: its first request fails inside a step (after
-    one token), the ones after succeed."""
-
-    model_name, max_model_len = "fake", 64
-    model_info: dict[str, Any] = {}  # noqa: RUF012
-    tokenizer = types.SimpleNamespace(vocab_size=10, decode=lambda ids, **kw: "t")
+class _FailingEngine(OneTokenEngine):
+    """Its first request fails inside a step (after one token), the ones after succeed."""
 
     def __init__(self) -> None:
         self.calls = 0
-
-    def default_params(self, **overrides: Any) -> SamplingParams:
-        return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
-
-    def check_admission(self) -> None:
-        pass
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"running": 0, "waiting": 0, "kv_pages_total": 4, "kv_pages_free": 4,
-                "kv_pages_cached": 0, "kv_pages_evictable": 0, "preemptions": 0}
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
         self.calls += 1

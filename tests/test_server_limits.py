@@ -16,17 +16,15 @@ import socket
 import subprocess
 import sys
 import time
-import types
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from served import ROOT, SPECIALS, ServerProcess, arle_server, write_tiny_model
+from served import ROOT, SPECIALS, OneTokenEngine, ServerProcess, arle_server
 from tokenizers import Tokenizer as HFTokenizer
 
-from arle.engine.request import Delta, GenerateRequest, SamplingParams, Usage
 from arle.server import MAX_HEADER_BYTES, MAX_HEADERS
 from arle.server.app import ServerSettings, create_app
 from arle.server.guards import LOOPBACK_HOSTS
@@ -34,11 +32,6 @@ from arle.server.guards import LOOPBACK_HOSTS
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 1024
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -289,30 +282,10 @@ def test_web_pages_are_refused_by_default(server: ServerProcess) -> None:
     still_serving(server)
 
 
-class _OneTokenEngine:
-    """Just enough of AsyncEngine for the app: every request answers one token."""
-
-    model_name, max_model_len = "fake", 64
-    model_info: dict[str, Any] = {}  # noqa: RUF012
-    tokenizer = types.SimpleNamespace(vocab_size=10, decode=lambda ids, **kw: "t")
-
-    def default_params(self, **overrides: Any) -> SamplingParams:
-        return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
-
-    def check_admission(self) -> None:
-        pass
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"running": 0, "waiting": 0, "kv_pages_total": 4, "kv_pages_free": 4,
-                "kv_pages_cached": 0, "kv_pages_evictable": 0, "preemptions": 0}
-
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
-        yield Delta(req.request_id or "r", text="t", token_ids=[1], finish_reason="length",
-                    usage=Usage(1, 1), trace={"route": req.route, "error": None})
 
 
 async def test_allowed_origins_get_cors() -> None:
-    app = create_app(_OneTokenEngine(), ServerSettings(  # type: ignore[arg-type]
+    app = create_app(OneTokenEngine(), ServerSettings(  # type: ignore[arg-type]
         allowed_origins=("https://app.example",), allowed_hosts=("api.example",)))
     body = {"prompt": "x", "max_tokens": 1}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -336,7 +309,7 @@ async def test_allowed_origins_get_cors() -> None:
         assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
         # --allowed-hosts replaces the loopback names
         assert (await http.get("/health", headers={"Host": "localhost"})).status_code == 421
-    app = create_app(_OneTokenEngine(), ServerSettings(  # type: ignore[arg-type]
+    app = create_app(OneTokenEngine(), ServerSettings(  # type: ignore[arg-type]
         allowed_origins=("*",), allowed_hosts=LOOPBACK_HOSTS))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://localhost:8000") as http:

@@ -70,6 +70,16 @@ def _env(mark: str = "") -> dict[str, str]:
     return env
 
 
+def _marked_tp2_server(model: Path, tmp_path: Path) -> tuple[ServerProcess, str]:
+    """`arle serve --tp 2` of `model` (started, not ready yet), every process of it marked
+    (see `_processes_marked`)."""
+    mark = uuid.uuid4().hex
+    server = ServerProcess(["--model", str(model), "--tp", "2", "--threads", "1"],
+                           tmp_path / "serve.log", env={"ARLE_TP_TEST_MARK": mark,
+                                                        "OMP_NUM_THREADS": "1"})
+    return server, mark
+
+
 def _processes_marked(mark: str) -> list[int]:
     """Live processes whose environment carries `mark` (a test's children and theirs)."""
     pids = []
@@ -276,10 +286,7 @@ def test_serve_tp2_answers_and_dies_cleanly_with_a_rank(model_dirs: dict[str, Pa
                                                         tmp_path: Path) -> None:
     """`arle serve --tp 2` answers; killing rank 1 mid-stream ends the server with a clear
     error within seconds, and no process of it is left."""
-    mark = uuid.uuid4().hex
-    server = ServerProcess(["--model", str(model_dirs["qwen3"]), "--tp", "2", "--threads", "1"],
-                           tmp_path / "serve.log", env={"ARLE_TP_TEST_MARK": mark,
-                                                        "OMP_NUM_THREADS": "1"})
+    server, mark = _marked_tp2_server(model_dirs["qwen3"], tmp_path)
     try:
         url = server.wait_ready()
         body = {"model": "qwen3", "prompt": "Hello", "max_tokens": 8, "temperature": 0}
@@ -315,10 +322,7 @@ def test_serve_tp2_answers_and_dies_cleanly_with_a_rank(model_dirs: dict[str, Pa
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_and_ctrl_c_stop_every_rank(model_dirs: dict[str, Path], tmp_path: Path,
                                             sig: int) -> None:
-    mark = uuid.uuid4().hex
-    server = ServerProcess(["--model", str(model_dirs["qwen3"]), "--tp", "2", "--threads", "1"],
-                           tmp_path / "serve.log", env={"ARLE_TP_TEST_MARK": mark,
-                                                        "OMP_NUM_THREADS": "1"})
+    server, mark = _marked_tp2_server(model_dirs["qwen3"], tmp_path)
     try:
         server.wait_ready()
         assert len(_processes_marked(mark)) == 2
@@ -354,10 +358,7 @@ def test_arle_warmup_reports_each_ranks_memory(model_dirs: dict[str, Path]) -> N
 
 def test_killing_rank_0_leaves_no_rank_behind(model_dirs: dict[str, Path],
                                               tmp_path: Path) -> None:
-    mark = uuid.uuid4().hex
-    server = ServerProcess(["--model", str(model_dirs["qwen3"]), "--tp", "2", "--threads", "1"],
-                           tmp_path / "serve.log", env={"ARLE_TP_TEST_MARK": mark,
-                                                        "OMP_NUM_THREADS": "1"})
+    server, mark = _marked_tp2_server(model_dirs["qwen3"], tmp_path)
     try:
         server.wait_ready()
         assert len(_processes_marked(mark)) == 2
