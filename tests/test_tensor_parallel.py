@@ -80,6 +80,14 @@ def _marked_tp2_server(model: Path, tmp_path: Path) -> tuple[ServerProcess, str]
     return server, mark
 
 
+def _assert_all_marked_gone(mark: str, within_s: float = 5.0) -> None:
+    """Every process carrying `mark` exits within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while _processes_marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_marked(mark) == []
+
+
 def _processes_marked(mark: str) -> list[int]:
     """Live processes whose environment carries `mark` (a test's children and theirs)."""
     pids = []
@@ -311,10 +319,7 @@ def test_serve_tp2_answers_and_dies_cleanly_with_a_rank(model_dirs: dict[str, Pa
         assert server.proc.returncode == 1
         log = server.log_path.read_text(errors="replace")
         assert f"tensor-parallel rank 1 (pid {rank1}) died (signal 9)" in log
-        deadline = time.monotonic() + 5
-        while _processes_marked(mark) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _processes_marked(mark) == []
+        _assert_all_marked_gone(mark)
     finally:
         server.kill()
 
@@ -364,10 +369,7 @@ def test_killing_rank_0_leaves_no_rank_behind(model_dirs: dict[str, Path],
         assert len(_processes_marked(mark)) == 2
         server.proc.kill()
         server.proc.wait(10)
-        deadline = time.monotonic() + 5
-        while _processes_marked(mark) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _processes_marked(mark) == []
+        _assert_all_marked_gone(mark)
     finally:
         server.kill()
 

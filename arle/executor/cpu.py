@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
-from arle.executor.distributed import TPRanks, peer_inputs, sample_on_first_rank
+from arle.executor.distributed import TPRanks, peer_inputs, rank_memory, sample_on_first_rank
 from arle.executor.grammar import GrammarMasks
 from arle.executor.paged import (
     KVCache,
@@ -127,10 +127,8 @@ class CPUExecutor:
 
     def rank_info(self) -> dict[str, Any]:
         """This rank's memory: weights, KV pool, recurrent state pool (`arle warmup`)."""
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {"rank": self.tp.rank, "device": "cpu", "weights_bytes": weights,
-                "kv_pages": self.kv_pool.num_pages, "kv_bytes": self.kv.nbytes,
-                "state_bytes": self.state.nbytes if self.state is not None else 0}
+        return rank_memory(self.tp, "cpu", self.model, self.kv_pool.num_pages, self.kv.nbytes,
+                           self.state.nbytes if self.state is not None else 0)
 
     def close(self) -> None:
         # The thread is shared (see torch_thread): wait for this executor's steps, keep it.

@@ -35,7 +35,7 @@ import torch
 from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, DecodeGraphs, ExtendGraphs
 from arle.executor.cuda_startup import start_up
-from arle.executor.distributed import TPRanks, peer_inputs, sample_on_first_rank
+from arle.executor.distributed import TPRanks, peer_inputs, rank_memory, sample_on_first_rank
 from arle.executor.grammar import GrammarMasks
 from arle.executor.paged import (
     FP8_KV,
@@ -257,10 +257,8 @@ class CUDAExecutor:
 
     def rank_info(self) -> dict[str, Any]:
         """This rank's memory plan (`arle warmup`)."""
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {"rank": self.tp.rank, "device": str(self.device), "weights_bytes": weights,
-                "kv_pages": self.kv_pool.num_pages, "kv_bytes": self.kv.nbytes,
-                "state_bytes": self.state.nbytes if self.state is not None else 0,
+        return {**rank_memory(self.tp, self.device, self.model, self.kv_pool.num_pages,
+                              self.kv.nbytes, self.state.nbytes if self.state is not None else 0),
                 "memory_plan": self.startup_info.get("memory_plan")}
 
     def _enqueue(self, h: HostStep) -> tuple[torch.cuda.Event, _Pending]:

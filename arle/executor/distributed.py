@@ -72,6 +72,14 @@ def peer_inputs(inputs: StepInputs) -> StepInputs:
     return replace(inputs, sampling=None, want_logprobs=[], new_slots=[], grammars=[])
 
 
+def rank_memory(tp: TPGroup, device: torch.device | str, model: torch.nn.Module, kv_pages: int,
+                kv_bytes: int, state_bytes: int) -> dict[str, Any]:
+    """One rank's memory as `arle warmup` reports it: weights, KV pool, recurrent state pool."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"rank": tp.rank, "device": str(device), "weights_bytes": weights,
+            "kv_pages": kv_pages, "kv_bytes": kv_bytes, "state_bytes": state_bytes}
+
+
 def sample_on_first_rank(tp: TPGroup, logits: torch.Tensor, vocab: int, slots: torch.Tensor,
                          token_buffer: torch.Tensor,
                          sample: Callable[[torch.Tensor], SampleOutput]) -> SampleOutput | None:
