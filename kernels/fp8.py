@@ -9,10 +9,11 @@ the real weight is `weight * scale` per (bn, bk) block, edge blocks partial.
 - `fp8_linear_ref`: x @ dequant(weight)^T (+ bias) through F.linear, in x's dtype.
 - `quantize_fp8_groups(_ref)`: a W8A8 GEMM's activations, per row and bk-column group.
 
-`fp8_linear` (Triton) picks a kernel by row count (`_pick_fp8_config`, shapes only): an FMA
-GEMV for a few rows (W8A16: each weight tile dequantised in registers, W read once), the same
-on tensor cores up to W8A16_MAX_M rows, and W8A8 beyond (FP8 x FP8 dots, each K step scaled by
-the activation's and the weight's block scales). Graph-safe: no host reads of device tensors.
+`fp8_linear` (Triton) picks a kernel by row count (`_pick_fp8_config`, shapes only): up to
+GEMV_MAX_M rows kernels/gemv.py's GEMVs, which stream W as they do bf16 weights (W8A16: each
+weight dequantised in registers, W read once); a W8A16 tensor-core GEMM up to W8A16_MAX_M rows;
+W8A8 beyond (FP8 x FP8 dots, each K step scaled by the activation's and the weight's block
+scales). Graph-safe: no host reads of device tensors.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from arle_kernels.gemv import MMA_MAX_M, GemvConfig, dequant_tile, fp8_gemv_config, gemv_fp8
 from arle_kernels.jit import jit_varying
+from arle_kernels.split_sums import SplitSums
 
 FP8 = torch.float8_e4m3fn
 #: the largest finite e4m3fn value; activations are scaled so that their amax lands on it
@@ -91,13 +94,6 @@ def fp8_linear_w8a8_ref(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
 # Triton
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit
-def dequant_tile(w, scale, dtype: tl.constexpr):
-    """An FP8 weight tile times its (broadcast) block scale, in fp32, rounded to `dtype`: the
-    weight fp8_dequant_ref gives, in registers (W8A16)."""
-    return (w.to(tl.float32) * scale).to(dtype)
-
-
 @jit_varying("M")
 def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
                          GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
@@ -133,9 +129,8 @@ def quantize_fp8_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """One dense FP8 linear launch: `kind` "gemv" (FMAs, x in its dtype, 1..GEMV_MAX_M rows),
-    "w8a16" (tensor cores, weights dequantised in registers) or "w8a8" (tensor cores, x
-    quantised per row and bk columns first); the tile; num_warps / num_stages.
+    """One FP8 GEMM launch on tensor cores: `kind` "w8a16" (weights dequantised in registers)
+    or "w8a8" (x quantised per row and bk columns first); the tile; num_warps / num_stages.
     NOTE: block_k divides the weight's bk, so one K step meets one scale per column."""
 
     kind: str
@@ -146,22 +141,19 @@ class Fp8Config:
     num_stages: int = 3
 
 
-#: rows up to which the FMA GEMV runs (a [M_PAD, BLOCK_N, BLOCK_K] product in registers)
-GEMV_MAX_M = 4
+#: rows up to which kernels/gemv.py's kernels run (W read once, dequantised in registers)
+GEMV_MAX_M = MMA_MAX_M
 #: rows up to which weights are dequantised in registers (memory-bound: no activation
-#: quantisation pass); beyond, W8A8 on FP8 tensor cores. Not yet measured on the GPU.
+#: quantisation pass); beyond, W8A8 on FP8 tensor cores
 W8A16_MAX_M = 64
 
 
-def _pick_fp8_config(m: int, n: int, k: int, block: tuple[int, int]) -> Fp8Config:
-    """The tile for an [m, k] x [n, k]^T FP8 linear, from shapes only (never mid-serving
+def _pick_fp8_config(m: int, n: int, k: int, block: tuple[int, int]) -> GemvConfig | Fp8Config:
+    """The launch for an [m, k] x [n, k]^T FP8 linear, from shapes only (never mid-serving
     tuning): a small table by row class."""
     bk = block[1]
     if m <= GEMV_MAX_M:
-        m_pad = triton.next_power_of_2(max(1, m))
-        # NOTE: M_PAD x BLOCK_N x BLOCK_K fp32 products per program: 64 registers a thread
-        block_k = min(bk, 256 // m_pad)
-        return Fp8Config("gemv", m_pad, 16, block_k, num_warps=4, num_stages=1)
+        return fp8_gemv_config(m, n, k, bk)
     if m <= W8A16_MAX_M:
         block_m = max(16, triton.next_power_of_2(m))
         return Fp8Config("w8a16", block_m, 64, min(bk, 128), num_warps=4, num_stages=3)
@@ -177,38 +169,6 @@ def fp8_row_classes(n: int, k: int, block: tuple[int, int], max_rows: int) -> tu
     for m in range(1, max_rows + 1):
         seen.setdefault(_pick_fp8_config(m, n, k, block), m)
     return tuple(seen.values())
-
-
-@jit_varying("M")
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
-                     stride_xm, stride_wn, stride_wsn, stride_ym,
-                     HAS_BIAS: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program j: columns [j*BLOCK_N, (j+1)*BLOCK_N) of y for all M rows (W read once), W8A16:
-    each FP8 tile dequantised in registers to x's dtype, products summed in fp32 (FMAs) as a
-    [M_PAD, BLOCK_N, BLOCK_K] tile, reduced over K once after the loop."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, M_PAD)
-    kk = tl.arange(0, BLOCK_K)
-    # NOTE: padded rows / columns re-read the last valid one: no masks for them
-    rows = tl.minimum(offs_m, M - 1).to(tl.int64)
-    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
-    x_ptrs = x_ptr + rows[:, None, None] * stride_xm + kk[None, None, :]
-    w_ptrs = w_ptr + cols[None, :, None] * stride_wn + kk[None, None, :]
-    ws_ptrs = ws_ptr + (cols // GROUP_N) * stride_wsn
-    dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (kk < K - k0)[None, None, :]
-        x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + k0, mask=k_ok, other=0.0)
-        ws = tl.load(ws_ptrs + k0 // GROUP_K)
-        acc += x * dequant_tile(w, ws[None, :, None], dtype).to(tl.float32)
-    y = tl.sum(acc, axis=2)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(dtype), mask=mask)
 
 
 @jit_varying("M")
@@ -249,10 +209,13 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
 
 
 def _launch_fp8_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
-                       block: tuple[int, int], bias: Tensor | None, cfg: Fp8Config) -> Tensor:
+                       block: tuple[int, int], bias: Tensor | None, cfg: GemvConfig | Fp8Config,
+                       sums: bool = False) -> Tensor | SplitSums:
     m, k = x.shape
     n = weight.shape[0]
     bn, bk = block
+    if isinstance(cfg, GemvConfig):
+        return gemv_fp8(x, weight, (weight_scale_inv, block), bias, cfg, sums=sums)
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert weight_scale_inv.shape == (triton.cdiv(n, bn), triton.cdiv(k, bk))
     assert weight_scale_inv.stride(1) == 1
@@ -262,28 +225,33 @@ def _launch_fp8_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
         return y
     b = bias if bias is not None else y  # a dummy pointer when there is no bias
     ws = weight_scale_inv
-    common = {"HAS_BIAS": bias is not None, "GROUP_N": bn, "GROUP_K": bk,
-              "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "num_warps": cfg.num_warps,
-              "num_stages": cfg.num_stages}
-    if cfg.kind == "gemv":
-        _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x, weight, ws, b, y, m, n, k, x.stride(0), weight.stride(0), ws.stride(0),
-            y.stride(0), M_PAD=triton.next_power_of_2(m), **common)
-        return y
     a, a_scale = quantize_fp8_groups(x, bk) if cfg.kind == "w8a8" else (x, ws)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _fp8_gemm_kernel[grid](a, a_scale, weight, ws, b, y, m, n, k, a.stride(0),
                            a_scale.stride(0), weight.stride(0), ws.stride(0), y.stride(0),
-                           A8=cfg.kind == "w8a8", BLOCK_M=cfg.block_m,
-                           PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
+                           A8=cfg.kind == "w8a8", HAS_BIAS=bias is not None, GROUP_N=bn,
+                           GROUP_K=bk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                           BLOCK_K=cfg.block_k,
+                           PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, block: tuple[int, int],
                bias: Tensor | None = None) -> Tensor:
-    """fp8_linear_ref on the GPU: the FMA GEMV for a few rows, the W8A16 tensor-core GEMM up
-    to W8A16_MAX_M rows, W8A8 beyond (x quantised per row and bk columns: the last bits of
-    x's precision traded for FP8 tensor cores, as SGLang and vLLM do). Reads no device tensor
-    on the host; the tile depends on shapes only (graph-safe)."""
+    """fp8_linear_ref on the GPU: kernels/gemv.py's GEMVs for up to GEMV_MAX_M rows, the W8A16
+    tensor-core GEMM up to W8A16_MAX_M rows, W8A8 beyond (x quantised per row and bk columns:
+    the last bits of x's precision traded for FP8 tensor cores, as SGLang and vLLM do). Reads
+    no device tensor on the host; the tile depends on shapes only (graph-safe)."""
     cfg = _pick_fp8_config(x.shape[0], weight.shape[0], x.shape[1], block)
-    return _launch_fp8_linear(x, weight, weight_scale_inv, block, bias, cfg)
+    y = _launch_fp8_linear(x, weight, weight_scale_inv, block, bias, cfg)
+    assert isinstance(y, Tensor)
+    return y
+
+
+def fp8_linear_unreduced(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
+                         block: tuple[int, int]) -> Tensor | SplitSums:
+    """fp8_linear (no bias), left as `SplitSums` where the GEMV splits K (as gemv_split_sums:
+    for a consumer that sums the slots)."""
+    cfg = _pick_fp8_config(x.shape[0], weight.shape[0], x.shape[1], block)
+    return _launch_fp8_linear(x, weight, weight_scale_inv, block, None, cfg, sums=True)

@@ -66,6 +66,10 @@ MAX_M = MAX_ROWS
 USE_GEMV_MAX_M = 2
 #: rows the cp.async tensor-core kernel is taken for (swept at 8 and 16); with TMA, up to MAX_M
 MMA_MAX_M = 16
+#: the FMA kernel's run over an FP8 weight: 16 values, one 16-byte load
+FP8_RUN = 16
+#: an FP8 weight's block scales [ceil(N / bn), ceil(K / bk)] and its block (bn, bk)
+Scale = tuple[Tensor, tuple[int, int]]
 _NUM_SMS = 132  # H200; only shapes the choice of split (a guess elsewhere is still correct)
 
 
@@ -95,6 +99,40 @@ def _load_chunk(ptrs, k0, K, kk, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
+def dequant_tile(w, scale, dtype: tl.constexpr):
+    """An FP8 weight tile times its (broadcast) block scale, in fp32, rounded to `dtype`: the
+    weight kernels/fp8.py's reference dequantises, in registers (W8A16)."""
+    return (w.to(tl.float32) * scale).to(dtype)
+
+
+@triton.jit
+def _load_w_chunk(w_ptrs, ws_ptrs, k0, K, kk, runs, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
+                  SCALE_K: tl.constexpr, x_ptr):
+    """`_gemv_kernel`'s chunk of W (streamed: evict first); SCALED, each run dequantised to
+    x's dtype with its block's scale (one scale a run: runs never cross a scale block)."""
+    w = _load_chunk(w_ptrs, k0, K, kk, EVEN_K, "evict_first")
+    if SCALED:
+        cols = k0 + runs[None, None, :, None]
+        if EVEN_K:
+            s = tl.load(ws_ptrs + cols // SCALE_K)
+        else:
+            s = tl.load(ws_ptrs + cols // SCALE_K, mask=cols < K, other=0.0)
+        w = dequant_tile(w, s, x_ptr.dtype.element_ty)
+    return w
+
+
+@triton.jit
+def _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
+                 SCALE_K: tl.constexpr, x_ptr):
+    """The tensor-core kernel's [BLOCK_N, BLOCK_K] tile of W; SCALED, dequantised to x's dtype
+    with one scale a row (the tile lies inside one scale block along K)."""
+    w = _load_chunk(w_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
+    if SCALED:
+        w = dequant_tile(w, tl.load(ws_ptrs + k0 // SCALE_K), x_ptr.dtype.element_ty)
+    return w
+
+
+@triton.jit
 def _program_tile(M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """Both GEMV kernels' start: let the next kernel launch (PDL), then this program's split
     index, row offsets and output columns."""
@@ -106,11 +144,12 @@ def _program_tile(M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
-                 stride_xm, stride_wn, stride_ym, stride_ys,
+def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
+                 stride_xm, stride_wn, stride_wsn, stride_ym, stride_ys,
                  HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GLU: tl.constexpr, PDL: tl.constexpr):
+                 GLU: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr = False,
+                 SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1, RUN: tl.constexpr = 8):
     """Program (j, s): columns [j*BLOCK_N, (j+1)*BLOCK_N) of y for all M rows, summed over
     K range [s*k_per_split, (s+1)*k_per_split).
 
@@ -118,45 +157,52 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     buffer [splits, M, N] (stride_ys between splits) that takes the program's partial sums.
     GLU: W is [gate; up] with 2N rows; the program also sums up's rows n + N and stores
     silu(gate) * up (never PARTIAL, no bias).
+    SCALED: W is FP8 with block scales ws [ceil(N / SCALE_N), ceil(K / SCALE_K)]; each run
+    is dequantised in registers to x's dtype (`dequant_tile`) before its products.
     NOTE: k_per_split is a multiple of BLOCK_K; EVEN_K means K is too, and every split is
-    full (no masks at all).
+    full (no masks at all). A run (RUN elements: 16 bytes of W) never crosses a scale block.
     """
     pid_k, offs_m, offs_n = _program_tile(M_PAD, BLOCK_N, PDL)
-    # A K chunk is viewed as [BLOCK_K // 8, 8]: a thread owns runs of 8 contiguous elements
-    # (one 16-byte bf16 load) and sums its products over a run at once, in registers; lanes and
-    # warps span BLOCK_K // 8, and the sum across them happens once, after the loop.
-    # NOTE: the x and W tiles are both 4-D with this same [BLOCK_K // 8, 8] tail, so Triton
+    # A K chunk is viewed as [BLOCK_K // RUN, RUN]: a thread owns runs of RUN contiguous
+    # elements (one 16-byte load of W) and sums its products over a run at once, in registers;
+    # lanes and warps span BLOCK_K // RUN, and the sum across them happens once, after the loop.
+    # NOTE: the x and W tiles are both 4-D with this same [BLOCK_K // RUN, RUN] tail, so Triton
     # gives them one register layout and the broadcast multiply moves no data between threads.
-    kk = (tl.arange(0, BLOCK_K // 8) * 8)[:, None] + tl.arange(0, 8)[None, :]
-    kk = kk[None, None, :, :]  # [1, 1, BLOCK_K // 8, 8]
+    runs = tl.arange(0, BLOCK_K // RUN) * RUN
+    kk = (runs[:, None] + tl.arange(0, RUN)[None, :])[None, None, :, :]  # [1, 1, BK/RUN, RUN]
     # NOTE: padded rows (m >= M) and columns (n >= N) re-read the last valid row of x / W, so
     # no load needs a mask for them; their sums are never stored.
     rows_x = tl.minimum(offs_m, M - 1)
     rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
-    x_ptrs = x_ptr + rows_x[:, None, None, None] * stride_xm + kk  # [M_PAD, 1, BK/8, 8]
-    w_ptrs = w_ptr + rows_w[None, :, None, None] * stride_wn + kk  # [1, BLOCK_N, BK/8, 8]
+    x_ptrs = x_ptr + rows_x[:, None, None, None] * stride_xm + kk  # [M_PAD, 1, BK/RUN, RUN]
+    w_ptrs = w_ptr + rows_w[None, :, None, None] * stride_wn + kk  # [1, BLOCK_N, BK/RUN, RUN]
     up_ptrs = w_ptrs + N * stride_wn  # GLU only
+    # SCALED: each run's scale [1, BLOCK_N, BK/RUN, 1] (GLU: up's rows N.. have their own)
+    ws_ptrs = ws_ptr + (rows_w // SCALE_N)[None, :, None, None] * stride_wsn
+    up_ws_ptrs = ws_ptr + ((rows_w + N) // SCALE_N)[None, :, None, None] * stride_wsn
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split
     # W is streamed once: evict it first from L2, keep x (read by every program).
     # NOTE: W does not depend on the previous kernel, so its first chunk is loaded before
     # waiting for that kernel (PDL); the loop starts one chunk later. The last split may run
     # past K (whole chunks of masked loads: no memory traffic).
-    w = _load_chunk(w_ptrs, k_lo, K, kk, EVEN_K, "evict_first")
+    w = _load_w_chunk(w_ptrs, ws_ptrs, k_lo, K, kk, runs, EVEN_K, SCALED, SCALE_K, x_ptr)
     if GLU:
-        w_up = _load_chunk(up_ptrs, k_lo, K, kk, EVEN_K, "evict_first")
+        w_up = _load_w_chunk(up_ptrs, up_ws_ptrs, k_lo, K, kk, runs, EVEN_K, SCALED, SCALE_K,
+                             x_ptr)
     if PDL:
         gdc_wait()
     x = _load_chunk(x_ptrs, k_lo, K, kk, EVEN_K, "evict_last").to(tl.float32)
-    acc = tl.sum(x * w.to(tl.float32), axis=3)  # [M_PAD, BLOCK_N, BLOCK_K // 8]
+    acc = tl.sum(x * w.to(tl.float32), axis=3)  # [M_PAD, BLOCK_N, BLOCK_K // RUN]
     if GLU:
         acc_up = tl.sum(x * w_up.to(tl.float32), axis=3)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         x = _load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
-        w = _load_chunk(w_ptrs, k0, K, kk, EVEN_K, "evict_first")
+        w = _load_w_chunk(w_ptrs, ws_ptrs, k0, K, kk, runs, EVEN_K, SCALED, SCALE_K, x_ptr)
         acc += tl.sum(x * w.to(tl.float32), axis=3)
         if GLU:
-            w_up = _load_chunk(up_ptrs, k0, K, kk, EVEN_K, "evict_first")
+            w_up = _load_w_chunk(up_ptrs, up_ws_ptrs, k0, K, kk, runs, EVEN_K, SCALED, SCALE_K,
+                                 x_ptr)
             acc_up += tl.sum(x * w_up.to(tl.float32), axis=3)
     y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -205,12 +251,13 @@ def _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, st
 # NOTE: M and the partials' split stride (M x N) change with the batch: not specialised, so
 # eager steps of 3..16 rows share one variant (see jit_varying)
 @jit_varying("M", "stride_ys")
-def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
-                     stride_xm, stride_wn, stride_ym, stride_ys,
+def _gemv_mma_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
+                     stride_xm, stride_wn, stride_wsn, stride_ym, stride_ys,
                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
                      M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GLU: tl.constexpr, PDL: tl.constexpr, PRECISION: tl.constexpr,
-                     PAIRED: tl.constexpr = False):
+                     PAIRED: tl.constexpr = False, SCALED: tl.constexpr = False,
+                     SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1):
     """`_gemv_kernel`'s contract (same arguments, same outputs) for 3..16 rows, on tensor cores:
     y^T [BLOCK_N, M_PAD] += W tile [BLOCK_N, BLOCK_K] @ x^T tile [BLOCK_K, M_PAD] ("swap AB":
     the weight's rows fill the MMA's 16+ rows, the few rows of x its narrow side, padded to 16).
@@ -218,8 +265,9 @@ def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     At 8 rows an FMA kernel does 8 multiply-adds per weight element and runs out of issue
     slots; one MMA does them all. W is still read once per step, by many small programs
     (1-4 warps), its first tile before `gdc_wait` as in `_gemv_kernel`.
+    SCALED: FP8 W with block scales (`_gemv_kernel`'s), each tile dequantised in registers.
     NOTE: the config depends on (N, K) only, never on M, so a row's sum runs in the same order
-    whatever else is in the batch (batch invariance)."""
+    whatever else is in the batch (batch invariance). SCALED: BLOCK_K divides SCALE_K."""
     pid_k, offs_m, offs_n = _program_tile(M_PAD, BLOCK_N, PDL)
     offs_k = tl.arange(0, BLOCK_K)
     # NOTE: padded rows / columns re-read the last valid row of x / W: no masks for them
@@ -228,13 +276,15 @@ def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + rows_x[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, M_PAD]: x^T
     up_ptrs = w_ptrs + N * stride_wn  # GLU only
+    ws_ptrs = ws_ptr + (rows_w // SCALE_N)[:, None] * stride_wsn  # SCALED: [BLOCK_N, 1]
+    up_ws_ptrs = ws_ptr + ((rows_w + N) // SCALE_N)[:, None] * stride_wsn
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     acc_up = tl.zeros([BLOCK_N, M_PAD], tl.float32)
-    w = _load_chunk(w_ptrs, k_lo, K, offs_k[None, :], EVEN_K, "evict_first")
+    w = _load_w_tile(w_ptrs, ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K, x_ptr)
     if GLU:
-        w_up = _load_chunk(up_ptrs, k_lo, K, offs_k[None, :], EVEN_K, "evict_first")
+        w_up = _load_w_tile(up_ptrs, up_ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K, x_ptr)
     if PDL:
         gdc_wait()
     x = _load_chunk(x_ptrs, k_lo, K, offs_k[:, None], EVEN_K, "evict_last")
@@ -242,11 +292,12 @@ def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     if GLU:
         acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        w = _load_chunk(w_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
+        w = _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K, x_ptr)
         x = _load_chunk(x_ptrs, k0, K, offs_k[:, None], EVEN_K, "evict_last")
         acc = tl.dot(w, x, acc, input_precision=PRECISION)
         if GLU:
-            w_up = _load_chunk(up_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
+            w_up = _load_w_tile(up_ptrs, up_ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K,
+                                x_ptr)
             acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
     _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
                       stride_ys, HAS_BIAS, PARTIAL, GLU, PAIRED)
@@ -416,11 +467,18 @@ def tma_available() -> bool:
     return True
 
 
-def _check(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None) -> None:
+def _check(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
+           scale: Scale | None = None) -> None:
     assert x.dim() == 2 and weight.dim() == 2, "x: [M, K], weight: [N, K]"
     assert x.shape[1] == weight.shape[1], f"K mismatch: x {tuple(x.shape)}, W {tuple(weight.shape)}"
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight: last dim contiguous"
-    assert x.dtype == weight.dtype, "x and weight must share a dtype"
+    if scale is None:
+        assert x.dtype == weight.dtype, "x and weight must share a dtype"
+    else:
+        ws, (bn, bk) = scale
+        assert weight.dtype == torch.float8_e4m3fn and ws.stride(1) == 1
+        assert ws.shape == (triton.cdiv(weight.shape[0], bn), triton.cdiv(x.shape[1], bk))
+        assert bk % FP8_RUN == 0, "a run of FP8 weights lies inside one scale block"
     assert x.shape[0] <= MAX_M, f"gemv is for M <= {MAX_M} rows (use F.linear)"
     if bias is not None:
         assert bias.shape == (weight.shape[0],) and bias.stride(0) == 1, "bias: [N]"
@@ -430,12 +488,14 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None) -
 
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
-            cfg: GemvConfig, glu: bool = False, sums: bool = False) -> Tensor | SplitSums:
+            cfg: GemvConfig, glu: bool = False, sums: bool = False,
+            scale: Scale | None = None) -> Tensor | SplitSums:
     """Run `cfg` (gemv picks it; tests and tuning pass their own). glu: weight is [gate; up]
     and the result silu(x gate^T) * (x up^T), [M, N / 2] (no bias, no split K). sums: where
     the tensor-core kernel splits K (and there is no bias), the result is left as `SplitSums`
-    (no reduce kernel); otherwise y."""
-    _check(x, weight, bias, None)
+    (no reduce kernel); otherwise y. scale: weight is FP8 with these block scales (W8A16,
+    no TMA: each tile is dequantised in registers)."""
+    _check(x, weight, bias, None, scale)
     m, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     if glu:
@@ -473,12 +533,19 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
     if cfg.mma:  # tl.dot needs 16 rows; fp32 inputs (tests) must not drop to tf32
         meta.update(M_PAD=max(16, meta["M_PAD"]), PAIRED=paired,
                     PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    if cfg.mma and cfg.tma and _tma_ok(x, weight):
+    ws = weight  # a dummy pointer without scales
+    if scale is not None:
+        ws, (bn, bk) = scale
+        assert not cfg.mma or bk % cfg.block_k == 0, "a tile lies inside one scale block"
+        meta.update(SCALED=True, SCALE_N=bn, SCALE_K=bk)
+        if not cfg.mma:
+            meta.update(RUN=FP8_RUN)
+    if cfg.mma and cfg.tma and scale is None and _tma_ok(x, weight):
         _launch_tma(x, weight, b, dst, dst_strides, cfg, meta, grid, k_per_split)
     else:
         kernel = _gemv_mma_kernel if cfg.mma else _gemv_kernel
-        kernel[grid](x, weight, b, dst, m, n, k, k_per_split, x.stride(0), weight.stride(0),
-                     *dst_strides, EVEN_K=k % k_per_split == 0, **meta)
+        kernel[grid](x, weight, ws, b, dst, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+                     ws.stride(0), *dst_strides, EVEN_K=k % k_per_split == 0, **meta)
     if paired:
         return SplitSums(dst, x.dtype)
     if splits > 1:
@@ -562,6 +629,28 @@ def gemv_split_sums(x: Tensor, weight: Tensor) -> Tensor | SplitSums:
     qk_norm_rope_store_kv), which sums the slots and leaves them zero."""
     cfg = _pick_config(x.shape[0], weight.shape[0], x.shape[1])
     return _launch(x, weight, None, None, cfg, sums=True)
+
+
+def fp8_gemv_config(m: int, n: int, k: int, scale_k: int) -> GemvConfig:
+    """The tile for an FP8 weight (`_launch` with a scale) at m <= MMA_MAX_M rows: the FMA
+    kernel's tiles at 1..2 rows (its 16-byte runs hold 16 FP8 weights), the cp.async
+    tensor-core kernel's at 3..MMA_MAX_M with BLOCK_K inside one scale block. A function of
+    (N, K) only at 3.. rows, as `_mma_config`."""
+    if m <= USE_GEMV_MAX_M:
+        return _pick_config(m, n, k)
+    assert m <= MMA_MAX_M
+    cfg = _cp_async_config(n, k, False)
+    return replace(cfg, block_k=min(cfg.block_k, scale_k))
+
+
+def gemv_fp8(x: Tensor, weight: Tensor, scale: Scale, bias: Tensor | None = None,
+             cfg: GemvConfig | None = None, sums: bool = False) -> Tensor | SplitSums:
+    """y = x @ dequant(weight)^T (+ bias) for an FP8 weight with block scales scale = (ws,
+    (bn, bk)) (kernels/fp8.py's format) and x of 1..MMA_MAX_M rows: each weight dequantised
+    to x's dtype in registers, as fp8_linear_ref rounds it; `sums` as gemv_split_sums."""
+    if cfg is None:
+        cfg = fp8_gemv_config(x.shape[0], weight.shape[0], x.shape[1], scale[1][1])
+    return _launch(x, weight, bias, None, cfg, sums=sums, scale=scale)
 
 
 def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,

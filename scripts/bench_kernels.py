@@ -363,8 +363,18 @@ def _moe_experts_call(weights: dict[str, Any], cfg: moe_kernels.MoeConfig,
                                     weights.get("block"), cfg)
 
 
-def _fp8_linear_call(x: Tensor, cfg: fp8_kernels.Fp8Config, ws: tuple[Tensor, Tensor]) -> Tensor:
-    return fp8_kernels._launch_fp8_linear(x, ws[0], ws[1], FP8_BLOCK, None, cfg)
+def _fp8_linear_call(x: Tensor, cfg: GemvConfig | fp8_kernels.Fp8Config,
+                     ws: tuple[Tensor, Tensor]) -> Tensor:
+    y = fp8_kernels._launch_fp8_linear(x, ws[0], ws[1], FP8_BLOCK, None, cfg)
+    assert isinstance(y, Tensor)
+    return y
+
+
+def _fp8_kind(cfg: GemvConfig | fp8_kernels.Fp8Config) -> str:
+    """A launch's name in the table: kernels/gemv.py's "gemv" / "gemv_mma", or the GEMM's."""
+    if isinstance(cfg, GemvConfig):
+        return "gemv_mma" if cfg.mma else "gemv"
+    return cfg.kind
 
 
 def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...]) -> list[Row]:
@@ -422,13 +432,13 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
         for m in rows:
             x = _x(m, k, gen)
             chosen = fp8_kernels._pick_fp8_config(m, n, k, FP8_BLOCK)
-            kinds = [chosen] + [
-                dataclasses.replace(chosen, kind=kind, block_m=max(16, chosen.block_m),
-                                    block_n=64 if m <= 64 else 128, block_k=128, num_stages=3)
-                for kind in ("w8a16", "w8a8") if kind != chosen.kind]
+            block_m = max(16, triton.next_power_of_2(m))
+            kinds: list[GemvConfig | fp8_kernels.Fp8Config] = [chosen] + [
+                fp8_kernels.Fp8Config(kind, block_m, 64 if m <= 64 else 128, 128)
+                for kind in ("w8a16", "w8a8") if kind != _fp8_kind(chosen)]
             for j, cfg in enumerate(kinds):
                 us = _time_us(partial(_fp8_linear_call, x, cfg), copies)
-                out.append({"shape": name, "M": m, "kind": cfg.kind, "us": us,
+                out.append({"shape": name, "M": m, "kind": _fp8_kind(cfg), "us": us,
                             "GBps": n * k / us / 1e3, "chosen": j == 0})
             us = _time_us(partial(F.linear, x), bf16)
             out.append({"shape": name, "M": m, "kind": "cublas_bf16", "us": us,

@@ -8,7 +8,8 @@ and the decode time per step of each: (end-to-end - time to first token) / (toke
 offline, the grammar's own host work per token over the constrained outputs: filling one mask
 and consuming one token (llguidance), which the executor overlaps with the step's forward.
 
-    python scripts/bench_structured.py [--model PATH] [--batch 1 8] [--rounds 3] [--threads N]
+    python scripts/bench_structured.py [--model PATH] [--device cpu|cuda] [--batch 1 8]
+                                       [--rounds 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def host_cost(engine: AsyncEngine, outputs: list[list[int]]) -> dict[str, float]
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype,
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           max_running_requests=max(args.batch), kv_cache_tokens=32768,
                           num_threads=args.threads)
     engine = await asyncio.wrap_future(torch_thread().submit(AsyncEngine.build, config))
@@ -113,6 +114,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

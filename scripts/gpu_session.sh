@@ -10,6 +10,9 @@
 #                     ceilings, decode; transformers
 #     q35 chat35 q35hf   Qwen3.5-4B: ceilings, decode, serve (cold, warm); chat turns; transformers
 #     failing   the GPU tests of the FP8 weights and KV, by name
+#     kern kernbench   the GPU tests and micro-benchmarks of the FP8 and MoE kernels
+#     moe30base   moe30d's decode on the tree in .base (a baseline in the same call)
+#     structured   constrained decoding's per-step cost (Qwen3-4B, random weights)
 # transformers with fla (flash-linear-attention): carry its wheels in .fla (q35hf uses them).
 # For a machine without network: `bash scripts/device_wheels.sh` here fills .whl with what it
 # lacks; copy .whl along and this script installs it first. Set ARLE_COMMIT where the copy has
@@ -51,8 +54,8 @@ BENCH=(python3 scripts/bench_gpu.py)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
   case $p in
-    tests) say tests; timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE \
-             -k "not interpreter and not cli_reports_a_bad_model" \
+    tests) say tests; timeout 420 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE \
+             --tb=short --durations=15 -k "not interpreter and not cli_reports_a_bad_model" \
              tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
              tests/test_kernels_gemv.py tests/test_split_sums.py tests/test_kernels_greedy.py \
@@ -97,8 +100,8 @@ for p in "$@"; do
              tests/test_moe.py tests/test_fp8_weights.py tests/test_kernels_deltanet.py \
              tests/test_kernels_moe.py tests/test_kernels_fp8.py >"$OUT/pytest_new.txt" 2>&1
            say "gpunew rc=$?"; tail -3 "$OUT/pytest_new.txt" | tee -a "$LOG" ;;
-    suite) say suite; timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE -x \
-             -k "not interpreter" tests/ >"$OUT/suite.txt" 2>&1; say "suite rc=$?"
+    suite) say suite; timeout 540 python3 -m pytest -n 8 -v -p no:cacheprovider -rfE \
+             --tb=short -k "not interpreter" tests/ >"$OUT/suite.txt" 2>&1; say "suite rc=$?"
            tail -5 "$OUT/suite.txt" | tee -a "$LOG" ;;
     parity35) d=$(model qwen3.5-4b); phase parity35 200 python3 scripts/check_gpu_parity.py "$d" \
               --prompts 2 --len 512 --out $RES/parity_qwen3.5-4b.json ;;
@@ -127,6 +130,20 @@ for p in "$@"; do
            phase q35_decode 100 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3.5-4b.json ;;
     moe30d) d=$(model qwen3-30b-a3b-fp8)
            phase moe30_decode 150 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3-30b-a3b-fp8.json ;;
+    moe30base) # the same decode on the tree in .base (`git archive REV arle kernels scripts`)
+           d=$(model qwen3-30b-a3b-fp8); mkdir -p /tmp/sitebase
+           ln -sfn "$PWD/.base/kernels" /tmp/sitebase/arle_kernels
+           (cd .base && PYTHONPATH=/tmp/sitebase:${PYTHONPATH:-}:$PWD/.base ARLE_COMMIT=base \
+              phase moe30_decode_base 150 python3 scripts/bench_gpu.py decode "$d" \
+              --out $RES/decode_qwen3-30b-a3b-fp8_base.json) ;;
+    kern) say kern; timeout 300 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE --tb=short \
+             -k "not interpreter" -m gpu tests/test_kernels_fp8.py tests/test_kernels_gemv.py \
+             tests/test_kernels_moe.py tests/test_fp8_weights.py tests/test_moe.py \
+             >"$OUT/pytest_kern.txt" 2>&1; say "kern rc=$?"; tail -3 "$OUT/pytest_kern.txt" | tee -a "$LOG" ;;
+    kernbench) phase kernels_fp8 120 python3 scripts/bench_kernels.py fp8 --out $RES/kernels_fp8.json
+           phase kernels_moe 120 python3 scripts/bench_kernels.py moe --out $RES/kernels_moe.json ;;
+    structured) d=$(model qwen3-4b); phase structured 150 python3 scripts/bench_structured.py \
+              --model "$d" --device cuda --batch 1 8 --rounds 2 --out $RES/structured_qwen3-4b.json ;;
     failing) say failing; timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
              -k "moe_fp8 or fp8_kv or dequantised_twin or gated_rms_norm" -m gpu \
              tests/test_cuda_engine.py tests/test_fp8_weights.py tests/test_kernels_deltanet.py \

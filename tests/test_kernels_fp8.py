@@ -20,11 +20,14 @@ from arle_kernels.fp8 import (
     fp8_dequant_ref,
     fp8_linear,
     fp8_linear_ref,
+    fp8_linear_unreduced,
     fp8_linear_w8a8_ref,
     fp8_row_classes,
     quantize_fp8_groups,
     quantize_fp8_groups_ref,
 )
+from arle_kernels.gemv import GemvConfig
+from arle_kernels.split_sums import SplitSums, take
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -116,17 +119,25 @@ def test_w8a8_ref_close_to_linear_ref() -> None:
     assert 0 < ((got - want).norm() / want.norm()).item() < 0.05
 
 
+def kind_of(cfg: GemvConfig | Fp8Config) -> str:
+    if isinstance(cfg, GemvConfig):
+        return "gemv_mma" if cfg.mma else "gemv"
+    return cfg.kind
+
+
 def test_pick_config() -> None:
-    """Row classes: FMA GEMV, then W8A16 tiles, then W8A8; K steps inside one scale block."""
-    for m, kind in ((1, "gemv"), (GEMV_MAX_M, "gemv"), (GEMV_MAX_M + 1, "w8a16"),
-                    (W8A16_MAX_M, "w8a16"), (W8A16_MAX_M + 1, "w8a8"), (4096, "w8a8")):
+    """Row classes: kernels/gemv.py's FMA GEMV and its tensor-core GEMV (never TMA: tiles are
+    dequantised in registers), then W8A16 tiles, then W8A8; K steps inside one scale block."""
+    for m, kind in ((1, "gemv"), (2, "gemv"), (3, "gemv_mma"), (GEMV_MAX_M, "gemv_mma"),
+                    (GEMV_MAX_M + 1, "w8a16"), (W8A16_MAX_M, "w8a16"),
+                    (W8A16_MAX_M + 1, "w8a8"), (4096, "w8a8")):
         for block in ((128, 128), (16, 16)):
             cfg = _pick_fp8_config(m, 5120, 2048, block)
-            assert cfg.kind == kind and block[1] % cfg.block_k == 0, (m, cfg)
-            if kind != "gemv":
+            assert kind_of(cfg) == kind, (m, cfg)
+            if isinstance(cfg, Fp8Config):
                 assert cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.block_k >= 16
-            else:
-                assert cfg.block_m * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
+            if kind != "gemv":
+                assert block[1] % cfg.block_k == 0, (m, cfg)
 
 
 def test_row_classes_cover_every_config() -> None:
@@ -168,26 +179,40 @@ def interp_check_fp8() -> None:
             for m in (1, 3, 4, 17):
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 b = bias if (m + i) % 2 else None
-                for kind in ("gemv", "w8a16", "w8a8") if m <= 4 else ("w8a16", "w8a8"):
-                    cfg = Fp8Config(kind, 16 if kind != "gemv" else 4, 16, 16)
+                cfgs: list[GemvConfig | Fp8Config] = [Fp8Config(kind, 16, 16, 16)
+                                                      for kind in ("w8a16", "w8a8")]
+                if m <= 16:  # kernels/gemv.py's FMA (runs of 16) and tensor-core GEMVs
+                    cfgs += [GemvConfig(2, 32, num_warps=1), GemvConfig(1, 16, split_k=2),
+                             GemvConfig(16, 16, num_warps=1, mma=True),
+                             GemvConfig(16, 16, num_warps=1, split_k=2, mma=True)]
+                for cfg in cfgs:
                     check_fp8_linear(x, w, ws, block, b, cfg)
+    # split sums left for the consumer: the same y as the reduce kernel's
+    w, ws = make_fp8(40, 70, (16, 16))
+    x = torch.randn(3, 70, generator=gen)
+    cfg = GemvConfig(16, 16, num_warps=1, split_k=3, mma=True)
+    y = _launch_fp8_linear(x, w, ws, (16, 16), None, cfg)
+    sums = _launch_fp8_linear(x, w, ws, (16, 16), None, cfg, sums=True)
+    assert isinstance(sums, SplitSums) and torch.allclose(take(sums), y, rtol=1e-6, atol=1e-6)
     # the dispatcher: its kernel for each row count
     w, ws = make_fp8(40, 70, (16, 32))
-    for m in (2, GEMV_MAX_M + 1, W8A16_MAX_M + 3):
+    for m in (2, 3, GEMV_MAX_M + 1, W8A16_MAX_M + 3):
         x = torch.randn(m, 70, generator=gen)
         cfg = _pick_fp8_config(m, 40, 70, (16, 32))
         want = _launch_fp8_linear(x, w, ws, (16, 32), None, cfg)
         assert torch.equal(fp8_linear(x, w, ws, (16, 32)), want)
+        assert torch.equal(take(fp8_linear_unreduced(x, w, ws, (16, 32))), want)
     assert fp8_linear(x[:0], w, ws, (16, 32)).shape == (0, 40)
 
 
 def check_fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
-                     block: tuple[int, int], bias: torch.Tensor | None, cfg: Fp8Config) -> None:
+                     block: tuple[int, int], bias: torch.Tensor | None,
+                     cfg: GemvConfig | Fp8Config) -> None:
     got = _launch_fp8_linear(x, w, ws, block, bias, cfg)
     what = f"{cfg} M={x.shape[0]} N={w.shape[0]} K={x.shape[1]} {x.dtype} bias={bias is not None}"
     assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0]), what
     tol = 1e-6 if x.dtype == torch.float32 else 2e-3
-    if cfg.kind == "w8a8":
+    if kind_of(cfg) == "w8a8":
         # against the kernel's own quantised activations: the interpreter rounds to e4m3
         # its own way (a value may land on half its e4m3 neighbour), so no check against
         # fp8_linear_ref here; the quantisation itself is checked above
@@ -228,11 +253,13 @@ def test_fp8_linear_gpu(shape: str, m: int) -> None:
     got = fp8_linear(x, w, ws, (128, 128))
     want = fp8_linear_ref(x.float(), w, ws, (128, 128))
     cfg = _pick_fp8_config(m, n, k, (128, 128))
-    if cfg.kind == "w8a8":
+    if kind_of(cfg) == "w8a8":
         assert rel(got, fp8_linear_w8a8_ref(x.float(), w, ws, (128, 128))) < 1e-2
         assert rel(got, want) < 5e-2
     else:
         assert rel(got, want) < 1e-2
+    if isinstance(cfg, GemvConfig):  # its split sums, left for a consumer: the same y
+        assert rel(take(fp8_linear_unreduced(x, w, ws, (128, 128))), got) < 1e-3
 
 
 @pytest.mark.gpu
@@ -244,10 +271,11 @@ def test_fp8_kernel_kinds_agree_gpu() -> None:
     x, w, ws = gpu_case(4, n, k, seed=1)
     bias = torch.randn(n, device="cuda").bfloat16()
     want = fp8_linear_ref(x.float(), w, ws, (128, 128), bias.float())
-    for cfg in (_pick_fp8_config(4, n, k, (128, 128)), Fp8Config("w8a16", 16, 64, 128),
+    for cfg in (_pick_fp8_config(4, n, k, (128, 128)), GemvConfig(2, 512, num_warps=1),
+                GemvConfig(64, 128, split_k=4, mma=True), Fp8Config("w8a16", 16, 64, 128),
                 Fp8Config("w8a8", 16, 64, 128)):
         got = _launch_fp8_linear(x, w, ws, (128, 128), bias, cfg)
-        assert rel(got, want) < (5e-2 if cfg.kind == "w8a8" else 1e-2), cfg
+        assert rel(got, want) < (5e-2 if kind_of(cfg) == "w8a8" else 1e-2), cfg
 
 
 @pytest.mark.gpu

@@ -149,7 +149,11 @@ def linear_unreduced(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Sp
     `ops.qk_norm_rope_store_kv`): where the GEMV splits K, its partial sums are left for that
     consumer to add (no reduce kernel); otherwise y."""
     if weight.dtype == FP8:
-        return _fp8_linear(x, weight)
+        if not x.is_cuda:
+            return _fp8_linear(x, weight)
+        from arle_kernels import fp8
+
+        return fp8.fp8_linear_unreduced(x, weight, *fp8_scale_of(weight))
     return gemv_split_sums(x, weight) if _on_gemv(x, weight) else F.linear(x, weight)
 
 
