@@ -636,6 +636,10 @@ def fp8_gemv_config(m: int, n: int, k: int, scale_k: int) -> GemvConfig:
     kernel's tiles at 1..2 rows (its 16-byte runs hold 16 FP8 weights), the cp.async
     tensor-core kernel's at 3..MMA_MAX_M with BLOCK_K inside one scale block. A function of
     (N, K) only at 3.. rows, as `_mma_config`."""
+    if m == 1 and k >= 4096:
+        # NOTE: one K chunk a program (o_proj): in chunks of 2048 the second chunk's loads
+        # waited for the first one's sums (o_proj measured at ~0.9 TB/s)
+        return GemvConfig(block_n=1, block_k=4096, num_warps=4)
     if m <= USE_GEMV_MAX_M:
         return _pick_config(m, n, k)
     assert m <= MMA_MAX_M

@@ -432,20 +432,27 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
         for m in rows:
             x = _x(m, k, gen)
             chosen = fp8_kernels._pick_fp8_config(m, n, k, FP8_BLOCK)
-            block_m = max(16, triton.next_power_of_2(m))
+            block_m = min(128, max(16, triton.next_power_of_2(m)))
             kinds: list[GemvConfig | fp8_kernels.Fp8Config] = [chosen] + [
                 fp8_kernels.Fp8Config(kind, block_m, 64 if m <= 64 else 128, 128)
                 for kind in ("w8a16", "w8a8") if kind != _fp8_kind(chosen)]
+            if m <= 2:  # the FMA GEMV's other K chunks and warps
+                kinds += [c for c in (GemvConfig(m, bk, num_warps=w) for bk, w in
+                                      ((1024, 1), (2048, 2), (2048, 4), (4096, 2), (4096, 4)))
+                          if c != chosen]
             for j, cfg in enumerate(kinds):
                 us = _time_us(partial(_fp8_linear_call, x, cfg), copies)
                 out.append({"shape": name, "M": m, "kind": _fp8_kind(cfg), "us": us,
+                            "config": dataclasses.asdict(cfg),
                             "GBps": n * k / us / 1e3, "chosen": j == 0})
             us = _time_us(partial(F.linear, x), bf16)
             out.append({"shape": name, "M": m, "kind": "cublas_bf16", "us": us,
                         "GBps": 2 * n * k / us / 1e3, "chosen": False})
     print(f"{'shape':8} {'M':>5} {'kind':>12} {'us':>8} {'GB/s':>7}")
     for r in out:
-        print(f"{r['shape']:8} {r['M']:5} {r['kind']:>12} {r['us']:8.1f} {r['GBps']:7.0f}"
+        tile = (f" K{r['config']['block_k']}/w{r['config']['num_warps']}"
+                if r["kind"] == "gemv" else "")
+        print(f"{r['shape']:8} {r['M']:5} {r['kind'] + tile:>12} {r['us']:8.1f} {r['GBps']:7.0f}"
               f"{' *' if r['chosen'] else ''}")
     return out
 
