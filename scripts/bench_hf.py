@@ -23,6 +23,7 @@ notes when each step's tokens reach the host: generate already waits for every s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import sys
@@ -50,12 +51,27 @@ class StepTimer:
         pass
 
 
+def fp8_fallback(model_dir: Path) -> dict[str, Any]:
+    """`from_pretrained` arguments for a block-FP8 checkpoint where transformers' FP8 kernels
+    cannot run: they come from the `kernels` package (fetched from the Hub), so without it the
+    weights are dequantized to the compute dtype at load (transformers' own `dequantize`)."""
+    import transformers
+
+    q = json.loads((model_dir / "config.json").read_text()).get("quantization_config", {})
+    if q.get("quant_method") != "fp8" or importlib.util.find_spec("kernels") is not None:
+        return {}
+    return {"quantization_config": transformers.FineGrainedFP8Config(
+        weight_block_size=tuple(q.get("weight_block_size", (128, 128))), dequantize=True,
+        modules_to_not_convert=q.get("modules_to_not_convert"))}
+
+
 def load(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
     import transformers
 
     # transformers 5 renamed `torch_dtype` to `dtype` (4.56+ accepts both, older only the first).
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    kw: dict[str, Any] = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+    kw: dict[str, Any] = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype,
+                          **fp8_fallback(model_dir)}
     auto: Any = transformers.AutoModelForCausalLM
     try:  # straight onto the device; older versions need accelerate for device_map
         model = auto.from_pretrained(model_dir, device_map=device, **kw)
@@ -172,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats, "load_s": load_s,
         "parameters": sum(p.numel() for p in model.parameters()),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "fp8_dequantized_at_load": bool(fp8_fallback(args.model_dir)),
         "environment": environment(args.device), "results": [],
     }
     print(f"loaded {args.model_dir} in {load_s:.1f} s on {args.device} "
