@@ -25,7 +25,8 @@ import dataclasses
 import itertools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stamp import stamp
 
+from arle_kernels import deltanet
 from arle_kernels import extend_attention as extend
 from arle_kernels import fp8 as fp8_kernels
 from arle_kernels import moe as moe_kernels
@@ -600,7 +602,23 @@ def bench_extend(seq_len: int, prefix: int, fp8: bool,
 GDN_HK, GDN_HV, GDN_D, GDN_K = 16, 32, 128, 4
 
 
-def bench_deltanet(batches: tuple[int, ...], prefill: int) -> list[Row]:
+#: the recurrent kernel's launches `deltanet --sweep` times at each batch (value columns, warps)
+DELTANET_SWEEP = tuple(deltanet.Launch(bv, w) for bv, w in (
+    (8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 4), (32, 8), (64, 8)))
+
+
+@contextmanager
+def _decode_launch(launch: deltanet.Launch) -> Iterator[None]:
+    """Every decode row count on `launch` (kernels/deltanet.py's table, swapped for a sweep)."""
+    saved = deltanet.DECODE_SMALL, deltanet.DECODE_LARGE
+    deltanet.DECODE_SMALL = deltanet.DECODE_LARGE = launch
+    try:
+        yield
+    finally:
+        deltanet.DECODE_SMALL, deltanet.DECODE_LARGE = saved
+
+
+def bench_deltanet(batches: tuple[int, ...], prefill: int, sweep: bool = False) -> list[Row]:
     """One layer's `gated_delta`, bf16 with fp32 states: decode steps of `batches` rows in a CUDA
     graph, each call on another copy of the slots' states (together past L2, as a step's 24
     layers are), GB/s counting the states read and written once; one `prefill`-token row from
@@ -644,6 +662,11 @@ def bench_deltanet(batches: tuple[int, ...], prefill: int) -> list[Row]:
                                1, GDN_HK, PAGE)
 
         report(f"decode, batch {b}", b, b, _time_us(step, states), 2 * b * state_bytes)
+        if sweep:  # the recurrent kernel's other launches at this batch
+            for launch in DELTANET_SWEEP:
+                with _decode_launch(launch):
+                    report(f"  BV {launch.block_v}, {launch.num_warps} warps", b, b,
+                           _time_us(step, states), 2 * b * state_bytes)
     t = prefill
     x, a, bb = randn(t, c), randn(t, GDN_HV), randn(t, GDN_HV)
     conv = torch.zeros(1, c, GDN_K - 1, device="cuda", dtype=torch.bfloat16)
@@ -688,7 +711,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     if args.cmd == "fp8":
         return bench_fp8(tuple(args.rows), args.shapes)
     if args.cmd == "deltanet":
-        return bench_deltanet(tuple(args.batches), args.prefill)
+        return bench_deltanet(tuple(args.batches), args.prefill, args.sweep)
     return [row for prefix in args.prefix for kv in args.kv
             for row in bench_extend(args.seq_len, prefix, kv == "fp8", args.configs)]
 
@@ -734,6 +757,7 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("deltanet", help="Gated DeltaNet (Qwen3.5-4B): decode steps, a prefill")
     c.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode rows")
     c.add_argument("--prefill", type=int, default=4096, help="tokens of the prefill row")
+    c.add_argument("--sweep", action="store_true", help="the decode kernel's launches too")
     for c in sub.choices.values():
         c.add_argument("--out", help="write the rows as JSON to this file")
     args = p.parse_args(argv)

@@ -13,6 +13,7 @@
 #     kern kernbench   the GPU tests and micro-benchmarks of the FP8 and MoE kernels
 #     moe30base   moe30d's decode on the tree in .base (a baseline in the same call)
 #     structured   constrained decoding's per-step cost (Qwen3-4B, random weights)
+#     gdnsweep   the Gated DeltaNet decode kernel's launches at batch 1 and 8
 # transformers with fla (flash-linear-attention): carry its wheels in .fla (q35hf uses them).
 # For a machine without network: `bash scripts/device_wheels.sh` here fills .whl with what it
 # lacks; copy .whl along and this script installs it first. Set ARLE_COMMIT where the copy has
@@ -142,6 +143,8 @@ for p in "$@"; do
              >"$OUT/pytest_kern.txt" 2>&1; say "kern rc=$?"; tail -3 "$OUT/pytest_kern.txt" | tee -a "$LOG" ;;
     kernbench) phase kernels_fp8 120 python3 scripts/bench_kernels.py fp8 --out $RES/kernels_fp8.json
            phase kernels_moe 120 python3 scripts/bench_kernels.py moe --out $RES/kernels_moe.json ;;
+    gdnsweep) phase kernels_deltanet 150 python3 scripts/bench_kernels.py deltanet --batches 1 8 \
+              --sweep --prefill 512 --out $RES/kernels_deltanet.json ;;
     structured) d=$(model qwen3-4b); phase structured 150 python3 scripts/bench_structured.py \
               --model "$d" --device cuda --batch 1 8 --rounds 2 --out $RES/structured_qwen3-4b.json ;;
     failing) say failing; timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
