@@ -58,6 +58,8 @@ from arle_kernels.jit import jit_varying
 #: (x [M, K], group) -> (FP8 values, scales [M, ceil(K/group)]): kernels/fp8.py's activation
 #: quantisation, the ref's or the kernel's
 Quantize = Callable[[Tensor, int], tuple[Tensor, Tensor]]
+#: tokens up to which the FMA GEMV runs; beyond, tensor cores
+MOE_GEMV_MAX_TOKENS = 4
 
 
 def moe_route_ref(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -213,12 +215,23 @@ def moe_route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Ten
     ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
     if t > 0:
         e_pad = triton.next_power_of_2(e)
-        block_t = max(1, min(16, 2048 // e_pad))
+        block_t, warps = _route_tile(t, e_pad)
         _route_kernel[(triton.cdiv(t, block_t),)](
             router_logits, weights, ids, t, e, router_logits.stride(0), TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize, E_PAD=e_pad,
-            BLOCK_T=block_t, num_warps=4)
+            BLOCK_T=block_t, num_warps=warps)
     return weights, ids
+
+
+def _route_tile(num_tokens: int, e_pad: int) -> tuple[int, int]:
+    """(tokens a program, warps) of `_route_kernel`. Up to MOE_GEMV_MAX_TOKENS (decode): one
+    token on one warp, so the 2 * TOP_K cross-expert max / min are warp shuffles (on 4 warps
+    each is a shared-memory round trip). Beyond: up to 16 tokens (2048 logits) on 4 warps.
+    NOTE: the split is a boundary of `pick_moe_config`'s token classes, so a warm-up that runs
+    them builds both variants."""
+    if num_tokens <= MOE_GEMV_MAX_TOKENS:
+        return 1, 1
+    return max(1, min(16, 2048 // e_pad)), 4
 
 
 @jit_varying("num_pairs", "max_blocks")
@@ -511,8 +524,6 @@ class MoeConfig:
     down: MoeTile
 
 
-#: tokens up to which the FMA GEMV runs; beyond, tensor cores
-MOE_GEMV_MAX_TOKENS = 4
 #: tokens beyond which FP8 experts quantise activations too (compute-bound prefill); up to it
 #: weights are dequantised in registers (memory-bound). Not yet measured on the GPU.
 MOE_W8A8_MIN_TOKENS = 65

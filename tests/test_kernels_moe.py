@@ -292,6 +292,7 @@ def interp_check_moe() -> None:
         tied[0] = 0.0
         for k in (1, 2, 3):
             check_route(tied, k, ties=True)
+            check_route(tied[:3], k, ties=True)  # decode's launch: a token on one warp
     for t, e, k, bm in ((1, 8, 2, 1), (3, 4, 2, 4), (7, 8, 2, 16), (33, 5, 2, 4),
                         (70, 8, 2, 16), (17, 8, 8, 2)):
         check_align(torch.rand(t, e, generator=gen).topk(k).indices, e, bm)
@@ -429,10 +430,12 @@ def test_route_and_align_gpu(t: int) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_route_ties_as_torch_topk_gpu() -> None:
-    """Tied logits (few distinct values; a row all equal): torch.topk's picks on the GPU."""
+@pytest.mark.parametrize("t", [MOE_GEMV_MAX_TOKENS, 64])
+def test_route_ties_as_torch_topk_gpu(t: int) -> None:
+    """Tied logits (few distinct values; a row all equal): torch.topk's picks on the GPU, at
+    both of moe_route's launches."""
     gen = torch.Generator(device="cuda").manual_seed(1)
-    logits = torch.randint(0, 3, (64, A3B["e"]), generator=gen, device="cuda").bfloat16()
+    logits = torch.randint(0, 3, (t, A3B["e"]), generator=gen, device="cuda").bfloat16()
     logits[0] = 0.0
     w, ids = moe_route(logits, A3B["k"], True)
     assert_same_routing(w, ids, *moe_route_ref(logits, A3B["k"], True))
