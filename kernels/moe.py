@@ -21,8 +21,14 @@ The Triton version (`fused_moe` = `moe_route` + `moe_experts`), as vLLM's and SG
   dequantised in registers, W8A16; or FP8 x FP8 with activations quantised per token and bk
   columns, W8A8), silu(gate) * up in the gate_up projection's epilogue and the routing
   weight in down's; `_moe_gemv_kernel`: the same contract for a few tokens with FMAs, one
-  block per expert, so each chosen expert's weights are read once for all its rows.
+  block per expert, so each chosen expert's weights are read once for all its rows; W
+  streamed as kernels/gemv.py's GEMV streams it (16-byte runs a thread, FP8 dequantised per
+  run with its block's scale).
 - the per-pair outputs [T * top_k, H] summed over top_k by torch (fp32 accumulation).
+- one token (decode at batch 1): no align (its pairs are blocks of their own, the kernels read
+  each pair's expert from the ids), and the down GEMV sums the top-k in its epilogue (each
+  pair's output rounded and weighted as above, summed in fp32 in top-k order, rounded once):
+  route, gate_up, down: three launches.
 `pick_moe_config` chooses the kind and tiles from the token count (a small table; never tuned
 while serving). Buffers and grids come from shapes: no host reads, safe to capture.
 """
@@ -46,11 +52,14 @@ from arle_kernels.fp8 import (
     quantize_fp8_groups_ref,
 )
 from arle_kernels.fused import silu_mul
+from arle_kernels.gemv import _load_chunk
 from arle_kernels.jit import jit_varying
 
 #: (x [M, K], group) -> (FP8 values, scales [M, ceil(K/group)]): kernels/fp8.py's activation
 #: quantisation, the ref's or the kernel's
 Quantize = Callable[[Tensor, int], tuple[Tensor, Tensor]]
+#: tokens up to which the FMA GEMV runs; beyond, tensor cores
+MOE_GEMV_MAX_TOKENS = 4
 
 
 def moe_route_ref(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -206,12 +215,23 @@ def moe_route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Ten
     ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
     if t > 0:
         e_pad = triton.next_power_of_2(e)
-        block_t = max(1, min(16, 2048 // e_pad))
+        block_t, warps = _route_tile(t, e_pad)
         _route_kernel[(triton.cdiv(t, block_t),)](
             router_logits, weights, ids, t, e, router_logits.stride(0), TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize, E_PAD=e_pad,
-            BLOCK_T=block_t, num_warps=4)
+            BLOCK_T=block_t, num_warps=warps)
     return weights, ids
+
+
+def _route_tile(num_tokens: int, e_pad: int) -> tuple[int, int]:
+    """(tokens a program, warps) of `_route_kernel`. Up to MOE_GEMV_MAX_TOKENS (decode): one
+    token on one warp, so the 2 * TOP_K cross-expert max / min are warp shuffles (on 4 warps
+    each is a shared-memory round trip). Beyond: up to 16 tokens (2048 logits) on 4 warps.
+    NOTE: the split is a boundary of `pick_moe_config`'s token classes, so a warm-up that runs
+    them builds both variants."""
+    if num_tokens <= MOE_GEMV_MAX_TOKENS:
+        return 1, 1
+    return max(1, min(16, 2048 // e_pad)), 4
 
 
 @jit_varying("num_pairs", "max_blocks")
@@ -287,23 +307,52 @@ def _w_step(acc, a, a_scale, w_ptrs, ws_ptrs, k_ok, W8: tl.constexpr, A8: tl.con
 
 
 @triton.jit
+def _pair_rows(sorted_ptr, expert_ptr, num_pairs, ROW_DIV: tl.constexpr, ROWS: tl.constexpr,
+               DIRECT: tl.constexpr):
+    """Program (j, b)'s ROWS pairs, their experts and the input row each reads (pair //
+    ROW_DIV); padding (row_ok false) reads row 0: no masks.
+
+    Sorted (moe_align): block b's slots, one expert for all of them (`live`, -1 past the last
+    group), experts [1]. DIRECT (one token, no align): pairs b*ROWS.., each its own expert
+    read from the routing's ids (expert_ptr), experts [ROWS]; `live` is the first one (>= 0).
+    """
+    b = tl.program_id(1)
+    if DIRECT:
+        pairs = b * ROWS + tl.arange(0, ROWS)
+        row_ok = pairs < num_pairs
+        live = tl.load(expert_ptr + b * ROWS)
+        experts = tl.load(expert_ptr + pairs, mask=row_ok, other=0).to(tl.int64)
+    else:
+        pairs = tl.load(sorted_ptr + b * ROWS + tl.arange(0, ROWS))
+        row_ok = pairs < num_pairs
+        live = tl.load(expert_ptr + b)
+        experts = tl.zeros([1], tl.int64) + live
+    rows = tl.where(row_ok, pairs // ROW_DIV, 0).to(tl.int64)
+    return live, experts, pairs, row_ok, rows
+
+
+@triton.jit
 def _pair_block(sorted_ptr, block_expert_ptr, ws_ptr, N, num_pairs, stride_wse, stride_wsn,
                 ROW_DIV: tl.constexpr, GROUP_N: tl.constexpr, ROWS: tl.constexpr,
                 BLOCK_N: tl.constexpr):
-    """Both kernels' start, for program (j, b): block b's expert (-1: past the last group),
-    its ROWS pairs (valid where row_ok; padding reads a valid row: no masks), the row of the
-    input each reads (pair // ROW_DIV), columns [j*BLOCK_N, (j+1)*BLOCK_N) (clamped to N - 1
-    likewise) and the scale pointers of those columns and of the up half's (GLU)."""
-    expert = tl.load(block_expert_ptr + tl.program_id(1))
-    pairs = tl.load(sorted_ptr + tl.program_id(1) * ROWS + tl.arange(0, ROWS))
-    row_ok = pairs < num_pairs
-    rows = tl.where(row_ok, pairs // ROW_DIV, 0).to(tl.int64)
+    """The tensor-core kernel's start, for program (j, b): block b's expert (-1: past the
+    last group) and pairs (`_pair_rows`), columns [j*BLOCK_N, (j+1)*BLOCK_N) (clamped to
+    N - 1: no masks) and the scale pointers of those columns and of the up half's (GLU)."""
+    expert, _, pairs, row_ok, rows = _pair_rows(sorted_ptr, block_expert_ptr, num_pairs,
+                                                ROW_DIV, ROWS, False)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.minimum(offs_n, N - 1).to(tl.int64)
     e64 = expert.to(tl.int64)
     ws_ptrs = ws_ptr + e64 * stride_wse + (cols // GROUP_N) * stride_wsn
     up_ws_ptrs = ws_ptr + e64 * stride_wse + ((cols + N) // GROUP_N) * stride_wsn
     return expert, e64, pairs, row_ok, rows, offs_n, cols, ws_ptrs, up_ws_ptrs
+
+
+@triton.jit
+def _weighted(y, tw, dtype: tl.constexpr):
+    """Rows y [R, BLOCK_N] (in dtype) times their routing weights tw [R] (in dtype), as
+    transformers multiplies them: in fp32, rounded to dtype."""
+    return (y.to(tl.float32) * tw.to(tl.float32)[:, None]).to(dtype)
 
 
 @triton.jit
@@ -316,10 +365,26 @@ def _moe_epilogue(acc, acc_up, pairs, row_ok, offs_n, N, c_ptr, topw_ptr, stride
     if GLU:
         y = silu_mul(y, acc_up.to(dtype))
     if MUL_WEIGHT:
-        tw = tl.load(topw_ptr + pairs, mask=row_ok, other=0.0).to(dtype)
-        y = (y.to(tl.float32) * tw.to(tl.float32)[:, None]).to(dtype)
+        y = _weighted(y, tl.load(topw_ptr + pairs, mask=row_ok, other=0.0).to(dtype), dtype)
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, y, mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _sum_pairs_epilogue(acc, pairs, row_ok, offs_n, N, c_ptr, topw_ptr, ROWS: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """The one-token down projection's end: each pair's y rounded to c's dtype and times its
+    routing weight (`_weighted`), then the sum over the pairs in fp32, in top-k order, rounded
+    once into c's row 0: what `pair_out.view(1, k, H).sum(dim=1)` gives (torch sums 16-bit
+    tensors in fp32). NOTE: pair j is row j (DIRECT, one program row-block); a padding row
+    adds an exact 0."""
+    dtype = c_ptr.dtype.element_ty
+    tw = tl.load(topw_ptr + pairs, mask=row_ok, other=0.0).to(dtype)
+    y = tl.where(row_ok[:, None], _weighted(acc.to(dtype), tw, dtype).to(tl.float32), 0.0)
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(ROWS):
+        total += tl.sum(tl.where((pairs == j)[:, None], y, 0.0), axis=0)
+    tl.store(c_ptr + offs_n, total.to(dtype), mask=offs_n < N)
 
 
 @jit_varying("num_pairs")
@@ -361,49 +426,81 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
                   MUL_WEIGHT)
 
 
+@triton.jit
+def _run_products(x, w_ptrs, ws_ptrs, k0, kk, starts, K, W8: tl.constexpr,
+                  GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, dtype: tl.constexpr):
+    """x [rows, 1, BLOCK_K // RUN, RUN] (fp32) times one K chunk of W's runs at w_ptrs + k0
+    ([rows or 1, BLOCK_N, BLOCK_K // RUN, RUN]), each run's products summed in registers:
+    -> [rows, BLOCK_N, BLOCK_K // RUN]. W is streamed (evict_first). W8: FP8 runs dequantised
+    to `dtype` with their block's scale, one gathered per run at ws_ptrs ([.., 1] beside the
+    runs; `starts`: each run's first column) (NOTE: RUN divides GROUP_K, so a run never
+    crosses a scale group; the scales stay cached: a group's runs share one)."""
+    w = _load_chunk(w_ptrs, k0, K, kk, EVEN_K, "evict_first")
+    if W8:
+        s_ptrs = ws_ptrs + (k0 + starts) // GROUP_K
+        scale = tl.load(s_ptrs) if EVEN_K else tl.load(s_ptrs, mask=k0 + starts < K, other=0.0)
+        w = dequant_tile(w, scale, dtype)
+    return tl.sum(x * w.to(tl.float32), axis=3)
+
+
 @jit_varying("num_pairs")
-def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, block_expert_ptr,
+def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_ptr,
                      N, K, num_pairs, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn,
                      stride_cm,
                      ROW_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                     W8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The decode MoE GEMV, `_moe_mma_kernel`'s contract for a few tokens: M_PAD >= tokens,
-    so an expert's pairs are one block and each program reads its W columns once for all the
-    rows that chose that expert. FMAs in fp32 over a [M_PAD, BLOCK_N, BLOCK_K] tile, reduced
-    over K once after the loop; FP8 tiles dequantised to x's dtype in registers (W8A16)."""
-    expert, e64, pairs, row_ok, rows, offs_n, cols, ws_ptrs, up_ws_ptrs = _pair_block(
-        sorted_ptr, block_expert_ptr, ws_ptr, N, num_pairs, stride_wse, stride_wsn, ROW_DIV,
-        GROUP_N, M_PAD, BLOCK_N)
-    if expert < 0:
+                     DIRECT: tl.constexpr, SUM_PAIRS: tl.constexpr, W8: tl.constexpr,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, M_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr,
+                     EVEN_K: tl.constexpr):
+    """The decode MoE GEMV, `_moe_mma_kernel`'s contract for a few tokens, with FMAs.
+    Program (j, b): columns [j*BLOCK_N, (j+1)*BLOCK_N) for M_PAD pairs (`_pair_rows`):
+    - sorted (moe_align, M_PAD >= tokens): block b, all of one expert's pairs, so its W rows
+      are read once for all of them;
+    - DIRECT (one token, no align): pairs b*M_PAD.., each with its own expert's W rows; with
+      SUM_PAIRS (the down projection: M_PAD >= top_k, one row-block) the pairs' outputs are
+      weighted and summed into the token's row (`_sum_pairs_epilogue`).
+    The layout streams W as kernels/gemv.py's `_gemv_kernel` does: a K chunk viewed as
+    [BLOCK_K // RUN, RUN], RUN contiguous elements a thread (one 16-byte load: 16 FP8 or 8
+    16-bit weights), each run's products summed in registers, the sum across lanes once after
+    the loop; W evict_first, x evict_last (every program re-reads it)."""
+    live, experts, pairs, row_ok, rows = _pair_rows(sorted_ptr, expert_ptr, num_pairs,
+                                                    ROW_DIV, M_PAD, DIRECT)
+    if live < 0:
         return
-    kk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None, None] * stride_xm + kk[None, None, :]
-    w_ptrs = w_ptr + e64 * stride_we + cols[None, :, None] * stride_wn + kk[None, None, :]
-    up_ptrs = w_ptrs + N * stride_wn
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # NOTE: padded columns re-read row N - 1: no masks; their sums are never stored
+    cols = tl.minimum(offs_n, N - 1).to(tl.int64)[None, :, None, None]
+    starts = (tl.arange(0, BLOCK_K // RUN) * RUN)[:, None]
+    kk = (starts + tl.arange(0, RUN)[None, :])[None, None, :, :]  # [1, 1, BK / RUN, RUN]
+    starts = starts[None, None, :, :]  # [1, 1, BK / RUN, 1]
+    e4 = experts[:, None, None, None]
+    x_ptrs = x_ptr + rows[:, None, None, None] * stride_xm + kk  # [M_PAD, 1, BK / RUN, RUN]
+    w_ptrs = w_ptr + e4 * stride_we + cols * stride_wn + kk  # [1 or M_PAD, BLOCK_N, .., RUN]
+    ws_ptrs = ws_ptr + e4 * stride_wse + (cols // GROUP_N) * stride_wsn
+    up_ws_ptrs = ws_ptr + e4 * stride_wse + ((cols + N) // GROUP_N) * stride_wsn
     dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // RUN], tl.float32)
+    acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // RUN], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = (kk < K - k0)[None, None, :]
-        x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + k0, mask=k_ok, other=0.0)
-        if W8:
-            w = dequant_tile(w, tl.load(ws_ptrs + k0 // GROUP_K)[None, :, None], dtype)
-        acc += x * w.to(tl.float32)
+        x = _load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
+        acc += _run_products(x, w_ptrs, ws_ptrs, k0, kk, starts, K, W8, GROUP_K, EVEN_K, dtype)
         if GLU:
-            u = tl.load(up_ptrs + k0, mask=k_ok, other=0.0)
-            if W8:
-                u = dequant_tile(u, tl.load(up_ws_ptrs + k0 // GROUP_K)[None, :, None], dtype)
-            acc_up += x * u.to(tl.float32)
-    _moe_epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), pairs, row_ok, offs_n, N, c_ptr,
-                  topw_ptr, stride_cm, GLU, MUL_WEIGHT)
+            acc_up += _run_products(x, w_ptrs + N * stride_wn, up_ws_ptrs, k0, kk, starts, K,
+                                    W8, GROUP_K, EVEN_K, dtype)
+    if SUM_PAIRS:
+        _sum_pairs_epilogue(tl.sum(acc, axis=2), pairs, row_ok, offs_n, N, c_ptr, topw_ptr,
+                            M_PAD, BLOCK_N)
+    else:
+        _moe_epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), pairs, row_ok, offs_n, N,
+                      c_ptr, topw_ptr, stride_cm, GLU, MUL_WEIGHT)
+
 
 
 @dataclass(frozen=True)
 class MoeTile:
-    """One projection's launch: BLOCK_N columns by BLOCK_K of K per step (BLOCK_K divides the
-    FP8 block's bk: one scale per column per step), num_warps / num_stages."""
+    """One projection's launch: BLOCK_N columns by BLOCK_K of K per step, num_warps /
+    num_stages. Tensor cores: BLOCK_K divides the FP8 block's bk (one scale per column per
+    step). The GEMV: any BLOCK_K (a scale per 16-element run)."""
 
     block_n: int
     block_k: int
@@ -416,7 +513,10 @@ class MoeConfig:
     """A MoE MLP's launches: `kind` "gemv" (`_moe_gemv_kernel`, block_m >= the tokens),
     "mma" (`_moe_mma_kernel`, weights in x's dtype or FP8 dequantised in registers) or "w8a8"
     (FP8 weights and activations); block_m, shared by both projections (one sort of the
-    pairs); the gate_up and down tiles."""
+    pairs); the gate_up and down tiles.
+    NOTE: "gemv" with block_m 1 (one token) is the direct path: no align, each pair a block of
+    its own expert, and the down projection sums the top-k in its epilogue (its tile's rows
+    are the top_k pairs)."""
 
     kind: str
     block_m: int
@@ -424,11 +524,27 @@ class MoeConfig:
     down: MoeTile
 
 
-#: tokens up to which the FMA GEMV runs; beyond, tensor cores
-MOE_GEMV_MAX_TOKENS = 4
 #: tokens beyond which FP8 experts quantise activations too (compute-bound prefill); up to it
 #: weights are dequantised in registers (memory-bound). Not yet measured on the GPU.
 MOE_W8A8_MIN_TOKENS = 65
+#: the bytes of one GEMV run: a thread's contiguous load (16 FP8 or 8 16-bit weights)
+_RUN_BYTES = 16
+
+
+def moe_gemv_tiles(m_pad: int, fp8: bool) -> tuple[MoeTile, MoeTile]:
+    """The GEMV's (gate_up, down) tiles for up to m_pad tokens, as kernels/gemv.py's M = 1..2
+    tiles: one warp a program, 1-2 columns, runs of 16 bytes.
+    - gate_up (K = hidden): one column (gate and up rows), 4 runs a lane at one token, fewer
+      as the rows of x a lane holds grow (x: m_pad x 4 // m_pad runs a lane);
+    - down (K = inter, 768 for Qwen3-30B-A3B: 3 chunks of 256): at one token its rows are the
+      top_k pairs, each its own expert (8 rows x 16 runs / 32 lanes: 4 FP8 runs a lane); at
+      2..4 tokens two FP8 columns, so that a chunk's 32 runs cover the warp's lanes.
+    NOTE: accumulators per lane (fp32): rows x BLOCK_N x BLOCK_K / RUN / 32, at most 4 (8 for
+    bf16 down at one token); gate_up holds two."""
+    run = _RUN_BYTES if fp8 else _RUN_BYTES // 2  # elements (bf16 / fp16 weights)
+    up = MoeTile(1, run * 32 * max(1, 4 // m_pad), num_warps=1, num_stages=1)
+    down = MoeTile(2 if fp8 and m_pad > 1 else 1, 256, num_warps=1, num_stages=1)
+    return up, down
 
 
 def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
@@ -438,10 +554,7 @@ def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
     bk = block[1] if block is not None else 128
     if num_tokens <= MOE_GEMV_MAX_TOKENS:
         m_pad = triton.next_power_of_2(max(1, num_tokens))
-        # NOTE: M_PAD x BLOCK_N x BLOCK_K fp32 products per accumulator: <= 64 registers a
-        # thread at 4 warps (gate_up has two)
-        return MoeConfig("gemv", m_pad, MoeTile(16, min(bk, 128 // m_pad), num_stages=1),
-                         MoeTile(16, min(bk, 256 // m_pad), num_stages=1))
+        return MoeConfig("gemv", m_pad, *moe_gemv_tiles(m_pad, block is not None))
     # rows per expert on average, the block that holds them (16..64)
     per_expert = -(-num_tokens * top_k // num_experts)
     block_m = min(64, max(16, triton.next_power_of_2(per_expert)))
@@ -458,34 +571,53 @@ def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
 def moe_token_classes(top_k: int, num_experts: int, hidden: int, inter: int,
                       block: tuple[int, int] | None, max_tokens: int) -> tuple[int, ...]:
     """One token count per launch configuration `pick_moe_config` gives up to max_tokens (the
-    kernels compile per config): what a warm-up runs to build every MoE variant."""
+    kernels compile per config; `moe_route`'s two launches split at MOE_GEMV_MAX_TOKENS, a
+    boundary of these classes too): what a warm-up runs to build every MoE variant."""
     seen: dict[MoeConfig, int] = {}
     for t in range(1, max_tokens + 1):
         seen.setdefault(pick_moe_config(t, top_k, num_experts, hidden, inter, block), t)
     return tuple(seen.values())
 
 
+def _gemv_run(w: Tensor, tile: MoeTile, block: tuple[int, int] | None) -> int:
+    """The GEMV's run: 16 bytes of w, at most BLOCK_K, and (FP8) dividing the block's bk so a
+    run meets one scale."""
+    run = min(_RUN_BYTES // w.element_size(), tile.block_k)
+    while block is not None and block[1] % run:
+        run //= 2
+    return run
+
+
 def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor | None,
                  out: Tensor, topk_weights: Tensor, sorted_ids: Tensor, block_expert: Tensor,
                  num_pairs: int, row_div: int, glu: bool, block: tuple[int, int] | None,
-                 cfg: MoeConfig, tile: MoeTile) -> None:
-    """One projection over the sorted pairs into out [pairs, N]."""
+                 cfg: MoeConfig, tile: MoeTile, direct_rows: int = 0) -> None:
+    """One projection over the pairs into out [pairs, N]: sorted into blocks (moe_align), or
+    direct_rows > 0 (one token, cfg a GEMV): block_expert is the routing's ids, each pair its
+    own block (glu) or all the pairs one block of direct_rows >= top_k rows whose outputs are
+    summed into out [1, N]."""
     n, k = out.shape[1], w.shape[2]
     bn, bk = block if block is not None else (1, 1)
+    gemv = cfg.kind == "gemv"
     if w_scale is not None:
-        assert bk % tile.block_k == 0, "a K step must stay inside one scale block"
+        assert gemv or bk % tile.block_k == 0, "a K step must stay inside one scale block"
         assert w_scale.stride(2) == 1 and w_scale.shape[1:] == (triton.cdiv(w.shape[1], bn),
                                                                triton.cdiv(k, bk))
     ws = w_scale if w_scale is not None else w  # a dummy pointer without scales
-    grid = (triton.cdiv(n, tile.block_n), block_expert.shape[0])
+    blocks = block_expert.shape[0] if not direct_rows else triton.cdiv(num_pairs, direct_rows)
+    grid = (triton.cdiv(n, tile.block_n), blocks)
     meta = {"ROW_DIV": row_div, "GLU": glu, "MUL_WEIGHT": not glu, "W8": w_scale is not None,
             "GROUP_N": bn, "GROUP_K": bk, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
             "num_warps": tile.num_warps, "num_stages": tile.num_stages}
     ws_strides = (ws.stride(0), ws.stride(1)) if w_scale is not None else (0, 0)
-    if cfg.kind == "gemv":
+    if gemv:
+        direct = direct_rows > 0
         _moe_gemv_kernel[grid](a, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,
                                num_pairs, a.stride(0), w.stride(0), w.stride(1), *ws_strides,
-                               out.stride(0), M_PAD=cfg.block_m, **meta)
+                               out.stride(0), DIRECT=direct, SUM_PAIRS=direct and not glu,
+                               M_PAD=direct_rows if direct else cfg.block_m,
+                               RUN=_gemv_run(w, tile, block), EVEN_K=k % tile.block_k == 0,
+                               **meta)
         return
     a_s = a_scale if a_scale is not None else ws
     _moe_mma_kernel[grid](a, a_s, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,
@@ -511,14 +643,17 @@ def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tenso
     if t == 0:
         return x.new_empty(0, h)
     pairs = t * top_k
-    sorted_ids, block_expert = moe_align(ids.to(torch.int32).contiguous(), num_experts,
-                                         cfg.block_m)
+    ids = ids.to(torch.int32).contiguous()  # (moe_route's already are: no copy)
+    weights = weights.contiguous()
+    if cfg.kind == "gemv" and cfg.block_m == 1:
+        return _one_token_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg)
+    sorted_ids, block_expert = moe_align(ids, num_experts, cfg.block_m)
     w8a8 = cfg.kind == "w8a8"
     assert not w8a8 or fp8
     group = block[1] if block is not None else 0
     a, a_scale = quantize_fp8_groups(x, group) if w8a8 else (x, None)
     inter_out = x.new_empty(pairs, inter)
-    common = (weights.contiguous(), sorted_ids, block_expert, pairs)
+    common = (weights, sorted_ids, block_expert, pairs)
     _launch_proj(a, a_scale, w13, w13_scale, inter_out, *common, row_div=top_k, glu=True,
                  block=block, cfg=cfg, tile=cfg.up)
     a, a_scale = quantize_fp8_groups(inter_out, group) if w8a8 else (inter_out, None)
@@ -527,6 +662,24 @@ def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tenso
                  block=block, cfg=cfg, tile=cfg.down)
     # NOTE: the top-k sum in fp32, rounded once (torch's reduction of a 16-bit tensor)
     return pair_out.view(t, top_k, h).sum(dim=1)
+
+
+def _one_token_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,
+                       w13_scale: Tensor | None, w2_scale: Tensor | None,
+                       block: tuple[int, int] | None, cfg: MoeConfig) -> Tensor:
+    """One token's experts in two launches: no align (pair j is a block of its own, expert
+    ids[0, j]: the kernels read the ids), gate_up per pair, then down over all top_k pairs
+    with their weighted sum in the epilogue, into the token's row (no per-pair buffer, no
+    torch sum). NOTE: right for any ids, repeated experts too (each pair reads its own)."""
+    top_k = ids.shape[1]
+    inter_out = x.new_empty(top_k, w2.shape[2])
+    _launch_proj(x, None, w13, w13_scale, inter_out, weights, ids, ids, top_k, row_div=top_k,
+                 glu=True, block=block, cfg=cfg, tile=cfg.up, direct_rows=1)
+    out = x.new_empty(1, x.shape[1])
+    _launch_proj(inter_out, None, w2, w2_scale, out, weights, ids, ids, top_k, row_div=1,
+                 glu=False, block=block, cfg=cfg, tile=cfg.down,
+                 direct_rows=triton.next_power_of_2(top_k))
+    return out
 
 
 def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,

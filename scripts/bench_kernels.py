@@ -346,9 +346,9 @@ def _moe_kinds(t: int, fp8: bool) -> list[moe_kernels.MoeConfig]:
     cfgs = [chosen]
     if chosen.kind != "gemv" and t <= 16:  # (pick_moe_config's GEMV tiles, for more rows)
         m_pad = triton.next_power_of_2(t)
-        cfgs.append(moe_kernels.MoeConfig(
-            "gemv", m_pad, moe_kernels.MoeTile(16, max(16, 128 // m_pad), num_stages=1),
-            moe_kernels.MoeTile(16, max(16, 256 // m_pad), num_stages=1)))
+        cfgs.append(moe_kernels.MoeConfig("gemv", m_pad, *moe_kernels.moe_gemv_tiles(m_pad, fp8)))
+    if t == 1:  # the one-token path against the sorted GEMV (align, per-pair outputs, sum)
+        cfgs.append(moe_kernels.MoeConfig("gemv", 2, *moe_kernels.moe_gemv_tiles(2, fp8)))
     bk = 128 if fp8 else 64
     tile = moe_kernels.MoeTile(64 if t <= 64 else 128, bk)
     for kind in ["mma"] + (["w8a8"] if fp8 else []):
@@ -414,9 +414,10 @@ def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...]) -> list[Row]:
                 out.append({"op": "experts", "fp8": fp8, "T": t, "kind": cfg.kind,
                             "block_m": cfg.block_m, "us": us, "GBps": nbytes / us / 1e3,
                             "TFLOPs": flops / us / 1e6, "chosen": j == 0})
-    print(f"{'op':8} {'w':>4} {'T':>5} {'kind':>5} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8}")
+    print(f"{'op':8} {'w':>4} {'T':>5} {'kind/bm':>8} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8}")
     for r in out:
-        print(f"{r['op']:8} {'fp8' if r['fp8'] else 'bf16':>4} {r['T']:5} {r['kind']:>5} "
+        kind = f"{r['kind']}/{r['block_m']}" if "block_m" in r else r["kind"]
+        print(f"{r['op']:8} {'fp8' if r['fp8'] else 'bf16':>4} {r['T']:5} {kind:>8} "
               f"{r['us']:9.1f} {r['GBps']:7.0f} {r['TFLOPs']:8.1f}{' *' if r['chosen'] else ''}")
     return out
 

@@ -4,6 +4,8 @@ the reference (interpreter, tiny shapes; GPU, Qwen3-30B-A3B's shapes)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,7 @@ from arle_kernels.moe import (
     moe_align_ref,
     moe_experts_ref,
     moe_experts_w8a8_ref,
+    moe_gemv_tiles,
     moe_max_blocks,
     moe_route,
     moe_route_ref,
@@ -172,11 +175,18 @@ def test_max_blocks_bounds_every_routing(t: int, k: int, e: int, bm: int) -> Non
 def test_pick_config() -> None:
     """Token classes: the GEMV (one block per expert), tensor cores, FP8 W8A8 from
     MOE_W8A8_MIN_TOKENS on; FP8 K steps inside one scale block."""
-    for t in (1, 2, 3, MOE_GEMV_MAX_TOKENS):
-        cfg = pick_moe_config(t, 8, 128, 2048, 768, (128, 128))
+    for t, block in itertools.product((1, 2, 3, MOE_GEMV_MAX_TOKENS), ((128, 128), None)):
+        cfg = pick_moe_config(t, 8, 128, 2048, 768, block)
         assert cfg.kind == "gemv" and cfg.block_m >= t
-        for tile in (cfg.up, cfg.down):
-            assert cfg.block_m * tile.block_n * tile.block_k <= 64 * 32 * tile.num_warps
+        assert (cfg.block_m == 1) == (t == 1)  # the direct path: one token only
+        run = 16 if block else 8  # a lane's 16-byte load
+        # (rows of x, rows of W): one token's down has the top-8 pairs as rows, each its
+        # own expert's; otherwise all rows share one expert's W
+        for tile, rows, w_rows in ((cfg.up, cfg.block_m, 1),
+                                   (cfg.down, 8, 8) if t == 1 else (cfg.down, cfg.block_m, 1)):
+            lanes = 32 * tile.num_warps
+            assert w_rows * tile.block_n * tile.block_k // run >= lanes  # runs for every lane
+            assert rows * tile.block_n * tile.block_k // run <= 8 * lanes  # <= 8 fp32 sums
     for t, fp8_kind in ((MOE_GEMV_MAX_TOKENS + 1, "mma"), (MOE_W8A8_MIN_TOKENS - 1, "mma"),
                         (MOE_W8A8_MIN_TOKENS, "w8a8"), (8192, "w8a8")):
         for block in ((128, 128), (16, 16)):
@@ -282,6 +292,7 @@ def interp_check_moe() -> None:
         tied[0] = 0.0
         for k in (1, 2, 3):
             check_route(tied, k, ties=True)
+            check_route(tied[:3], k, ties=True)  # decode's launch: a token on one warp
     for t, e, k, bm in ((1, 8, 2, 1), (3, 4, 2, 4), (7, 8, 2, 16), (33, 5, 2, 4),
                         (70, 8, 2, 16), (17, 8, 8, 2)):
         check_align(torch.rand(t, e, generator=gen).topk(k).indices, e, bm)
@@ -300,15 +311,21 @@ def interp_check_moe() -> None:
                 logits = torch.randn(t, e, generator=gen).to(dtype)
                 kinds = ["mma"] + (["w8a8"] if block else [])
                 cfgs = [MoeConfig(kind, 16, tiny, tiny) for kind in kinds]
-                if t <= 4:
-                    cfgs.append(MoeConfig("gemv", triton_pow2(t), tiny, tiny))
+                if t <= 4:  # (a K chunk of 64: several scale groups, K's tail masked)
+                    cfgs += [MoeConfig("gemv", triton_pow2(t), tiny, tiny),
+                             MoeConfig("gemv", 4, MoeTile(16, 64), MoeTile(8, 64))]
                 if t == 40:  # wider tiles: N past the projections' widths
                     cfgs.append(MoeConfig("mma", 16, MoeTile(32, 16), MoeTile(64, 16)))
                 for cfg in cfgs:
                     check_experts(x, logits, 2, ex, cfg)
+                if t == 1:  # the one-token path (no align, the top-k sum fused in down)
+                    for k in (1, 2, 3):
+                        for up, down in ((tiny, tiny), (MoeTile(16, 64), MoeTile(8, 32))):
+                            check_experts(x, logits, k, ex, MoeConfig("gemv", 1, up, down))
+    check_one_token(gen)
     # the dispatchers: each token class's kernel, routed by moe_route
     experts = make_experts(8, h, inter, gen, (16, 16))
-    for t in (2, 9, MOE_W8A8_MIN_TOKENS):
+    for t in (1, 2, 9, MOE_W8A8_MIN_TOKENS):
         x = torch.randn(t, h, generator=gen)
         logits = torch.randn(t, 8, generator=gen)
         got = fused_moe(x, logits, experts["w13"], experts["w2"], 2, True,
@@ -321,6 +338,35 @@ def interp_check_moe() -> None:
     empty = fused_moe(x[:0], logits[:0], experts["w13"], experts["w2"], 2, True,
                       experts["w13_scale"], experts["w2_scale"], (16, 16))
     assert empty.shape == (0, h)
+
+
+def check_one_token(gen: torch.Generator) -> None:
+    """The one-token path where every K chunk is whole (no masks): FP8 runs in several scale
+    groups a chunk, pairs of one expert repeated; `fused_moe` at T = 1 (its picked config,
+    the same bits as `_moe_experts` with it) against the ref."""
+    h, inter, block = 64, 32, (16, 16)
+    experts = make_experts(4, h, inter, gen, block)
+    x = torch.randn(1, h, generator=gen).half()
+    logits = torch.randn(1, 4, generator=gen).half()
+    for up, down in ((MoeTile(16, 32), MoeTile(16, 32)), (MoeTile(32, 64), MoeTile(8, 16))):
+        check_experts(x, logits, 3, experts, MoeConfig("gemv", 1, up, down))
+    weights, _ = moe_route_ref(logits, 2, True)
+    same = torch.tensor([[1, 1]])  # (not from a router: one expert twice)
+    got = _moe_experts(x, weights, same, experts["w13"], experts["w2"], experts["w13_scale"],
+                       experts["w2_scale"], block, MoeConfig("gemv", 1, *[MoeTile(16, 32)] * 2))
+    want = moe_experts_ref(x, weights, same, **experts)
+    assert rel(got, want) < 3e-3, rel(got, want)
+    cfg = pick_moe_config(1, 3, 4, h, inter, block)
+    assert cfg.kind == "gemv" and cfg.block_m == 1
+    got = fused_moe(x, logits, experts["w13"], experts["w2"], 3, True, experts["w13_scale"],
+                    experts["w2_scale"], block)
+    w, ids = moe_route(logits, 3, True)
+    want = _moe_experts(x, w, ids, experts["w13"], experts["w2"], experts["w13_scale"],
+                        experts["w2_scale"], block, cfg)
+    assert torch.equal(got, want)
+    ref = fused_moe_ref(x, logits, experts["w13"], experts["w2"], 3, True,
+                        experts["w13_scale"], experts["w2_scale"], block)
+    assert rel(got, ref) < 3e-3, rel(got, ref)
 
 
 def triton_pow2(n: int) -> int:
@@ -384,10 +430,12 @@ def test_route_and_align_gpu(t: int) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_route_ties_as_torch_topk_gpu() -> None:
-    """Tied logits (few distinct values; a row all equal): torch.topk's picks on the GPU."""
+@pytest.mark.parametrize("t", [MOE_GEMV_MAX_TOKENS, 64])
+def test_route_ties_as_torch_topk_gpu(t: int) -> None:
+    """Tied logits (few distinct values; a row all equal): torch.topk's picks on the GPU, at
+    both of moe_route's launches."""
     gen = torch.Generator(device="cuda").manual_seed(1)
-    logits = torch.randint(0, 3, (64, A3B["e"]), generator=gen, device="cuda").bfloat16()
+    logits = torch.randint(0, 3, (t, A3B["e"]), generator=gen, device="cuda").bfloat16()
     logits[0] = 0.0
     w, ids = moe_route(logits, A3B["k"], True)
     assert_same_routing(w, ids, *moe_route_ref(logits, A3B["k"], True))
@@ -417,17 +465,21 @@ def test_fused_moe_gpu(t: int, fp8: bool) -> None:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_expert_kinds_agree_gpu(fp8: bool) -> None:
-    """The same 4 tokens through every kernel kind (GEMV, tensor cores, W8A8 for FP8)."""
+@pytest.mark.parametrize("t", [1, 4])
+def test_expert_kinds_agree_gpu(t: int, fp8: bool) -> None:
+    """The same tokens through every kernel kind (GEMV, tensor cores, W8A8 for FP8; at one
+    token the direct GEMV and the sorted one)."""
     experts = gpu_experts(fp8, seed=2)
-    x, logits = gpu_inputs(4, seed=2)
+    x, logits = gpu_inputs(t, seed=2)
     w, ids = moe_route_ref(logits, A3B["k"], True)
     want = moe_experts_ref(x, w, ids, **experts)
     block = experts.get("block")
-    gemv = pick_moe_config(4, A3B["k"], A3B["e"], A3B["h"], A3B["inter"], block)
+    gemv = pick_moe_config(t, A3B["k"], A3B["e"], A3B["h"], A3B["inter"], block)
     tile = MoeTile(64, 128 if fp8 else 64)
     cfgs = [gemv, MoeConfig("mma", 16, tile, tile)] + ([MoeConfig("w8a8", 16, tile, tile)]
                                                        if fp8 else [])
+    if t == 1:
+        cfgs.append(MoeConfig("gemv", 2, *moe_gemv_tiles(2, fp8)))
     for cfg in cfgs:
         got = _moe_experts(x, w, ids, experts["w13"], experts["w2"], experts.get("w13_scale"),
                            experts.get("w2_scale"), block, cfg)
