@@ -91,7 +91,7 @@ class GemvConfig:
 
 
 @triton.jit
-def _load_chunk(ptrs, k0, K, kk, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
+def load_chunk(ptrs, k0, K, kk, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
     """One BLOCK_K chunk of rows at ptrs (offsets k0 + kk); past K reads nothing (zeros)."""
     if EVEN_K:
         return tl.load(ptrs + k0, eviction_policy=EVICT)
@@ -106,18 +106,20 @@ def dequant_tile(w, scale, dtype: tl.constexpr):
 
 
 @triton.jit
-def _load_w_chunk(w_ptrs, ws_ptrs, k0, K, kk, runs, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
-                  SCALE_K: tl.constexpr, x_ptr):
-    """`_gemv_kernel`'s chunk of W (streamed: evict first); SCALED, each run dequantised to
-    x's dtype with its block's scale (one scale a run: runs never cross a scale block)."""
-    w = _load_chunk(w_ptrs, k0, K, kk, EVEN_K, "evict_first")
+def load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K: tl.constexpr,
+                     SCALED: tl.constexpr, SCALE_K: tl.constexpr, dtype: tl.constexpr):
+    """A chunk of W's runs ([.., BLOCK_K // RUN, RUN] at w_ptrs + k0), streamed (evict first);
+    SCALED (FP8), each run dequantised to `dtype` with its block's scale, one gathered per run
+    at ws_ptrs ([.., 1] beside the runs; `starts`: each run's first column).
+    NOTE: RUN divides SCALE_K, so a run meets one scale; a block's runs share it (cached)."""
+    w = load_chunk(w_ptrs, k0, K, kk, EVEN_K, "evict_first")
     if SCALED:
-        cols = k0 + runs[None, None, :, None]
+        cols = k0 + starts
         if EVEN_K:
             s = tl.load(ws_ptrs + cols // SCALE_K)
         else:
             s = tl.load(ws_ptrs + cols // SCALE_K, mask=cols < K, other=0.0)
-        w = dequant_tile(w, s, x_ptr.dtype.element_ty)
+        w = dequant_tile(w, s, dtype)
     return w
 
 
@@ -126,7 +128,7 @@ def _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K: tl.constexpr, SCALED: t
                  SCALE_K: tl.constexpr, x_ptr):
     """The tensor-core kernel's [BLOCK_N, BLOCK_K] tile of W; SCALED, dequantised to x's dtype
     with one scale a row (the tile lies inside one scale block along K)."""
-    w = _load_chunk(w_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
+    w = load_chunk(w_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
     if SCALED:
         w = dequant_tile(w, tl.load(ws_ptrs + k0 // SCALE_K), x_ptr.dtype.element_ty)
     return w
@@ -168,8 +170,9 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     # lanes and warps span BLOCK_K // RUN, and the sum across them happens once, after the loop.
     # NOTE: the x and W tiles are both 4-D with this same [BLOCK_K // RUN, RUN] tail, so Triton
     # gives them one register layout and the broadcast multiply moves no data between threads.
-    runs = tl.arange(0, BLOCK_K // RUN) * RUN
-    kk = (runs[:, None] + tl.arange(0, RUN)[None, :])[None, None, :, :]  # [1, 1, BK/RUN, RUN]
+    starts = (tl.arange(0, BLOCK_K // RUN) * RUN)[:, None]
+    kk = (starts + tl.arange(0, RUN)[None, :])[None, None, :, :]  # [1, 1, BK/RUN, RUN]
+    starts = starts[None, None, :, :]  # [1, 1, BK/RUN, 1]: each run's first column
     # NOTE: padded rows (m >= M) and columns (n >= N) re-read the last valid row of x / W, so
     # no load needs a mask for them; their sums are never stored.
     rows_x = tl.minimum(offs_m, M - 1)
@@ -186,23 +189,24 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     # NOTE: W does not depend on the previous kernel, so its first chunk is loaded before
     # waiting for that kernel (PDL); the loop starts one chunk later. The last split may run
     # past K (whole chunks of masked loads: no memory traffic).
-    w = _load_w_chunk(w_ptrs, ws_ptrs, k_lo, K, kk, runs, EVEN_K, SCALED, SCALE_K, x_ptr)
+    dtype = x_ptr.dtype.element_ty
+    w = load_weight_runs(w_ptrs, ws_ptrs, k_lo, K, kk, starts, EVEN_K, SCALED, SCALE_K, dtype)
     if GLU:
-        w_up = _load_w_chunk(up_ptrs, up_ws_ptrs, k_lo, K, kk, runs, EVEN_K, SCALED, SCALE_K,
-                             x_ptr)
+        w_up = load_weight_runs(up_ptrs, up_ws_ptrs, k_lo, K, kk, starts, EVEN_K, SCALED,
+                                SCALE_K, dtype)
     if PDL:
         gdc_wait()
-    x = _load_chunk(x_ptrs, k_lo, K, kk, EVEN_K, "evict_last").to(tl.float32)
+    x = load_chunk(x_ptrs, k_lo, K, kk, EVEN_K, "evict_last").to(tl.float32)
     acc = tl.sum(x * w.to(tl.float32), axis=3)  # [M_PAD, BLOCK_N, BLOCK_K // RUN]
     if GLU:
         acc_up = tl.sum(x * w_up.to(tl.float32), axis=3)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        x = _load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
-        w = _load_w_chunk(w_ptrs, ws_ptrs, k0, K, kk, runs, EVEN_K, SCALED, SCALE_K, x_ptr)
+        x = load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
+        w = load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED, SCALE_K, dtype)
         acc += tl.sum(x * w.to(tl.float32), axis=3)
         if GLU:
-            w_up = _load_w_chunk(up_ptrs, up_ws_ptrs, k0, K, kk, runs, EVEN_K, SCALED, SCALE_K,
-                                 x_ptr)
+            w_up = load_weight_runs(up_ptrs, up_ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED,
+                                    SCALE_K, dtype)
             acc_up += tl.sum(x * w_up.to(tl.float32), axis=3)
     y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -287,13 +291,13 @@ def _gemv_mma_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
         w_up = _load_w_tile(up_ptrs, up_ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K, x_ptr)
     if PDL:
         gdc_wait()
-    x = _load_chunk(x_ptrs, k_lo, K, offs_k[:, None], EVEN_K, "evict_last")
+    x = load_chunk(x_ptrs, k_lo, K, offs_k[:, None], EVEN_K, "evict_last")
     acc = tl.dot(w, x, acc, input_precision=PRECISION)
     if GLU:
         acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         w = _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K, x_ptr)
-        x = _load_chunk(x_ptrs, k0, K, offs_k[:, None], EVEN_K, "evict_last")
+        x = load_chunk(x_ptrs, k0, K, offs_k[:, None], EVEN_K, "evict_last")
         acc = tl.dot(w, x, acc, input_precision=PRECISION)
         if GLU:
             w_up = _load_w_tile(up_ptrs, up_ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K,

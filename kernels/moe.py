@@ -52,7 +52,7 @@ from arle_kernels.fp8 import (
     quantize_fp8_groups_ref,
 )
 from arle_kernels.fused import silu_mul
-from arle_kernels.gemv import _load_chunk
+from arle_kernels.gemv import load_chunk, load_weight_runs
 from arle_kernels.jit import jit_varying
 
 #: (x [M, K], group) -> (FP8 values, scales [M, ceil(K/group)]): kernels/fp8.py's activation
@@ -429,17 +429,10 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
 @triton.jit
 def _run_products(x, w_ptrs, ws_ptrs, k0, kk, starts, K, W8: tl.constexpr,
                   GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, dtype: tl.constexpr):
-    """x [rows, 1, BLOCK_K // RUN, RUN] (fp32) times one K chunk of W's runs at w_ptrs + k0
-    ([rows or 1, BLOCK_N, BLOCK_K // RUN, RUN]), each run's products summed in registers:
-    -> [rows, BLOCK_N, BLOCK_K // RUN]. W is streamed (evict_first). W8: FP8 runs dequantised
-    to `dtype` with their block's scale, one gathered per run at ws_ptrs ([.., 1] beside the
-    runs; `starts`: each run's first column) (NOTE: RUN divides GROUP_K, so a run never
-    crosses a scale group; the scales stay cached: a group's runs share one)."""
-    w = _load_chunk(w_ptrs, k0, K, kk, EVEN_K, "evict_first")
-    if W8:
-        s_ptrs = ws_ptrs + (k0 + starts) // GROUP_K
-        scale = tl.load(s_ptrs) if EVEN_K else tl.load(s_ptrs, mask=k0 + starts < K, other=0.0)
-        w = dequant_tile(w, scale, dtype)
+    """x [rows, 1, BLOCK_K // RUN, RUN] (fp32) times one K chunk of W's runs
+    (`load_weight_runs`: FP8 dequantised per run), each run's products summed in registers:
+    -> [rows, BLOCK_N, BLOCK_K // RUN]."""
+    w = load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, W8, GROUP_K, dtype)
     return tl.sum(x * w.to(tl.float32), axis=3)
 
 
@@ -482,7 +475,7 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // RUN], tl.float32)
     acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // RUN], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = _load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
+        x = load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
         acc += _run_products(x, w_ptrs, ws_ptrs, k0, kk, starts, K, W8, GROUP_K, EVEN_K, dtype)
         if GLU:
             acc_up += _run_products(x, w_ptrs + N * stride_wn, up_ws_ptrs, k0, kk, starts, K,
