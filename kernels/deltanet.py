@@ -687,9 +687,12 @@ class Launch:
     num_stages: int = 3
 
 
-#: the recurrent kernel while (rows x value heads) < 512 (more, smaller programs: batch 1 has
-#: 32 of them) and beyond
+#: the recurrent kernel while (rows x value heads) < 64 (batch 1 has 32: more, smaller
+#: programs), < 512, and beyond; measured at Qwen3.5-4B's shapes on the H200
+#: (`bench_kernels.py deltanet --sweep`): batch 8 at 19.4 us on DECODE_MID against 25.8 on
+#: DECODE_SMALL's launch
 DECODE_SMALL = Launch(16, 4)
+DECODE_MID = Launch(32, 4)
 DECODE_LARGE = Launch(32, 8)
 CONV = Launch(0, 4)
 #: one stage: the chunk loops' loads pipelined kept several [64, 128] fp32 tiles in shared
@@ -759,7 +762,8 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
     strides = (*conv_state.stride(), *ssm_state.stride()[:3])
 
     def recurrent(nrows: int, row0: int, varlen: bool, pdl: bool) -> None:
-        launch = DECODE_SMALL if nrows * hv < 512 else DECODE_LARGE
+        work = nrows * hv
+        launch = DECODE_SMALL if work < 64 else DECODE_MID if work < 512 else DECODE_LARGE
         bv = block_v or _block_v(launch, dv)
         nv = triton.cdiv(dv, bv)
         _recurrent_kernel[(nrows, hv, nv)](

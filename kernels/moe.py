@@ -58,8 +58,13 @@ from arle_kernels.jit import jit_varying
 #: (x [M, K], group) -> (FP8 values, scales [M, ceil(K/group)]): kernels/fp8.py's activation
 #: quantisation, the ref's or the kernel's
 Quantize = Callable[[Tensor, int], tuple[Tensor, Tensor]]
-#: tokens up to which the FMA GEMV runs; beyond, tensor cores
-MOE_GEMV_MAX_TOKENS = 4
+#: tokens up to which the FMA GEMV runs, bf16 / FP8 experts; beyond, tensor cores (H200,
+#: Qwen3-30B-A3B's experts, `bench_kernels.py moe`: bf16 at 2 tokens 59 us against 69, at 4
+#: 137 against 101; FP8 at 2 tokens 57 against 53)
+MOE_GEMV_MAX_TOKENS = 2
+MOE_GEMV_MAX_TOKENS_FP8 = 1
+#: tokens up to which `moe_route` runs one token a program on one warp
+ROUTE_ONE_WARP_MAX_TOKENS = 4
 
 
 def moe_route_ref(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -224,12 +229,11 @@ def moe_route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Ten
 
 
 def _route_tile(num_tokens: int, e_pad: int) -> tuple[int, int]:
-    """(tokens a program, warps) of `_route_kernel`. Up to MOE_GEMV_MAX_TOKENS (decode): one
-    token on one warp, so the 2 * TOP_K cross-expert max / min are warp shuffles (on 4 warps
-    each is a shared-memory round trip). Beyond: up to 16 tokens (2048 logits) on 4 warps.
-    NOTE: the split is a boundary of `pick_moe_config`'s token classes, so a warm-up that runs
-    them builds both variants."""
-    if num_tokens <= MOE_GEMV_MAX_TOKENS:
+    """(tokens a program, warps) of `_route_kernel`. Up to ROUTE_ONE_WARP_MAX_TOKENS (decode):
+    one token on one warp, so the 2 * TOP_K cross-expert max / min are warp shuffles (on 4
+    warps each is a shared-memory round trip). Beyond: up to 16 tokens (2048 logits) on 4
+    warps. NOTE: `moe_token_classes` splits its classes here too (a warm-up builds both)."""
+    if num_tokens <= ROUTE_ONE_WARP_MAX_TOKENS:
         return 1, 1
     return max(1, min(16, 2048 // e_pad)), 4
 
@@ -545,7 +549,7 @@ def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
     """The launches for a step of num_tokens tokens, from shapes only (a small table by token
     class, no tuning while serving). block: the FP8 block (None: bf16 weights)."""
     bk = block[1] if block is not None else 128
-    if num_tokens <= MOE_GEMV_MAX_TOKENS:
+    if num_tokens <= (MOE_GEMV_MAX_TOKENS if block is None else MOE_GEMV_MAX_TOKENS_FP8):
         m_pad = triton.next_power_of_2(max(1, num_tokens))
         return MoeConfig("gemv", m_pad, *moe_gemv_tiles(m_pad, block is not None))
     # rows per expert on average, the block that holds them (16..64)
@@ -563,12 +567,14 @@ def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
 
 def moe_token_classes(top_k: int, num_experts: int, hidden: int, inter: int,
                       block: tuple[int, int] | None, max_tokens: int) -> tuple[int, ...]:
-    """One token count per launch configuration `pick_moe_config` gives up to max_tokens (the
-    kernels compile per config; `moe_route`'s two launches split at MOE_GEMV_MAX_TOKENS, a
-    boundary of these classes too): what a warm-up runs to build every MoE variant."""
-    seen: dict[MoeConfig, int] = {}
+    """One token count per launch configuration `pick_moe_config` and `moe_route` give up to
+    max_tokens (the kernels compile per configuration): what a warm-up runs to build every
+    MoE variant."""
+    seen: dict[tuple[MoeConfig, tuple[int, int]], int] = {}
+    e_pad = triton.next_power_of_2(num_experts)
     for t in range(1, max_tokens + 1):
-        seen.setdefault(pick_moe_config(t, top_k, num_experts, hidden, inter, block), t)
+        cfg = pick_moe_config(t, top_k, num_experts, hidden, inter, block)
+        seen.setdefault((cfg, _route_tile(t, e_pad)), t)
     return tuple(seen.values())
 
 

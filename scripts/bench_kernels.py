@@ -611,12 +611,12 @@ DELTANET_SWEEP = tuple(deltanet.Launch(bv, w) for bv, w in (
 @contextmanager
 def _decode_launch(launch: deltanet.Launch) -> Iterator[None]:
     """Every decode row count on `launch` (kernels/deltanet.py's table, swapped for a sweep)."""
-    saved = deltanet.DECODE_SMALL, deltanet.DECODE_LARGE
-    deltanet.DECODE_SMALL = deltanet.DECODE_LARGE = launch
+    saved = deltanet.DECODE_SMALL, deltanet.DECODE_MID, deltanet.DECODE_LARGE
+    deltanet.DECODE_SMALL = deltanet.DECODE_MID = deltanet.DECODE_LARGE = launch
     try:
         yield
     finally:
-        deltanet.DECODE_SMALL, deltanet.DECODE_LARGE = saved
+        deltanet.DECODE_SMALL, deltanet.DECODE_MID, deltanet.DECODE_LARGE = saved
 
 
 def bench_deltanet(batches: tuple[int, ...], prefill: int, sweep: bool = False) -> list[Row]:

@@ -55,7 +55,7 @@ BENCH=(python3 scripts/bench_gpu.py)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
   case $p in
-    tests) say tests; timeout 420 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE \
+    tests) say tests; timeout 260 python3 -m pytest -n 8 -v -p no:cacheprovider -rfE \
              --tb=short --durations=15 -k "not interpreter and not cli_reports_a_bad_model" \
              tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
@@ -119,7 +119,7 @@ for p in "$@"; do
              --out $RES/serve_qwen3-30b-a3b-fp8_bf16kv.json
            phase ceilings 60 "${BENCH[@]}" ceilings --out $RES/ceilings.json
            phase moe30_decode 150 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3-30b-a3b-fp8.json ;;
-    moe30hf) d=$(model qwen3-30b-a3b-fp8); phase moe30_hf 300 python3 scripts/bench_hf.py "$d" \
+    moe30hf) d=$(model qwen3-30b-a3b-fp8); phase moe30_hf 200 python3 scripts/bench_hf.py "$d" \
               --batch 1 8 --modes eager --repeats 1 --output-len 32 \
               --out $RES/hf_qwen3-30b-a3b-fp8.json ;;
     q35) d=$(model qwen3.5-4b); rm -rf ~/.triton/cache

@@ -565,7 +565,7 @@ def test_kernels_build_for_sm90(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         **{f"recurrent {launch}": (deltanet._recurrent_kernel, launch, {
             **heads, **conv, "BV": launch.block_v, "NV": sh.dv // launch.block_v,
             "VARLEN": False, "BOUNDARY": True, "PDL": True}, state)
-           for launch in (deltanet.DECODE_SMALL, deltanet.DECODE_LARGE)},
+           for launch in (deltanet.DECODE_SMALL, deltanet.DECODE_MID, deltanet.DECODE_LARGE)},
         "conv": (deltanet._conv_kernel, deltanet.CONV, {
             "K": sh.k, "BT": deltanet.CONV_TOKENS, "BC": deltanet.CONV_CHANNELS}, ()),
         "prep": (deltanet._chunk_prep_kernel, deltanet.PREP, {

@@ -4,8 +4,6 @@ the reference (interpreter, tiny shapes; GPU, Qwen3-30B-A3B's shapes)."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,10 +16,13 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 from arle_kernels.fp8 import FP8, quantize_fp8_groups
 from arle_kernels.moe import (
     MOE_GEMV_MAX_TOKENS,
+    MOE_GEMV_MAX_TOKENS_FP8,
     MOE_W8A8_MIN_TOKENS,
+    ROUTE_ONE_WARP_MAX_TOKENS,
     MoeConfig,
     MoeTile,
     _moe_experts,
+    _route_tile,
     fused_moe,
     fused_moe_ref,
     moe_align,
@@ -175,7 +176,9 @@ def test_max_blocks_bounds_every_routing(t: int, k: int, e: int, bm: int) -> Non
 def test_pick_config() -> None:
     """Token classes: the GEMV (one block per expert), tensor cores, FP8 W8A8 from
     MOE_W8A8_MIN_TOKENS on; FP8 K steps inside one scale block."""
-    for t, block in itertools.product((1, 2, 3, MOE_GEMV_MAX_TOKENS), ((128, 128), None)):
+    gemv_classes = [(t, None) for t in range(1, MOE_GEMV_MAX_TOKENS + 1)] + [
+        (t, (128, 128)) for t in range(1, MOE_GEMV_MAX_TOKENS_FP8 + 1)]
+    for t, block in gemv_classes:
         cfg = pick_moe_config(t, 8, 128, 2048, 768, block)
         assert cfg.kind == "gemv" and cfg.block_m >= t
         assert (cfg.block_m == 1) == (t == 1)  # the direct path: one token only
@@ -187,23 +190,30 @@ def test_pick_config() -> None:
             lanes = 32 * tile.num_warps
             assert w_rows * tile.block_n * tile.block_k // run >= lanes  # runs for every lane
             assert rows * tile.block_n * tile.block_k // run <= 8 * lanes  # <= 8 fp32 sums
-    for t, fp8_kind in ((MOE_GEMV_MAX_TOKENS + 1, "mma"), (MOE_W8A8_MIN_TOKENS - 1, "mma"),
+    for t, fp8_kind in ((MOE_GEMV_MAX_TOKENS_FP8 + 1, "mma"), (MOE_GEMV_MAX_TOKENS + 1, "mma"),
+                        (MOE_W8A8_MIN_TOKENS - 1, "mma"),
                         (MOE_W8A8_MIN_TOKENS, "w8a8"), (8192, "w8a8")):
         for block in ((128, 128), (16, 16)):
             cfg = pick_moe_config(t, 8, 128, 2048, 768, block)
             assert cfg.kind == fp8_kind and 16 <= cfg.block_m <= 64
             assert block[1] % cfg.up.block_k == 0 and block[1] % cfg.down.block_k == 0
-        assert pick_moe_config(t, 8, 128, 2048, 768, None).kind == "mma"
+        if t > MOE_GEMV_MAX_TOKENS:
+            assert pick_moe_config(t, 8, 128, 2048, 768, None).kind == "mma"
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_token_classes_cover_every_config(block: tuple[int, int] | None) -> None:
-    """A warm-up running moe_token_classes meets every config of 1..max_tokens tokens once."""
+    """A warm-up running moe_token_classes meets every config of 1..max_tokens tokens, and
+    both of moe_route's launches, once."""
     args = (8, 128, 2048, 768, block)
     classes = moe_token_classes(*args, max_tokens=4096)
-    cfgs = [pick_moe_config(t, *args) for t in classes]
-    assert len(set(cfgs)) == len(cfgs) and classes[0] == 1
-    assert {pick_moe_config(t, *args) for t in range(1, 4097)} == set(cfgs)
+
+    def launches(t: int) -> tuple[MoeConfig, tuple[int, int]]:
+        return pick_moe_config(t, *args), _route_tile(t, 128)
+
+    assert classes[0] == 1 and len({launches(t) for t in classes}) == len(classes)
+    assert {launches(t) for t in range(1, 4097)} == {launches(t) for t in classes}
+    assert ROUTE_ONE_WARP_MAX_TOKENS + 1 in classes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +440,7 @@ def test_route_and_align_gpu(t: int) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("t", [MOE_GEMV_MAX_TOKENS, 64])
+@pytest.mark.parametrize("t", [ROUTE_ONE_WARP_MAX_TOKENS, 64])
 def test_route_ties_as_torch_topk_gpu(t: int) -> None:
     """Tied logits (few distinct values; a row all equal): torch.topk's picks on the GPU, at
     both of moe_route's launches."""
