@@ -23,7 +23,6 @@ notes when each step's tokens reach the host: generate already waits for every s
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import sys
@@ -51,18 +50,35 @@ class StepTimer:
         pass
 
 
-def fp8_fallback(model_dir: Path) -> dict[str, Any]:
-    """`from_pretrained` arguments for a block-FP8 checkpoint where transformers' FP8 kernels
-    cannot run: they come from the `kernels` package (fetched from the Hub), so without it the
-    weights are dequantized to the compute dtype at load (transformers' own `dequantize`)."""
+def fp8_dequantized(model_dir: Path) -> dict[str, Any]:
+    """`from_pretrained` arguments that make transformers dequantize a block-FP8 checkpoint to
+    the compute dtype as it loads it (its own `dequantize` option); {} for other checkpoints."""
     import transformers
 
-    q = json.loads((model_dir / "config.json").read_text()).get("quantization_config", {})
-    if q.get("quant_method") != "fp8" or importlib.util.find_spec("kernels") is not None:
+    q = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config", {})
+    if q.get("quant_method") != "fp8":
         return {}
     return {"quantization_config": transformers.FineGrainedFP8Config(
         weight_block_size=tuple(q.get("weight_block_size", (128, 128))), dequantize=True,
         modules_to_not_convert=q.get("modules_to_not_convert"))}
+
+
+def transformers_fp8_runs() -> bool:
+    """Whether transformers' own FP8 kernels load here: they come from the `kernels` package,
+    which fetches them from the Hub (no network: they do not)."""
+    try:
+        from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+
+        load_finegrained_fp8_kernel()
+    except ImportError:
+        return False
+    return True
+
+
+def fp8_fallback(model_dir: Path) -> dict[str, Any]:
+    """An FP8 checkpoint where transformers' FP8 kernels cannot run: `fp8_dequantized`."""
+    dequantized = fp8_dequantized(model_dir)
+    return dequantized if dequantized and not transformers_fp8_runs() else {}
 
 
 def load(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
@@ -180,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args(argv)
 
+    dequantized = bool(fp8_fallback(args.model_dir))
     t0 = time.perf_counter()
     model = load(args.model_dir, args.device, _DTYPES[args.dtype])
     load_s = time.perf_counter() - t0
@@ -188,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats, "load_s": load_s,
         "parameters": sum(p.numel() for p in model.parameters()),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "fp8_dequantized_at_load": bool(fp8_fallback(args.model_dir)),
+        "fp8_dequantized_at_load": dequantized,
         "environment": environment(args.device), "results": [],
     }
     print(f"loaded {args.model_dir} in {load_s:.1f} s on {args.device} "

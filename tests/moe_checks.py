@@ -37,9 +37,12 @@ def random_ids(n: int, seed: int = 1) -> list[int]:
 
 
 def hf_from_dir(path: Path) -> Any:
+    """transformers' model of a directory in fp32; an FP8 one dequantized by transformers as it
+    loads (on a machine with a GPU it would otherwise run its FP8 kernels, from the Hub)."""
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, **load_script("bench_hf").fp8_dequantized(path)).eval()
 
 
 def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
