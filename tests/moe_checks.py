@@ -36,6 +36,11 @@ def random_ids(n: int, seed: int = 1) -> list[int]:
     return torch.randint(0, 259, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+#: a tiny model's KV pool: sized, not a share of the GPU (on a GPU shared with other test
+#: processes that share may not be free)
+SMALL_KV = ("--kv-cache-tokens", "16384")
+
+
 def hf_from_dir(path: Path) -> Any:
     """transformers' model of a directory in fp32; an FP8 one dequantized by transformers as it
     loads (on a machine with a GPU it would otherwise run its FP8 kernels, from the Hub)."""
@@ -96,7 +101,7 @@ def arle_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def cli_greedy(path: Path) -> tuple[list[int], str]:
     """`arle complete --raw` of PROMPT from the directory: its token ids and text."""
     proc = arle_cli("complete", "-m", str(path), PROMPT, "--raw", "--max-tokens",
-                    str(NEW_TOKENS), "--ignore-eos", "--json", "--logprobs", "0")
+                    str(NEW_TOKENS), "--ignore-eos", "--json", "--logprobs", "0", *SMALL_KV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["usage"]["completion_tokens"] == NEW_TOKENS, out
@@ -105,7 +110,8 @@ def cli_greedy(path: Path) -> tuple[list[int], str]:
 
 def served_greedy(path: Path, log: Path) -> str:
     """`arle serve` of the directory: the text of a greedy /v1/completions of PROMPT."""
-    with arle_server(["--model", str(path), "--served-model-name", "m"], log) as server:
+    with arle_server(["--model", str(path), "--served-model-name", "m", *SMALL_KV],
+                     log) as server:
         r = httpx.post(server.url + "/v1/completions", timeout=120, json={
             "model": "m", "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
             "ignore_eos": True})

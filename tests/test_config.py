@@ -125,3 +125,16 @@ def test_env_accessors(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env.cuda_visible_devices() == ""  # empty is not unset: every GPU hidden
     monkeypatch.delenv(env.CUDA_VISIBLE_DEVICES)
     assert env.cuda_visible_devices() is None
+
+
+def test_kv_plan_past_free_memory_names_what_to_change() -> None:
+    """--mem-fraction-static is a share of the whole GPU: a KV pool that memory other processes
+    hold leaves no room for is refused with the sizes and the two flags, not an OOM later."""
+    from arle.errors import ArleError
+    from arle.executor.cuda_startup import check_fits
+
+    gib = 2**30
+    check_fits(50 * gib, 2 * gib, 52 * gib, 0, 0.85)  # exactly fits
+    with pytest.raises(ArleError, match=r"\(57\.0 GiB\).*\(2\.0 GiB\).*26\.0 GiB free.*hold "
+                       r"80\.0 GiB.*--mem-fraction-static \(now 0\.85\).*--kv-cache-tokens"):
+        check_fits(57 * gib, 2 * gib, 26 * gib, 80 * gib, 0.85)

@@ -27,6 +27,7 @@ from model_dirs import (
     write_model_dir,
     write_qwen3_5_dir,
 )
+from moe_checks import SMALL_KV
 from served import arle_server
 
 from arle.engine.request import GenerateRequest, SamplingParams
@@ -172,7 +173,7 @@ def test_served_with_fp8_kv_survives_a_disconnect(model_dir: Path, tmp_path: Pat
     """`arle serve --kv-cache-dtype fp8_e4m3` on the GPU: a stream whose client goes away
     mid-decode is aborted and its pages come back within a second; the server answers after."""
     args = ["--model", str(model_dir), "--served-model-name", "m", "--device", "cuda",
-            "--kv-cache-dtype", "fp8_e4m3", "--max-model-len", "2048"]
+            "--kv-cache-dtype", "fp8_e4m3", "--max-model-len", "2048", *SMALL_KV]
     with arle_server(args, tmp_path / "serve.log", timeout_s=300) as server:
         body = {"model": "m", "prompt": "a long story", "max_tokens": 1500,
                 "ignore_eos": True, "stream": True}

@@ -255,8 +255,25 @@ def plan_memory(ex: CUDAExecutor, weights: int, states: int, peak: int) -> Memor
             f"activations {(peak - weights - states) / 2**30:.1f} GiB exceed "
             f"--mem-fraction-static {config.mem_fraction_static} of {total / 2**30:.1f} GiB")
     tokens = config.kv_cache_tokens or budget // per_token
-    return MemoryPlan(total, weights, states, peak - weights - states, reserve,
-                      max(tokens // config.page_size, 2))
+    pages = max(tokens // config.page_size, 2)
+    free, _ = torch.cuda.mem_get_info(ex.device)
+    check_fits(pages * config.page_size * per_token, reserve, free,
+               total - free - torch.cuda.memory_reserved(ex.device), config.mem_fraction_static)
+    return MemoryPlan(total, weights, states, peak - weights - states, reserve, pages)
+
+
+def check_fits(kv: int, reserve: int, free: int, others: int, fraction: float) -> None:
+    """Refuse, with what to change, a KV pool (plus the graphs' reserve) past the memory free
+    now: `--mem-fraction-static` is a share of the whole GPU (as SGLang's), so memory other
+    processes hold is not the engine's to plan with."""
+    if kv + reserve <= free:
+        return
+    gib = 2**30
+    raise ArleError(
+        f"the KV cache ({kv / gib:.1f} GiB) and the CUDA graphs' reserve "
+        f"({reserve / gib:.1f} GiB) do not fit in the {free / gib:.1f} GiB free on the GPU "
+        f"(other processes hold {max(others, 0) / gib:.1f} GiB): lower --mem-fraction-static "
+        f"(now {fraction}) or set --kv-cache-tokens")
 
 
 def build_eager_decode_variants(ex: CUDAExecutor, above: int = 0) -> None:
