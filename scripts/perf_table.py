@@ -151,8 +151,10 @@ SOURCES = (
            "/tmp/models/qwen3-0.6b --out docs/results/h200/offline_qwen3-0.6b.json"),
     Source("h200/serve_smollm2.json", "python3 scripts/bench_gpu.py serve \"$GGUF\" "
            "--concurrency 1 8 64 --num-prompts 64 --out docs/results/h200/serve_smollm2.json"),
-    Source("h200/ceilings_new_models.json", "python3 scripts/bench_gpu.py ceilings "
-           "--out docs/results/h200/ceilings_new_models.json"),
+    Source("h200/ceilings_qwen3.5.json", "python3 scripts/bench_gpu.py ceilings "
+           "--out docs/results/h200/ceilings_qwen3.5.json"),
+    Source("h200/ceilings_moe.json", "python3 scripts/bench_gpu.py ceilings "
+           "--out docs/results/h200/ceilings_moe.json"),
     Source("h200/decode_qwen3.5-4b.json", "python3 scripts/bench_gpu.py decode "
            "/tmp/models/qwen3.5-4b --out docs/results/h200/decode_qwen3.5-4b.json"),
     Source("h200/serve_qwen3.5-4b.json", "rm -rf ~/.triton/cache  # time to ready from a cold "
@@ -182,6 +184,15 @@ SOURCES = (
            "python3 scripts/bench_gpu.py serve /tmp/models/qwen3-30b-a3b-fp8 --concurrency 1 8 64 "
            "--serve-args=\"--kv-cache-dtype fp8_e4m3\" "
            "--out docs/results/h200/serve_qwen3-30b-a3b-fp8.json"),
+    Source("h200/serve_qwen3-30b-a3b-fp8_bf16kv.json", "python3 scripts/bench_gpu.py serve "
+           "/tmp/models/qwen3-30b-a3b-fp8 --concurrency 8 "
+           "--out docs/results/h200/serve_qwen3-30b-a3b-fp8_bf16kv.json"),
+    Source("h200/kernels_fp8.json", "python3 scripts/bench_kernels.py fp8 "
+           "--out docs/results/h200/kernels_fp8.json"),
+    Source("h200/kernels_moe.json", "python3 scripts/bench_kernels.py moe "
+           "--out docs/results/h200/kernels_moe.json"),
+    Source("h200/kernels_deltanet.json", "python3 scripts/bench_kernels.py deltanet --batches 1 8 "
+           "--sweep --prefill 512 --out docs/results/h200/kernels_deltanet.json"),
     Source("h200/parity_qwen3-30b-a3b-L4.json", "python3 scripts/check_gpu_parity.py "
            "/tmp/models/qwen3-30b-a3b-L4 --prompts 2 --len 512 "
            "--out docs/results/h200/parity_qwen3-30b-a3b-L4.json"),
@@ -209,10 +220,15 @@ _CPU_Q35 = "cpu/bench_cpu_qwen3.5.json"
 _TINY_Q35 = "tiny random Qwen3.5 (4 layers: 3 Gated DeltaNet, 1 gated attention; hidden 256)"
 _Q35, _MOE = "Qwen3.5-4B", "Qwen3-30B-A3B-FP8 (block FP8)"
 _MOE_L4 = "Qwen3-30B-A3B-FP8, its first 4 layers"
-_CEIL2 = "h200/ceilings_new_models.json"
+#: each decode file's ceilings, measured in the same call
+_CEILINGS_OF = {"h200/decode_qwen3.5-4b.json": "h200/ceilings_qwen3.5.json",
+                "h200/decode_qwen3-30b-a3b-fp8.json": "h200/ceilings_moe.json"}
 _DEC35, _DECM = "h200/decode_qwen3.5-4b.json", "h200/decode_qwen3-30b-a3b-fp8.json"
 _S35, _S35W = "h200/serve_qwen3.5-4b.json", "h200/serve_qwen3.5-4b_warm.json"
 _SM = "h200/serve_qwen3-30b-a3b-fp8.json"
+_SMB = "h200/serve_qwen3-30b-a3b-fp8_bf16kv.json"
+_KFP8, _KMOE = "h200/kernels_fp8.json", "h200/kernels_moe.json"
+_KGDN = "h200/kernels_deltanet.json"
 _PM = "h200/parity_qwen3-30b-a3b-fp8-L4.json"
 _PMB = "h200/parity_qwen3-30b-a3b-L4.json"
 _MOE_BF16_L4 = "Qwen3-30B-A3B (bf16), its first 4 layers"
@@ -228,7 +244,7 @@ def _step_floor(decode: str, batch: int) -> Quotient:
     """A decode step's floor from the bytes it must move (`floor_bytes`: the experts the batch
     touches, a hybrid model's state) / the read bandwidth measured in the same call, in ms."""
     return Quotient(Field(decode, f"floor_bytes.batch{batch}.total", ""),
-                    Field(_CEIL2, "read_TBps", ""), "{:.3f} ms", 1e-9)
+                    Field(_CEILINGS_OF[decode], "read_TBps", ""), "{:.3f} ms", 1e-9)
 
 
 def _parity(file: str, name: str) -> tuple[Field, ...]:
@@ -349,8 +365,11 @@ FIGURES = (
            _MOE, _serve(_SM, 8)),
     Figure("h200", f"`arle serve --kv-cache-dtype fp8_e4m3` + `arle bench`, {_RANDOM}, c = 64",
            _MOE, _serve(_SM, 64)),
-    Figure("h200", "`arle serve`: time to ready, cold Triton cache", _MOE,
-           (Field(_SM, "time_to_ready_s", "{:.2f} s"),)),
+    Figure("h200", f"`arle serve` (bf16 KV) + `arle bench`, {_RANDOM}, c = 8", _MOE,
+           _serve(_SMB, 8)),
+    Figure("h200", "`arle serve`: time to ready, cold / warm Triton cache", _MOE,
+           (Field(_SM, "time_to_ready_s", "{:.2f} s"), Field(_SMB, "time_to_ready_s", "{:.2f} s")),
+           sep=" / "),
     Figure("h200", "logits against transformers fp32, 2 x 512 random tokens", _MOE_BF16_L4,
            _parity(_PMB, "arle_bf16_vs_transformers_fp32"), "transformers bf16",
            _parity(_PMB, "transformers_bf16_vs_fp32")),
@@ -530,32 +549,57 @@ def _kernel_ms(decode: Any, batch: int, *names: str) -> float:
                if any(n in k["name"] for n in names)) / 1e3
 
 
+def _kernel_row(res: Results, file: str, **match: object) -> dict[str, Any]:
+    """The chosen row of a `bench_kernels.py` file whose fields equal `match`."""
+    rows = res.load(file)["results"]
+    return next(r for r in rows if r.get("chosen") and all(r.get(k) == v
+                                                           for k, v in match.items()))
+
+
 def _new_model_bounds(res: Results) -> list[str]:
-    """Issue 41's open targets: Qwen3-30B-A3B-FP8's decode and Qwen3.5-4B's c = 8 and first
-    request, each with what its profile says bounds it."""
+    """Issue 41's open targets: Qwen3-30B-A3B-FP8's decode and serving, Qwen3.5-4B's c = 8,
+    each with what its profile says bounds it; and the first request's, met."""
     moe, q35 = res.load(_DECM), res.load(_DEC35)
-    read = float(res.load(_CEIL2)["read_TBps"])
+    read = float(res.load(_CEILINGS_OF[_DECM])["read_TBps"])
     fl = moe["floor_bytes"]["batch1"]
     floor1 = res.value(_step_floor(_DECM, 1))
     tpot1 = float(moe["batch1"]["mean_tpot_ms"])
-    attn_floor = fl["dense"] / read * 1e-9
     c8 = res.load(_SM)["runs"]["8"]
     floor8 = res.value(_step_floor(_DECM, 8))
     q8 = res.load(_S35)["runs"]["8"]
     qfloor8 = res.value(_step_floor(_DEC35, 8))
     first = res.load(_S35W)["first_request"]["latency_ms"]
+    qkv = _kernel_row(res, _KFP8, shape="qkv", M=1)
+    cublas = next(r for r in res.load(_KFP8)["results"]
+                  if r["shape"] == "qkv" and r["M"] == 1 and r["kind"] == "cublas_bf16")
+    one = _kernel_row(res, _KMOE, op="experts", fp8=True, T=1)
+    eight = _kernel_row(res, _KMOE, op="experts", fp8=True, T=8)
+    gdn8 = next(r for r in res.load(_KGDN)["results"] if r["case"] == "  BV 32, 4 warps"
+                and r["rows"] == 8)
+    experts_floor = fl["experts_touched"] / read * 1e-9
+    gdn_layers = next(k["per_step"] for k in q35["kernels_bs8"]["top"]
+                      if k["name"] == "_recurrent_kernel")
+    gdn_floor_us = (q35["floor_bytes"]["batch8"]["state_read_write"] / gdn_layers
+                    / float(res.load(_CEILINGS_OF[_DEC35])["read_TBps"]) * 1e-6)
     return [
         f"**Batch-1 decode, {_MOE}** ([{Path(_DECM).name}](results/{_DECM})): TPOT "
         f"{tpot1:.3f} ms, {tpot1 / floor1:.2f}x its {floor1:.3f} ms floor; the target is 1.5x. "
-        f"In one profiled replay the FP8 GEMVs (attention's qkv and o) take "
-        f"{_kernel_ms(moe, 1, '_fp8_gemv'):.2f} ms against {attn_floor:.2f} ms for all the "
-        f"non-expert weights (attention, routers, lm_head) at the read bandwidth, the expert GEMVs "
-        f"{_kernel_ms(moe, 1, '_moe_gemv'):.2f} ms against "
-        f"{fl['experts_touched'] / read * 1e-9:.2f} ms for the 8 experts' bytes, and routing "
-        f"(route, align, the torch reduce of the 8 outputs) "
-        f"{_kernel_ms(moe, 1, '_route', '_align', 'reduce_kernel'):.2f} ms in 3 launches per "
-        f"layer. What would close it: an FP8 GEMV that streams its weights as the bf16 one does, "
-        f"and routing, alignment and the weighted sum fused into the expert kernels.", "",
+        f"In one profiled replay the expert GEMVs (gate_up, then down with the top-8 sum) take "
+        f"{_kernel_ms(moe, 1, '_moe_gemv'):.2f} ms against {experts_floor:.2f} ms for the 8 "
+        f"experts' bytes, the other GEMVs (FP8 attention, bf16 routers and lm_head) "
+        f"{sum(k['us'] for k in moe['kernels_bs1']['top'] if k['name'] == '_gemv_kernel') / 1e3:.2f}"
+        f" ms against "
+        f"{fl['dense'] / read * 1e-9:.2f} ms, the router's top-8 "
+        f"{_kernel_ms(moe, 1, '_route'):.2f} ms. Both kinds of GEMV stream FP8 at 1.5-1.6 "
+        f"TB/s ([{Path(_KFP8).name}](results/{_KFP8}): qkv at one row {qkv['us']:.1f} us, "
+        f"{qkv['GBps'] / 1e3:.2f} TB/s, where cuBLAS reads twice the bytes in bf16 at "
+        f"{cublas['GBps'] / 1e3:.2f} TB/s; [{Path(_KMOE).name}](results/{_KMOE}): one token's "
+        f"experts {one['us']:.1f} us a layer): dequantising in registers (per weight an e4m3 to "
+        f"fp32 conversion, the scale, a rounding to bf16 and back) bounds them, not the loads. "
+        f"What would close it: dequantising with integer operations (an e4m3 byte shifted into "
+        f"a bf16's exponent and mantissa is its value times 2^-120, which the block scale can "
+        f"take), or FP8 tensor-core dots on activations quantised per token (W8A8, as the "
+        f"prefill runs).", "",
         f"**`arle serve` at concurrency 8, {_MOE}** ([{Path(_SM).name}](results/{_SM})): "
         f"{c8['output_throughput']:.0f} tok/s against a target of 1500 (the SGLang run the target "
         f"was set against: 137 tok/s), TPOT "
@@ -563,13 +607,18 @@ def _new_model_bounds(res: Results) -> list[str]:
         f"A batch-8 step replays in {moe['graph_replay_bs8_ms']:.2f} ms against a "
         f"{floor8:.2f} ms floor (8 tokens touch ~{moe['floor_bytes']['batch8']['experts_touched'] / moe['floor_bytes']['batch8']['experts_all']:.0%} "
         f"of the experts); the grouped expert GEMM takes {_kernel_ms(moe, 8, '_moe_mma'):.2f} ms "
-        f"of it and the FP8 GEMMs of attention {_kernel_ms(moe, 8, '_fp8_gemm'):.2f} ms.", "",
+        f"of it ({eight['us']:.0f} us a layer, {eight['GBps'] / 1e3:.1f} TB/s of the touched "
+        f"experts' bytes: 16-row tiles for ~1 row an expert). What would close it: the dense "
+        f"GEMV's swap-AB tiles (the expert's rows on the MMA's wide side) for the grouped GEMM "
+        f"at few rows an expert.", "",
         f"**`arle serve` at concurrency 8, {_Q35}** ([{Path(_S35).name}](results/{_S35})): "
         f"{q8['output_throughput']:.0f} tok/s against a target of 2000, TPOT "
         f"{q8['mean_tpot_ms']:.2f} ms. A batch-8 step replays in "
         f"{q35['graph_replay_bs8_ms']:.2f} ms against a {qfloor8:.2f} ms floor: the bf16 GEMVs "
         f"take {_kernel_ms(q35, 8, '_gemv'):.2f} ms and the Gated DeltaNet recurrence "
-        f"{_kernel_ms(q35, 8, '_recurrent'):.2f} ms of it.", "",
+        f"{_kernel_ms(q35, 8, '_recurrent'):.2f} ms of it ({gdn8['us']:.1f} us a layer alone, "
+        f"[{Path(_KGDN).name}](results/{_KGDN}); 8 rows' states read and written at the read "
+        f"bandwidth: {gdn_floor_us:.1f} us).", "",
         f"**First request after `/ready`, {_Q35}** ([{Path(_S35W).name}](results/{_S35W})): "
         f"{first:.1f} ms for one prompt token and one new token, within the 15 ms target; "
         f"the same engine's batch-1 step is {float(q35['batch1']['mean_tpot_ms']):.2f} ms.", ""]
