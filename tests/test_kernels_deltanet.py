@@ -147,8 +147,10 @@ def hf_row(layer: Layer, x: Tensor, a: Tensor, b: Tensor, slot: int | None, chun
         init = layer.ssm_state[slot][None].clone()
     mixed = conv.transpose(1, 2)
     kd = sh.hk * sh.dk
-    q = mixed[..., :kd].reshape(1, n, sh.hk, sh.dk)
-    k = mixed[..., kd:2 * kd].reshape(1, n, sh.hk, sh.dk)
+    # NOTE: q and k repeated to the value heads, as HF's layer does before the rule (its rule
+    # functions take unrepeated heads only from transformers 5.2x on)
+    q = mixed[..., :kd].reshape(1, n, sh.hk, sh.dk).repeat_interleave(sh.hv // sh.hk, dim=2)
+    k = mixed[..., kd:2 * kd].reshape(1, n, sh.hk, sh.dk).repeat_interleave(sh.hv // sh.hk, 2)
     v = mixed[..., 2 * kd:].reshape(1, n, sh.hv, sh.dv)
     beta = b[None].sigmoid()
     g = -layer.a_log.float().exp() * F.softplus(a[None].float() + layer.dt_bias)
@@ -382,7 +384,8 @@ def test_ops_compose_to_hf_layer(dtype: torch.dtype) -> None:
         tok = 0
         for seq, h in pieces:
             with torch.no_grad():
-                want = layer(h[None], cache=caches[seq])[0]
+                # (the cache by position: transformers renamed the argument in 5.2x)
+                want = layer(h[None], caches[seq])[0]
             assert_close(ours[tok:tok + h.shape[0]], want, dtype, f"step {step}, seq {seq}")
             tok += h.shape[0]
             done[seq] += h.shape[0]

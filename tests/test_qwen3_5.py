@@ -201,7 +201,7 @@ def test_rotary_table_is_transformers_text_rotary(real: bool) -> None:
     n, rot = 300, cfg.rotary_dim
     rotary = hf_qwen3_5.Qwen3_5TextRotaryEmbedding(text_cfg)
     x = torch.zeros(1, n, 8)
-    cos, sin = rotary(x, torch.arange(n)[None])  # [1, n, rot]: the pairs' values twice
+    cos, sin = rotary(x, text_positions(n))  # [1, n, rot]: the pairs' values twice
     assert cos.shape == (1, n, rot)
     table = DecoderLM(cfg).rotary_table(n) if not real else _table(cfg, n)
     assert table.shape == (n, rot) and table.dtype == torch.float32
@@ -214,6 +214,12 @@ def test_rotary_table_is_transformers_text_rotary(real: bool) -> None:
                         torch.zeros(n, dtype=torch.long)])[:, None]
     mixed, _ = rotary(x, axes)
     assert not torch.allclose(mixed[0, :, :rot // 2], table[:, :rot // 2])
+
+
+def text_positions(n: int) -> torch.Tensor:
+    """Positions 0..n-1 of one text row on the three mrope axes ([3, 1, n]: what transformers'
+    multimodal rotary takes in every version; newer ones also take [1, n])."""
+    return torch.arange(n)[None, None].expand(3, 1, n)
 
 
 def _table(cfg: ModelConfig, n: int) -> torch.Tensor:
@@ -312,7 +318,8 @@ def test_gated_delta_net_layer_matches_transformers(causal: tuple[LoadedModel, A
         for start, end in CHUNKS:
             backend.step = one_row_step(start, end, torch.zeros(1, 4, dtype=torch.int32))
             got = mixer(x[start:end], backend)
-            ref = hf_layer(x[None, start:end], cache=cache)[0]
+            # (the cache by position: transformers renamed the argument in 5.2x)
+            ref = hf_layer(x[None, start:end], cache)[0]
             assert got.shape == ref.shape
             where = f"tokens {start}:{end}"
             assert (got - ref).abs().max() < 1e-5, where
@@ -345,7 +352,7 @@ def test_gated_attention_layer_matches_transformers(causal: tuple[LoadedModel, A
     rotary = ours.model.rotary_table(n)
     mask = torch.full((n, n), -math.inf).triu(1)[None, None]
     with torch.no_grad():
-        pos_emb = text.rotary_emb(x[None], torch.arange(n)[None])
+        pos_emb = text.rotary_emb(x[None], text_positions(n))
         ref = hf_attn(x[None], pos_emb, mask)[0][0]
         for start, end in CHUNKS:
             backend = PagedAttention(kv, one_row_step(start, end, table), rotary, ours.model)
