@@ -18,7 +18,8 @@
 # For a machine without network: `bash scripts/device_wheels.sh` here fills .whl with what it
 # lacks; copy .whl along and this script installs it first. Set ARLE_COMMIT where the copy has
 # no .git. Writes $OUT/log.txt, $OUT/pytest.txt and $OUT/results.tar (every phase's JSON,
-# rewritten after each phase: a run cut short still returns what finished).
+# rewritten after each phase: a run cut short still returns what finished). The test phases run
+# 4 pytest processes on the one GPU: 8 left too little memory for some kernel tests' tensors.
 set -u
 OUT=${OUT:-/tmp/out}
 RES=/tmp/res
@@ -101,7 +102,7 @@ for p in "$@"; do
              tests/test_moe.py tests/test_fp8_weights.py tests/test_kernels_deltanet.py \
              tests/test_kernels_moe.py tests/test_kernels_fp8.py >"$OUT/pytest_new.txt" 2>&1
            say "gpunew rc=$?"; tail -3 "$OUT/pytest_new.txt" | tee -a "$LOG" ;;
-    suite) say suite; timeout 540 python3 -m pytest -n 8 -v -p no:cacheprovider -rfE \
+    suite) say suite; timeout 540 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE \
              --tb=short -k "not interpreter" tests/ >"$OUT/suite.txt" 2>&1; say "suite rc=$?"
            tail -5 "$OUT/suite.txt" | tee -a "$LOG" ;;
     parity35) d=$(model qwen3.5-4b); phase parity35 200 python3 scripts/check_gpu_parity.py "$d" \
