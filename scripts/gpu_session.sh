@@ -56,7 +56,7 @@ BENCH=(python3 scripts/bench_gpu.py)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
   case $p in
-    tests) say tests; timeout 260 python3 -m pytest -n 8 -v -p no:cacheprovider -rfE \
+    tests) say tests; timeout 420 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE \
              --tb=short --durations=15 -k "not interpreter and not cli_reports_a_bad_model" \
              tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
