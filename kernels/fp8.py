@@ -211,11 +211,11 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
 def _launch_fp8_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
                        block: tuple[int, int], bias: Tensor | None, cfg: GemvConfig | Fp8Config,
                        sums: bool = False) -> Tensor | SplitSums:
+    if isinstance(cfg, GemvConfig):
+        return gemv_fp8(x, weight, (weight_scale_inv, block), bias, cfg, sums=sums)
     m, k = x.shape
     n = weight.shape[0]
     bn, bk = block
-    if isinstance(cfg, GemvConfig):
-        return gemv_fp8(x, weight, (weight_scale_inv, block), bias, cfg, sums=sums)
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert weight_scale_inv.shape == (triton.cdiv(n, bn), triton.cdiv(k, bk))
     assert weight_scale_inv.stride(1) == 1

@@ -66,8 +66,10 @@ MAX_M = MAX_ROWS
 USE_GEMV_MAX_M = 2
 #: rows the cp.async tensor-core kernel is taken for (swept at 8 and 16); with TMA, up to MAX_M
 MMA_MAX_M = 16
+#: the bytes of a thread's contiguous load of W in the FMA GEMVs (here and kernels/moe.py's)
+RUN_BYTES = 16
 #: the FMA kernel's run over an FP8 weight: 16 values, one 16-byte load
-FP8_RUN = 16
+FP8_RUN = RUN_BYTES
 #: an FP8 weight's block scales [ceil(N / bn), ceil(K / bk)] and its block (bn, bk)
 Scale = tuple[Tensor, tuple[int, int]]
 _NUM_SMS = 132  # H200; only shapes the choice of split (a guess elsewhere is still correct)
@@ -125,12 +127,12 @@ def load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K: tl.constexpr,
 
 @triton.jit
 def _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
-                 SCALE_K: tl.constexpr, x_ptr):
-    """The tensor-core kernel's [BLOCK_N, BLOCK_K] tile of W; SCALED, dequantised to x's dtype
+                 SCALE_K: tl.constexpr, dtype: tl.constexpr):
+    """The tensor-core kernel's [BLOCK_N, BLOCK_K] tile of W; SCALED, dequantised to `dtype`
     with one scale a row (the tile lies inside one scale block along K)."""
     w = load_chunk(w_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
     if SCALED:
-        w = dequant_tile(w, tl.load(ws_ptrs + k0 // SCALE_K), x_ptr.dtype.element_ty)
+        w = dequant_tile(w, tl.load(ws_ptrs + k0 // SCALE_K), dtype)
     return w
 
 
@@ -286,9 +288,10 @@ def _gemv_mma_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     k_hi = k_lo + k_per_split
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     acc_up = tl.zeros([BLOCK_N, M_PAD], tl.float32)
-    w = _load_w_tile(w_ptrs, ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K, x_ptr)
+    dtype = x_ptr.dtype.element_ty
+    w = _load_w_tile(w_ptrs, ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K, dtype)
     if GLU:
-        w_up = _load_w_tile(up_ptrs, up_ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K, x_ptr)
+        w_up = _load_w_tile(up_ptrs, up_ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K, dtype)
     if PDL:
         gdc_wait()
     x = load_chunk(x_ptrs, k_lo, K, offs_k[:, None], EVEN_K, "evict_last")
@@ -296,12 +299,12 @@ def _gemv_mma_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     if GLU:
         acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        w = _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K, x_ptr)
+        w = _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K, dtype)
         x = load_chunk(x_ptrs, k0, K, offs_k[:, None], EVEN_K, "evict_last")
         acc = tl.dot(w, x, acc, input_precision=PRECISION)
         if GLU:
             w_up = _load_w_tile(up_ptrs, up_ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K,
-                                x_ptr)
+                                dtype)
             acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
     _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
                       stride_ys, HAS_BIAS, PARTIAL, GLU, PAIRED)

@@ -100,6 +100,26 @@ async def run_many(engine: AsyncEngine, prompts: list[Any], **params: Any) -> li
     return list(await asyncio.gather(*(run(engine, p, **params) for p in prompts)))
 
 
+async def cancel_mid_stream(engine: AsyncEngine, req: GenerateRequest, timeout: float = 30,
+                            check: Callable[[], None] | None = None) -> None:
+    """Stream `req` until its first output, cancel it 50 ms later (`check` runs just before),
+    and return once the cancellation has reached the consumer."""
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(req):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), timeout)
+    await asyncio.sleep(0.05)
+    if check is not None:
+        check()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 def assert_all_pages_back(engine: AsyncEngine) -> None:
     """Every page is free or cached (none private, none lost), every slot free."""
     engine.cache.check([])

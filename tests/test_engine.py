@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_all_pages_back, run, run_many, text_of, tokens_of
+from conftest import assert_all_pages_back, cancel_mid_stream, run, run_many, text_of, tokens_of
 from helpers import load_script
 
 from arle.config import EngineConfig
@@ -98,21 +98,12 @@ async def test_completion_and_cancellation_return_every_page(tiny, make_engine):
     await run_many(engine, mixed_prompts(8), max_tokens=20)
     assert_all_pages_back(engine)
 
-    started = asyncio.Event()
+    def holds_pages() -> None:
+        assert engine.cache.num_available < engine.cache.num_pages or engine.scheduler.running
 
-    async def consume() -> None:
-        req = GenerateRequest(prompt=list(range(50, 90)),
-                              params=SamplingParams(max_tokens=100000, ignore_eos=True))
-        async for _ in engine.generate(req):
-            started.set()
-
-    task = asyncio.create_task(consume())
-    await asyncio.wait_for(started.wait(), 30)
-    await asyncio.sleep(0.05)
-    assert engine.cache.num_available < engine.cache.num_pages or engine.scheduler.running
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    req = GenerateRequest(prompt=list(range(50, 90)),
+                          params=SamplingParams(max_tokens=100000, ignore_eos=True))
+    await cancel_mid_stream(engine, req, check=holds_pages)
     assert_all_pages_back(engine)  # returned at once, not after the next step
     # the engine still serves
     assert len(tokens_of(await run(engine, "hello", max_tokens=3, ignore_eos=True))) == 3

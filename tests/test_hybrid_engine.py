@@ -5,14 +5,13 @@ between engine settings (and with transformers where the test says), never hard-
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
 from typing import Any
 
 import pytest
-from conftest import assert_all_pages_back, run, run_many, tokens_of
+from conftest import assert_all_pages_back, cancel_mid_stream, run, run_many, tokens_of
 from helpers import ROOT
 from model_dirs import write_qwen3_5_dir
 
@@ -156,20 +155,9 @@ async def test_few_slots_queue_and_finish(hybrid: LoadedModel, make_engine: Any)
 async def test_cancellation_returns_every_page_slot_and_snapshot(hybrid: LoadedModel,
                                                                  make_engine: Any) -> None:
     engine: AsyncEngine = make_engine(hybrid)
-    started = asyncio.Event()
-
-    async def consume() -> None:
-        req = GenerateRequest(prompt=prompt(70, 3),
-                              params=SamplingParams(max_tokens=100000, ignore_eos=True))
-        async for _ in engine.generate(req):
-            started.set()
-
-    task = asyncio.create_task(consume())
-    await asyncio.wait_for(started.wait(), 60)
-    await asyncio.sleep(0.05)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    req = GenerateRequest(prompt=prompt(70, 3),
+                          params=SamplingParams(max_tokens=100000, ignore_eos=True))
+    await cancel_mid_stream(engine, req, timeout=60)
     assert_all_pages_back(engine)  # pages, slots, and snapshots each free or on one node
     assert len(tokens_of(await run(engine, prompt(10, 5), max_tokens=3, ignore_eos=True))) == 3
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 import tp_rank
-from conftest import assert_all_pages_back, run, run_many, tokens_of
+from conftest import assert_all_pages_back, cancel_mid_stream, run, run_many, tokens_of
 from helpers import require_smollm2_gguf
 from model_dirs import hf_config, write_model_dir, write_qwen3_5_dir
 from served import ROOT, ServerProcess
@@ -220,25 +220,6 @@ def test_an_fp8_row_split_off_the_block_grid_is_refused() -> None:
         RowParallelLinear(512, 64, tp=TPGroup(1, 2))  # 256: two blocks a rank
 
 
-async def _cancel_mid_stream(engine: AsyncEngine, prompt: list[int]) -> None:
-    """A request cancelled after some tokens; returns once its in-flight steps drained."""
-    seen = asyncio.Event()
-
-    async def consume() -> None:
-        req = GenerateRequest(prompt=prompt, params=engine.default_params(max_tokens=200,
-                                                                          temperature=0.0))
-        async for _ in engine.generate(req):
-            seen.set()
-
-    task = asyncio.create_task(consume())
-    await asyncio.wait_for(seen.wait(), 30)
-    await asyncio.sleep(0.05)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    await asyncio.sleep(0.2)
-
-
 async def test_cancellation_and_preemption_under_tp(model_dirs: dict[str, Path]) -> None:
     """A pool too small for every request at once: the newest are preempted and recomputed,
     and give the tokens one rank gives; a request cancelled mid-stream returns its pages;
@@ -256,7 +237,10 @@ async def test_cancellation_and_preemption_under_tp(model_dirs: dict[str, Path])
             assert engine.scheduler.num_preemptions > 0
             assert_all_pages_back(engine)
 
-            await _cancel_mid_stream(engine, prompts[0])
+            req = GenerateRequest(prompt=prompts[0], params=engine.default_params(
+                max_tokens=200, temperature=0.0))
+            await cancel_mid_stream(engine, req)
+            await asyncio.sleep(0.2)  # the cancelled request's in-flight steps drain
             assert_all_pages_back(engine)
             assert engine.model_info.get("tensor_parallel_size", 1) == tp
         finally:

@@ -119,14 +119,18 @@ def expand_scale_rows(scale: torch.Tensor, bn: int, rows: int) -> torch.Tensor:
     return scale.repeat_interleave(bn, dim=-2).narrow(-2, 0, rows)
 
 
-def _fp8_linear(x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                unreduced: bool = False) -> torch.Tensor | SplitSums:
+    """An FP8 linear; unreduced (no bias): its split sums left for the consumer on CUDA."""
     from arle_kernels import fp8
 
     scale, block = fp8_scale_of(weight)
     # NOTE: the torch reference off CUDA (the loader dequantises there: only tests get here)
-    fn = fp8.fp8_linear if x.is_cuda else fp8.fp8_linear_ref
-    return fn(x, weight, scale, block, bias)
+    if not x.is_cuda:
+        return fp8.fp8_linear_ref(x, weight, scale, block, bias)
+    if unreduced:
+        return fp8.fp8_linear_unreduced(x, weight, scale, block)
+    return fp8.fp8_linear(x, weight, scale, block, bias)
 
 
 def _on_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -149,11 +153,7 @@ def linear_unreduced(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Sp
     `ops.qk_norm_rope_store_kv`): where the GEMV splits K, its partial sums are left for that
     consumer to add (no reduce kernel); otherwise y."""
     if weight.dtype == FP8:
-        if not x.is_cuda:
-            return _fp8_linear(x, weight)
-        from arle_kernels import fp8
-
-        return fp8.fp8_linear_unreduced(x, weight, *fp8_scale_of(weight))
+        return _fp8_linear(x, weight, unreduced=True)
     return gemv_split_sums(x, weight) if _on_gemv(x, weight) else F.linear(x, weight)
 
 
