@@ -327,12 +327,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+#: elements of one gathered K (or V) chunk in `decode_attention_ref`, heads expanded: 256 MiB
+#: of fp32
+REF_CHUNK_ELEMENTS = 1 << 26
+
+
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          num_splits: int, *, k_scale: torch.Tensor | None = None,
                          v_scale: torch.Tensor | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain torch, all rows at once (one gather of each row's tokens, one masked SDPA), in
+    """Plain torch, a chunk of rows at once (one gather of their tokens, one masked SDPA), in
     fp32 (float64 if q is float64); fp8 caches are dequantised with their per-(token, KV head)
     scales. `num_splits` is accepted and ignored (splitting does not change the math). A row
     of length 0 gives zeros, as the kernel does. Reads seq_lens on the host: not for graphs."""
@@ -346,23 +351,31 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     slots, valid, ragged, empty_rows = _gather_index(page_table[:b], seq_lens[:b],
                                                      k_cache.shape[1])
 
-    def tokens(cache: torch.Tensor, cache_scale: torch.Tensor | None) -> torch.Tensor:
-        x = cache.view(-1, kvh, d)[slots].to(math_dtype)  # [B, L, KVH, D]
+    def tokens(cache: torch.Tensor, cache_scale: torch.Tensor | None, part: slice
+               ) -> torch.Tensor:
+        x = cache.view(-1, kvh, d)[slots[part]].to(math_dtype)  # [B, L, KVH, D]
         if cache_scale is not None:
-            x = x * cache_scale.view(-1, kvh)[slots].to(math_dtype)[..., None]
+            x = x * cache_scale.view(-1, kvh)[slots[part]].to(math_dtype)[..., None]
         # NOTE: past a row's end the gather reads other requests' (or unwritten) slots: zero
         # them, or a NaN there would poison the row through 0 * NaN in P @ V.
         if ragged:
-            x = torch.where(valid[:, :, None, None], x, 0.0)
+            x = torch.where(valid[part, :, None, None], x, 0.0)
         return x.transpose(1, 2)  # [B, KVH, L, D]
 
-    mask = valid[:, None, None, :] if ragged else None
-    res = F.scaled_dot_product_attention(
-        q[:, :, None, :].to(math_dtype), tokens(k_cache, k_scale), tokens(v_cache, v_scale),
-        attn_mask=mask, scale=scale, enable_gqa=h != kvh)[:, :, 0, :]
-    if empty_rows is not None:
-        res = torch.where(empty_rows[:, None, None], 0.0, res)
-    return out.copy_(res)
+    # rows in chunks: the gathered K and V (heads expanded for GQA) of long rows at a large
+    # batch would not fit in memory at once
+    rows = max(1, REF_CHUNK_ELEMENTS // (slots.shape[1] * h * d))
+    for lo in range(0, b, rows):
+        part = slice(lo, lo + rows)
+        mask = valid[part, None, None, :] if ragged else None
+        res = F.scaled_dot_product_attention(
+            q[part, :, None, :].to(math_dtype), tokens(k_cache, k_scale, part),
+            tokens(v_cache, v_scale, part), attn_mask=mask, scale=scale,
+            enable_gqa=h != kvh)[:, :, 0, :]
+        if empty_rows is not None:
+            res = torch.where(empty_rows[part, None, None], 0.0, res)
+        out[part] = res
+    return out
 
 
 _MEMO = threading.local()

@@ -36,5 +36,6 @@ def assert_same_up_to_near_ties(a: list[tuple[int, float]], b: list[tuple[int, f
     assert len(a) == len(b), (len(a), len(b))
     for i, ((ta, ma), (tb, _)) in enumerate(zip(a, b, strict=True)):
         if ta != tb:
-            assert ma < tie, f"token {i} differs ({ta} vs {tb}) with a top-2 margin of {ma:.3f}"
+            assert ma < tie, (f"token {i} differs ({ta} vs {tb}) with a top-2 margin of "
+                              f"{ma:.3f} (near-tie bound {tie:.3f})")
             return

@@ -32,6 +32,7 @@ from served import arle_server
 
 from arle.engine.request import GenerateRequest, SamplingParams
 from arle.model.loader import LoadedModel, load_model
+from arle_kernels.moe import MOE_W8A8_MIN_TOKENS
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -62,11 +63,12 @@ def tie(loaded: LoadedModel) -> float:
     """The top-2 margin under which two runs may pick different tokens: bf16's rounding (0.2,
     see `assert_same_up_to_near_ties`), and for FP8 weights twice the largest logit gap between
     their two kernel paths on one prompt (W8A8 GEMMs for many rows, W8A16 GEMVs for few: a
-    request alone and the same request in a batch take different ones)."""
+    request alone and the same request in a batch take different ones).
+    NOTE: the prompt is long enough for the MoE layers' W8A8 path too (MOE_W8A8_MIN_TOKENS)."""
     if all(p.dtype != torch.float8_e4m3fn for p in loaded.model.parameters()):
         return 0.2
     forced = load_script("check_gpu_parity").teacher_forced_logits
-    ids = prompt(64, 99)
+    ids = prompt(2 * MOE_W8A8_MIN_TOKENS, 99)
     gap = (forced(loaded.model, ids) - forced(loaded.model, ids, chunk_size=1)).abs().max()
     return max(0.2, 2 * gap.item())
 

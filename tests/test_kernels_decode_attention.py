@@ -19,6 +19,7 @@ import torch
 from helpers import capture, run_interpreter_check
 from test_attention_ref import dense_causal
 
+import arle_kernels.decode_attention as decode_attention_module
 from arle_kernels.decode_attention import (
     decode_attention,
     decode_attention_ref,
@@ -129,9 +130,14 @@ def check_kernel(case: Case, num_splits: int, tol: float, loose_tol: float | Non
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1), (28, 4)])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_reference_matches_dense(heads: int, kv_heads: int, fp8: bool) -> None:
+@pytest.mark.parametrize("row_chunks", [False, True])
+def test_reference_matches_dense(heads: int, kv_heads: int, fp8: bool, row_chunks: bool,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """decode_attention_ref == the longhand attention of each row's last token over its
-    gathered tokens, in float64, on the dequantised cache for fp8."""
+    gathered tokens, in float64, on the dequantised cache for fp8; also a row at a time (the
+    chunks long rows take)."""
+    if row_chunks:
+        monkeypatch.setattr(decode_attention_module, "REF_CHUNK_ELEMENTS", 1)
     lens = [1, 15, 16, 17, 40, 100]
     case = make_case(heads + kv_heads, lens, heads, kv_heads, 32, torch.float64, fp8, "cpu",
                      poison=False)
