@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from arle_kernels.gemv import MMA_MAX_M, GemvConfig, dequant_tile, fp8_gemv_config, gemv_fp8
+from arle_kernels.gemv import MMA_MAX_M, GemvConfig, fp8_gemv_config, gemv_fp8, scaled_dot
 from arle_kernels.jit import jit_varying
 from arle_kernels.split_sums import SplitSums
 
@@ -179,7 +179,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """Program (j, i): tile [i*BLOCK_M.., j*BLOCK_N..] of y = a @ dequant(W)^T (+ bias).
     A8: a is FP8 with per-(row, GROUP_K) scales `as` and each K step's dot is scaled by both
-    scales (W8A8); else a is in y's dtype and W's tile is dequantised to it (W8A16)."""
+    scales (W8A8); else a is in y's dtype and W's tile is taken in it, the dot scaled (W8A16)."""
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -200,8 +200,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
             s = tl.load(as_ptrs + k0 // GROUP_K)
             acc += tl.dot(a, w) * s[:, None] * ws[None, :]
         else:
-            acc = tl.dot(a, dequant_tile(w, ws[None, :], dtype), acc,
-                         input_precision=PRECISION)
+            acc = scaled_dot(a, w, acc, ws[None, :], True, dtype, PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]

@@ -101,18 +101,11 @@ def load_chunk(ptrs, k0, K, kk, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
-def dequant_tile(w, scale, dtype: tl.constexpr):
-    """An FP8 weight tile times its (broadcast) block scale, in fp32, rounded to `dtype`: the
-    weight kernels/fp8.py's reference dequantises, in registers (W8A16)."""
-    return (w.to(tl.float32) * scale).to(dtype)
-
-
-@triton.jit
 def load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K: tl.constexpr,
-                     SCALED: tl.constexpr, SCALE_K: tl.constexpr, dtype: tl.constexpr):
-    """A chunk of W's runs ([.., BLOCK_K // RUN, RUN] at w_ptrs + k0), streamed (evict first);
-    SCALED (FP8), each run dequantised to `dtype` with its block's scale, one gathered per run
-    at ws_ptrs ([.., 1] beside the runs; `starts`: each run's first column).
+                     SCALED: tl.constexpr, SCALE_K: tl.constexpr):
+    """A chunk of W's runs ([.., BLOCK_K // RUN, RUN] at w_ptrs + k0), streamed (evict first)
+    as stored, and SCALED (FP8) each run's block scale, one gathered per run at ws_ptrs ([..,
+    1] beside the runs; `starts`: each run's first column); unscaled, 1.
     NOTE: RUN divides SCALE_K, so a run meets one scale; a block's runs share it (cached)."""
     w = load_chunk(w_ptrs, k0, K, kk, EVEN_K, "evict_first")
     if SCALED:
@@ -121,19 +114,43 @@ def load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K: tl.constexpr,
             s = tl.load(ws_ptrs + cols // SCALE_K)
         else:
             s = tl.load(ws_ptrs + cols // SCALE_K, mask=cols < K, other=0.0)
-        w = dequant_tile(w, s, dtype)
-    return w
+        return w, s
+    return w, 1.0
+
+
+@triton.jit
+def run_sums(x, w, s, SCALED: tl.constexpr):
+    """x [.., BLOCK_K // RUN, RUN] (fp32) times a chunk of W's runs (`load_weight_runs`), each
+    run's products summed in registers -> [.., BLOCK_K // RUN]. SCALED: the exact FP8 values
+    are multiplied and each run's sum is scaled once, so a weight costs one conversion and one
+    FMA (dequantising each weight first bounded the kernel on its conversions)."""
+    sums = tl.sum(x * w.to(tl.float32), axis=3)
+    if SCALED:
+        sums = sums * tl.sum(s, axis=3)  # [.., 1] -> [..]
+    return sums
 
 
 @triton.jit
 def _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
-                 SCALE_K: tl.constexpr, dtype: tl.constexpr):
-    """The tensor-core kernel's [BLOCK_N, BLOCK_K] tile of W; SCALED, dequantised to `dtype`
-    with one scale a row (the tile lies inside one scale block along K)."""
+                 SCALE_K: tl.constexpr):
+    """The tensor-core kernel's [BLOCK_N, BLOCK_K] tile of W as stored, and SCALED its rows'
+    scales [BLOCK_N, 1] (the tile lies inside one scale block along K); unscaled, 1."""
     w = load_chunk(w_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
     if SCALED:
-        w = dequant_tile(w, tl.load(ws_ptrs + k0 // SCALE_K), dtype)
-    return w
+        return w, tl.load(ws_ptrs + k0 // SCALE_K)
+    return w, 1.0
+
+
+@triton.jit
+def scaled_dot(a, b, acc, scale, SCALED: tl.constexpr, dtype: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """acc + a @ b on tensor cores. SCALED: one operand is an FP8 tile inside one scale block
+    along K, taken at its exact values in `dtype` (the other's), and the dot is scaled by
+    `scale` (its block scales, broadcast to the output) after it: cheaper than dequantising
+    each weight before it, and no rounding of the scaled weight."""
+    if SCALED:
+        return acc + tl.dot(a.to(dtype), b.to(dtype), input_precision=PRECISION) * scale
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -161,8 +178,8 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     buffer [splits, M, N] (stride_ys between splits) that takes the program's partial sums.
     GLU: W is [gate; up] with 2N rows; the program also sums up's rows n + N and stores
     silu(gate) * up (never PARTIAL, no bias).
-    SCALED: W is FP8 with block scales ws [ceil(N / SCALE_N), ceil(K / SCALE_K)]; each run
-    is dequantised in registers to x's dtype (`dequant_tile`) before its products.
+    SCALED: W is FP8 with block scales ws [ceil(N / SCALE_N), ceil(K / SCALE_K)]; each run's
+    sum is scaled (`run_sums`).
     NOTE: k_per_split is a multiple of BLOCK_K; EVEN_K means K is too, and every split is
     full (no masks at all). A run (RUN elements: 16 bytes of W) never crosses a scale block.
     """
@@ -191,25 +208,24 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     # NOTE: W does not depend on the previous kernel, so its first chunk is loaded before
     # waiting for that kernel (PDL); the loop starts one chunk later. The last split may run
     # past K (whole chunks of masked loads: no memory traffic).
-    dtype = x_ptr.dtype.element_ty
-    w = load_weight_runs(w_ptrs, ws_ptrs, k_lo, K, kk, starts, EVEN_K, SCALED, SCALE_K, dtype)
+    w, s = load_weight_runs(w_ptrs, ws_ptrs, k_lo, K, kk, starts, EVEN_K, SCALED, SCALE_K)
     if GLU:
-        w_up = load_weight_runs(up_ptrs, up_ws_ptrs, k_lo, K, kk, starts, EVEN_K, SCALED,
-                                SCALE_K, dtype)
+        w_up, s_up = load_weight_runs(up_ptrs, up_ws_ptrs, k_lo, K, kk, starts, EVEN_K, SCALED,
+                                      SCALE_K)
     if PDL:
         gdc_wait()
     x = load_chunk(x_ptrs, k_lo, K, kk, EVEN_K, "evict_last").to(tl.float32)
-    acc = tl.sum(x * w.to(tl.float32), axis=3)  # [M_PAD, BLOCK_N, BLOCK_K // RUN]
+    acc = run_sums(x, w, s, SCALED)  # [M_PAD, BLOCK_N, BLOCK_K // RUN]
     if GLU:
-        acc_up = tl.sum(x * w_up.to(tl.float32), axis=3)
+        acc_up = run_sums(x, w_up, s_up, SCALED)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         x = load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
-        w = load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED, SCALE_K, dtype)
-        acc += tl.sum(x * w.to(tl.float32), axis=3)
+        w, s = load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED, SCALE_K)
+        acc += run_sums(x, w, s, SCALED)
         if GLU:
-            w_up = load_weight_runs(up_ptrs, up_ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED,
-                                    SCALE_K, dtype)
-            acc_up += tl.sum(x * w_up.to(tl.float32), axis=3)
+            w_up, s_up = load_weight_runs(up_ptrs, up_ws_ptrs, k0, K, kk, starts, EVEN_K,
+                                          SCALED, SCALE_K)
+            acc_up += run_sums(x, w_up, s_up, SCALED)
     y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if PARTIAL:
@@ -271,7 +287,7 @@ def _gemv_mma_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     At 8 rows an FMA kernel does 8 multiply-adds per weight element and runs out of issue
     slots; one MMA does them all. W is still read once per step, by many small programs
     (1-4 warps), its first tile before `gdc_wait` as in `_gemv_kernel`.
-    SCALED: FP8 W with block scales (`_gemv_kernel`'s), each tile dequantised in registers.
+    SCALED: FP8 W with block scales (`_gemv_kernel`'s), each tile's dot scaled (`scaled_dot`).
     NOTE: the config depends on (N, K) only, never on M, so a row's sum runs in the same order
     whatever else is in the batch (batch invariance). SCALED: BLOCK_K divides SCALE_K."""
     pid_k, offs_m, offs_n = _program_tile(M_PAD, BLOCK_N, PDL)
@@ -289,23 +305,23 @@ def _gemv_mma_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     acc_up = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     dtype = x_ptr.dtype.element_ty
-    w = _load_w_tile(w_ptrs, ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K, dtype)
+    w, s = _load_w_tile(w_ptrs, ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K)
     if GLU:
-        w_up = _load_w_tile(up_ptrs, up_ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K, dtype)
+        w_up, s_up = _load_w_tile(up_ptrs, up_ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K)
     if PDL:
         gdc_wait()
     x = load_chunk(x_ptrs, k_lo, K, offs_k[:, None], EVEN_K, "evict_last")
-    acc = tl.dot(w, x, acc, input_precision=PRECISION)
+    acc = scaled_dot(w, x, acc, s, SCALED, dtype, PRECISION)
     if GLU:
-        acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
+        acc_up = scaled_dot(w_up, x, acc_up, s_up, SCALED, dtype, PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        w = _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K, dtype)
+        w, s = _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K)
         x = load_chunk(x_ptrs, k0, K, offs_k[:, None], EVEN_K, "evict_last")
-        acc = tl.dot(w, x, acc, input_precision=PRECISION)
+        acc = scaled_dot(w, x, acc, s, SCALED, dtype, PRECISION)
         if GLU:
-            w_up = _load_w_tile(up_ptrs, up_ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K,
-                                dtype)
-            acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
+            w_up, s_up = _load_w_tile(up_ptrs, up_ws_ptrs, k0, K, offs_k, EVEN_K, SCALED,
+                                      SCALE_K)
+            acc_up = scaled_dot(w_up, x, acc_up, s_up, SCALED, dtype, PRECISION)
     _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
                       stride_ys, HAS_BIAS, PARTIAL, GLU, PAIRED)
 

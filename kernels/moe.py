@@ -45,14 +45,13 @@ import triton.language as tl
 from torch import Tensor
 
 from arle_kernels.fp8 import (
-    dequant_tile,
     fp8_dequant_groups_ref,
     fp8_dequant_ref,
     quantize_fp8_groups,
     quantize_fp8_groups_ref,
 )
 from arle_kernels.fused import silu_mul
-from arle_kernels.gemv import RUN_BYTES, load_chunk, load_weight_runs
+from arle_kernels.gemv import RUN_BYTES, load_chunk, load_weight_runs, run_sums, scaled_dot
 from arle_kernels.jit import jit_varying
 
 #: (x [M, K], group) -> (FP8 values, scales [M, ceil(K/group)]): kernels/fp8.py's activation
@@ -300,13 +299,14 @@ def moe_align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tens
 def _w_step(acc, a, a_scale, w_ptrs, ws_ptrs, k_ok, W8: tl.constexpr, A8: tl.constexpr,
             PRECISION: tl.constexpr):
     """acc += a [BLOCK_M, BLOCK_K] @ one expert's W^T tile [BLOCK_K, BLOCK_N]: W in a's dtype,
-    FP8 dequantised to it in registers (W8), or FP8 times FP8 scaled by both scales (A8)."""
+    FP8 at its values in a's dtype with the dot scaled (W8, `scaled_dot`), or FP8 times FP8
+    scaled by both scales (A8)."""
     w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
     if A8:
         ws = tl.load(ws_ptrs)
         return acc + tl.dot(a, w) * a_scale[:, None] * ws[None, :]
     if W8:
-        w = dequant_tile(w, tl.load(ws_ptrs)[None, :], a.dtype)
+        return scaled_dot(a, w, acc, tl.load(ws_ptrs)[None, :], True, a.dtype, PRECISION)
     return tl.dot(a, w, acc, input_precision=PRECISION)
 
 
@@ -432,12 +432,12 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
 
 @triton.jit
 def _run_products(x, w_ptrs, ws_ptrs, k0, kk, starts, K, W8: tl.constexpr,
-                  GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, dtype: tl.constexpr):
-    """x [rows, 1, BLOCK_K // RUN, RUN] (fp32) times one K chunk of W's runs
-    (`load_weight_runs`: FP8 dequantised per run), each run's products summed in registers:
+                  GROUP_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """x [rows, 1, BLOCK_K // RUN, RUN] (fp32) times one K chunk of W's runs, each run's
+    products summed in registers (FP8: scaled once a run, `run_sums`):
     -> [rows, BLOCK_N, BLOCK_K // RUN]."""
-    w = load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, W8, GROUP_K, dtype)
-    return tl.sum(x * w.to(tl.float32), axis=3)
+    w, s = load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, W8, GROUP_K)
+    return run_sums(x, w, s, W8)
 
 
 @jit_varying("num_pairs")
@@ -475,15 +475,14 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
     w_ptrs = w_ptr + e4 * stride_we + cols * stride_wn + kk  # [1 or M_PAD, BLOCK_N, .., RUN]
     ws_ptrs = ws_ptr + e4 * stride_wse + (cols // GROUP_N) * stride_wsn
     up_ws_ptrs = ws_ptr + e4 * stride_wse + ((cols + N) // GROUP_N) * stride_wsn
-    dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // RUN], tl.float32)
     acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // RUN], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
-        acc += _run_products(x, w_ptrs, ws_ptrs, k0, kk, starts, K, W8, GROUP_K, EVEN_K, dtype)
+        acc += _run_products(x, w_ptrs, ws_ptrs, k0, kk, starts, K, W8, GROUP_K, EVEN_K)
         if GLU:
             acc_up += _run_products(x, w_ptrs + N * stride_wn, up_ws_ptrs, k0, kk, starts, K,
-                                    W8, GROUP_K, EVEN_K, dtype)
+                                    W8, GROUP_K, EVEN_K)
     if SUM_PAIRS:
         _sum_pairs_epilogue(tl.sum(acc, axis=2), pairs, row_ok, offs_n, N, c_ptr, topw_ptr,
                             M_PAD, BLOCK_N)

@@ -10,8 +10,9 @@
 #                     ceilings, decode; transformers
 #     q35 chat35 q35hf   Qwen3.5-4B: ceilings, decode, serve (cold, warm); chat turns; transformers
 #     failing   the GPU tests of the FP8 weights and KV, by name
-#     kern kernbench   the GPU tests and micro-benchmarks of the FP8 and MoE kernels
-#     moe30base   moe30d's decode on the tree in .base (a baseline in the same call)
+#     kern kernbench   the GPU tests of the FP8, MoE and decode attention kernels and the engine
+#               on MoE and Qwen3.5; the micro-benchmarks of the FP8 and MoE kernels
+#     moe30base   moe30d's decode and kernbench on the tree in .base (a baseline in the same call)
 #     structured   constrained decoding's per-step cost (Qwen3-4B, random weights)
 #     gdnsweep   the Gated DeltaNet decode kernel's launches at batch 1 and 8
 # transformers with fla (flash-linear-attention): carry its wheels in .fla (q35hf uses them).
@@ -135,12 +136,17 @@ for p in "$@"; do
     moe30base) # the same decode on the tree in .base (`git archive REV arle kernels scripts`)
            d=$(model qwen3-30b-a3b-fp8); mkdir -p /tmp/sitebase
            ln -sfn "$PWD/.base/kernels" /tmp/sitebase/arle_kernels
-           (cd .base && PYTHONPATH=/tmp/sitebase:${PYTHONPATH:-}:$PWD/.base ARLE_COMMIT=base \
+           (cd .base && export PYTHONPATH=/tmp/sitebase:${PYTHONPATH:-}:$PWD/.base ARLE_COMMIT=base
               phase moe30_decode_base 150 python3 scripts/bench_gpu.py decode "$d" \
-              --out $RES/decode_qwen3-30b-a3b-fp8_base.json) ;;
+                --out $RES/decode_qwen3-30b-a3b-fp8_base.json
+              for k in fp8 moe; do
+                phase "kernels_${k}_base" 120 python3 scripts/bench_kernels.py $k \
+                  --out "$RES/kernels_${k}_base.json"
+              done) ;;
     kern) say kern; timeout 300 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE --tb=short \
              -k "not interpreter" -m gpu tests/test_kernels_fp8.py tests/test_kernels_gemv.py \
              tests/test_kernels_moe.py tests/test_fp8_weights.py tests/test_moe.py \
+             tests/test_kernels_decode_attention.py tests/test_cuda_engine.py \
              >"$OUT/pytest_kern.txt" 2>&1; say "kern rc=$?"; tail -3 "$OUT/pytest_kern.txt" | tee -a "$LOG" ;;
     kernbench) phase kernels_fp8 120 python3 scripts/bench_kernels.py fp8 --out $RES/kernels_fp8.json
            phase kernels_moe 120 python3 scripts/bench_kernels.py moe --out $RES/kernels_moe.json ;;
