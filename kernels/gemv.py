@@ -107,15 +107,16 @@ def load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K: tl.constexpr,
     as stored, and SCALED (FP8) each run's block scale, one gathered per run at ws_ptrs ([..,
     1] beside the runs; `starts`: each run's first column); unscaled, 1.
     NOTE: RUN divides SCALE_K, so a run meets one scale; a block's runs share it (cached)."""
+    # NOTE: one return per function: Triton checks every return's type, also in static ifs
     w = load_chunk(w_ptrs, k0, K, kk, EVEN_K, "evict_first")
+    s = 1.0
     if SCALED:
         cols = k0 + starts
         if EVEN_K:
             s = tl.load(ws_ptrs + cols // SCALE_K)
         else:
             s = tl.load(ws_ptrs + cols // SCALE_K, mask=cols < K, other=0.0)
-        return w, s
-    return w, 1.0
+    return w, s
 
 
 @triton.jit
@@ -136,9 +137,10 @@ def _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K: tl.constexpr, SCALED: t
     """The tensor-core kernel's [BLOCK_N, BLOCK_K] tile of W as stored, and SCALED its rows'
     scales [BLOCK_N, 1] (the tile lies inside one scale block along K); unscaled, 1."""
     w = load_chunk(w_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
+    s = 1.0
     if SCALED:
-        return w, tl.load(ws_ptrs + k0 // SCALE_K)
-    return w, 1.0
+        s = tl.load(ws_ptrs + k0 // SCALE_K)
+    return w, s
 
 
 @triton.jit
@@ -149,8 +151,10 @@ def scaled_dot(a, b, acc, scale, SCALED: tl.constexpr, dtype: tl.constexpr,
     `scale` (its block scales, broadcast to the output) after it: cheaper than dequantising
     each weight before it, and no rounding of the scaled weight."""
     if SCALED:
-        return acc + tl.dot(a.to(dtype), b.to(dtype), input_precision=PRECISION) * scale
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = acc + tl.dot(a.to(dtype), b.to(dtype), input_precision=PRECISION) * scale
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit

@@ -303,11 +303,12 @@ def _w_step(acc, a, a_scale, w_ptrs, ws_ptrs, k_ok, W8: tl.constexpr, A8: tl.con
     scaled by both scales (A8)."""
     w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
     if A8:
-        ws = tl.load(ws_ptrs)
-        return acc + tl.dot(a, w) * a_scale[:, None] * ws[None, :]
-    if W8:
-        return scaled_dot(a, w, acc, tl.load(ws_ptrs)[None, :], True, a.dtype, PRECISION)
-    return tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = acc + tl.dot(a, w) * a_scale[:, None] * tl.load(ws_ptrs)[None, :]
+    elif W8:
+        acc = scaled_dot(a, w, acc, tl.load(ws_ptrs)[None, :], True, a.dtype, PRECISION)
+    else:
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
