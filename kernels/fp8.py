@@ -10,8 +10,9 @@ the real weight is `weight * scale` per (bn, bk) block, edge blocks partial.
 - `quantize_fp8_groups(_ref)`: a W8A8 GEMM's activations, per row and bk-column group.
 
 `fp8_linear` (Triton) picks a kernel by row count (`_pick_fp8_config`, shapes only): up to
-GEMV_MAX_M rows kernels/gemv.py's GEMVs, which stream W as they do bf16 weights (W8A16: each
-weight dequantised in registers, W read once); a W8A16 tensor-core GEMM up to W8A16_MAX_M rows;
+GEMV_MAX_M rows kernels/gemv.py's GEMVs, which stream W as they do bf16 weights (W8A16, W read
+once: the FMA GEMV scales each run's sum, the tensor-core one dequantises each tile in
+registers); a W8A16 tensor-core GEMM up to W8A16_MAX_M rows;
 W8A8 beyond (FP8 x FP8 dots, each K step scaled by the activation's and the weight's block
 scales). Graph-safe: no host reads of device tensors.
 """
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from arle_kernels.gemv import MMA_MAX_M, GemvConfig, fp8_gemv_config, gemv_fp8, scaled_dot
+from arle_kernels.gemv import MMA_MAX_M, GemvConfig, dequant_tile, fp8_gemv_config, gemv_fp8
 from arle_kernels.jit import jit_varying
 from arle_kernels.split_sums import SplitSums
 
@@ -141,7 +142,7 @@ class Fp8Config:
     num_stages: int = 3
 
 
-#: rows up to which kernels/gemv.py's kernels run (W read once, dequantised in registers)
+#: rows up to which kernels/gemv.py's kernels run (W read once, in registers)
 GEMV_MAX_M = MMA_MAX_M
 #: rows up to which weights are dequantised in registers (memory-bound: no activation
 #: quantisation pass); beyond, W8A8 on FP8 tensor cores
@@ -179,7 +180,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """Program (j, i): tile [i*BLOCK_M.., j*BLOCK_N..] of y = a @ dequant(W)^T (+ bias).
     A8: a is FP8 with per-(row, GROUP_K) scales `as` and each K step's dot is scaled by both
-    scales (W8A8); else a is in y's dtype and W's tile is taken in it, the dot scaled (W8A16)."""
+    scales (W8A8); else a is in y's dtype and W's tile is dequantised to it (W8A16)."""
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -200,7 +201,8 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
             s = tl.load(as_ptrs + k0 // GROUP_K)
             acc += tl.dot(a, w) * s[:, None] * ws[None, :]
         else:
-            acc = scaled_dot(a, w, acc, ws[None, :], True, dtype, PRECISION)
+            acc = tl.dot(a, dequant_tile(w, ws[None, :], dtype), acc,
+                         input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]

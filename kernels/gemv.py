@@ -132,29 +132,24 @@ def run_sums(x, w, s, SCALED: tl.constexpr):
 
 
 @triton.jit
-def _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
-                 SCALE_K: tl.constexpr):
-    """The tensor-core kernel's [BLOCK_N, BLOCK_K] tile of W as stored, and SCALED its rows'
-    scales [BLOCK_N, 1] (the tile lies inside one scale block along K); unscaled, 1."""
-    w = load_chunk(w_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
-    s = 1.0
-    if SCALED:
-        s = tl.load(ws_ptrs + k0 // SCALE_K)
-    return w, s
+def dequant_tile(w, scale, dtype: tl.constexpr):
+    """An FP8 weight tile times its (broadcast) block scale, in fp32, rounded to `dtype`: the
+    weight kernels/fp8.py's reference dequantises, in registers (W8A16 on tensor cores).
+    NOTE: the FMA GEMVs scale each run's sum instead (`run_sums`); on tensor cores, scaling
+    each tile's dot after it measured slower on the H200 (MoE experts at 8 tokens: 119 us
+    against 110, `bench_kernels.py moe`)."""
+    return (w.to(tl.float32) * scale).to(dtype)
 
 
 @triton.jit
-def scaled_dot(a, b, acc, scale, SCALED: tl.constexpr, dtype: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """acc + a @ b on tensor cores. SCALED: one operand is an FP8 tile inside one scale block
-    along K, taken at its exact values in `dtype` (the other's), and the dot is scaled by
-    `scale` (its block scales, broadcast to the output) after it: cheaper than dequantising
-    each weight before it, and no rounding of the scaled weight."""
+def _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K: tl.constexpr, SCALED: tl.constexpr,
+                 SCALE_K: tl.constexpr, dtype: tl.constexpr):
+    """The tensor-core kernel's [BLOCK_N, BLOCK_K] tile of W; SCALED, dequantised to `dtype`
+    with one scale a row (the tile lies inside one scale block along K)."""
+    w = load_chunk(w_ptrs, k0, K, offs_k[None, :], EVEN_K, "evict_first")
     if SCALED:
-        acc = acc + tl.dot(a.to(dtype), b.to(dtype), input_precision=PRECISION) * scale
-    else:
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
+        w = dequant_tile(w, tl.load(ws_ptrs + k0 // SCALE_K), dtype)
+    return w
 
 
 @triton.jit
@@ -291,7 +286,7 @@ def _gemv_mma_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     At 8 rows an FMA kernel does 8 multiply-adds per weight element and runs out of issue
     slots; one MMA does them all. W is still read once per step, by many small programs
     (1-4 warps), its first tile before `gdc_wait` as in `_gemv_kernel`.
-    SCALED: FP8 W with block scales (`_gemv_kernel`'s), each tile's dot scaled (`scaled_dot`).
+    SCALED: FP8 W with block scales (`_gemv_kernel`'s), each tile dequantised in registers.
     NOTE: the config depends on (N, K) only, never on M, so a row's sum runs in the same order
     whatever else is in the batch (batch invariance). SCALED: BLOCK_K divides SCALE_K."""
     pid_k, offs_m, offs_n = _program_tile(M_PAD, BLOCK_N, PDL)
@@ -309,23 +304,23 @@ def _gemv_mma_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     acc_up = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     dtype = x_ptr.dtype.element_ty
-    w, s = _load_w_tile(w_ptrs, ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K)
+    w = _load_w_tile(w_ptrs, ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K, dtype)
     if GLU:
-        w_up, s_up = _load_w_tile(up_ptrs, up_ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K)
+        w_up = _load_w_tile(up_ptrs, up_ws_ptrs, k_lo, K, offs_k, EVEN_K, SCALED, SCALE_K, dtype)
     if PDL:
         gdc_wait()
     x = load_chunk(x_ptrs, k_lo, K, offs_k[:, None], EVEN_K, "evict_last")
-    acc = scaled_dot(w, x, acc, s, SCALED, dtype, PRECISION)
+    acc = tl.dot(w, x, acc, input_precision=PRECISION)
     if GLU:
-        acc_up = scaled_dot(w_up, x, acc_up, s_up, SCALED, dtype, PRECISION)
+        acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        w, s = _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K)
+        w = _load_w_tile(w_ptrs, ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K, dtype)
         x = load_chunk(x_ptrs, k0, K, offs_k[:, None], EVEN_K, "evict_last")
-        acc = scaled_dot(w, x, acc, s, SCALED, dtype, PRECISION)
+        acc = tl.dot(w, x, acc, input_precision=PRECISION)
         if GLU:
-            w_up, s_up = _load_w_tile(up_ptrs, up_ws_ptrs, k0, K, offs_k, EVEN_K, SCALED,
-                                      SCALE_K)
-            acc_up = scaled_dot(w_up, x, acc_up, s_up, SCALED, dtype, PRECISION)
+            w_up = _load_w_tile(up_ptrs, up_ws_ptrs, k0, K, offs_k, EVEN_K, SCALED, SCALE_K,
+                                dtype)
+            acc_up = tl.dot(w_up, x, acc_up, input_precision=PRECISION)
     _store_transposed(acc, acc_up, offs_n, offs_m, pid_k, b_ptr, y_ptr, M, N, stride_ym,
                       stride_ys, HAS_BIAS, PARTIAL, GLU, PAIRED)
 

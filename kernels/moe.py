@@ -22,8 +22,8 @@ The Triton version (`fused_moe` = `moe_route` + `moe_experts`), as vLLM's and SG
   columns, W8A8), silu(gate) * up in the gate_up projection's epilogue and the routing
   weight in down's; `_moe_gemv_kernel`: the same contract for a few tokens with FMAs, one
   block per expert, so each chosen expert's weights are read once for all its rows; W
-  streamed as kernels/gemv.py's GEMV streams it (16-byte runs a thread, FP8 dequantised per
-  run with its block's scale).
+  streamed as kernels/gemv.py's GEMV streams it (16-byte runs a thread, FP8 at its exact
+  values, each run's sum times its block's scale).
 - the per-pair outputs [T * top_k, H] summed over top_k by torch (fp32 accumulation).
 - one token (decode at batch 1): no align (its pairs are blocks of their own, the kernels read
   each pair's expert from the ids), and the down GEMV sums the top-k in its epilogue (each
@@ -45,23 +45,23 @@ import triton.language as tl
 from torch import Tensor
 
 from arle_kernels.fp8 import (
+    dequant_tile,
     fp8_dequant_groups_ref,
     fp8_dequant_ref,
     quantize_fp8_groups,
     quantize_fp8_groups_ref,
 )
 from arle_kernels.fused import silu_mul
-from arle_kernels.gemv import RUN_BYTES, load_chunk, load_weight_runs, run_sums, scaled_dot
+from arle_kernels.gemv import RUN_BYTES, load_chunk, load_weight_runs, run_sums
 from arle_kernels.jit import jit_varying
 
 #: (x [M, K], group) -> (FP8 values, scales [M, ceil(K/group)]): kernels/fp8.py's activation
 #: quantisation, the ref's or the kernel's
 Quantize = Callable[[Tensor, int], tuple[Tensor, Tensor]]
-#: tokens up to which the FMA GEMV runs, bf16 / FP8 experts; beyond, tensor cores (H200,
-#: Qwen3-30B-A3B's experts, `bench_kernels.py moe`: bf16 at 2 tokens 59 us against 69, at 4
-#: 137 against 101; FP8 at 2 tokens 57 against 53)
+#: tokens up to which the FMA GEMV runs; beyond, tensor cores (H200, Qwen3-30B-A3B's experts,
+#: `bench_kernels.py moe`: bf16 at 2 tokens 59 us against 69, at 4 137 against 101; FP8 at 2
+#: tokens 51 against 54)
 MOE_GEMV_MAX_TOKENS = 2
-MOE_GEMV_MAX_TOKENS_FP8 = 1
 #: tokens up to which `moe_route` runs one token a program on one warp
 ROUTE_ONE_WARP_MAX_TOKENS = 4
 
@@ -299,16 +299,14 @@ def moe_align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tens
 def _w_step(acc, a, a_scale, w_ptrs, ws_ptrs, k_ok, W8: tl.constexpr, A8: tl.constexpr,
             PRECISION: tl.constexpr):
     """acc += a [BLOCK_M, BLOCK_K] @ one expert's W^T tile [BLOCK_K, BLOCK_N]: W in a's dtype,
-    FP8 at its values in a's dtype with the dot scaled (W8, `scaled_dot`), or FP8 times FP8
-    scaled by both scales (A8)."""
+    FP8 dequantised to it in registers (W8), or FP8 times FP8 scaled by both scales (A8)."""
     w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
     if A8:
-        acc = acc + tl.dot(a, w) * a_scale[:, None] * tl.load(ws_ptrs)[None, :]
-    elif W8:
-        acc = scaled_dot(a, w, acc, tl.load(ws_ptrs)[None, :], True, a.dtype, PRECISION)
-    else:
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    return acc
+        ws = tl.load(ws_ptrs)
+        return acc + tl.dot(a, w) * a_scale[:, None] * ws[None, :]
+    if W8:
+        w = dequant_tile(w, tl.load(ws_ptrs)[None, :], a.dtype)
+    return tl.dot(a, w, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -548,7 +546,7 @@ def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
     """The launches for a step of num_tokens tokens, from shapes only (a small table by token
     class, no tuning while serving). block: the FP8 block (None: bf16 weights)."""
     bk = block[1] if block is not None else 128
-    if num_tokens <= (MOE_GEMV_MAX_TOKENS if block is None else MOE_GEMV_MAX_TOKENS_FP8):
+    if num_tokens <= MOE_GEMV_MAX_TOKENS:
         m_pad = triton.next_power_of_2(max(1, num_tokens))
         return MoeConfig("gemv", m_pad, *moe_gemv_tiles(m_pad, block is not None))
     # rows per expert on average, the block that holds them (16..64)

@@ -180,6 +180,9 @@ SOURCES = (
            "--repeats 1 --output-len 32 --out docs/results/h200/hf_qwen3.5-4b_fla.json"),
     Source("h200/decode_qwen3-30b-a3b-fp8.json", "python3 scripts/bench_gpu.py decode "
            "/tmp/models/qwen3-30b-a3b-fp8 --out docs/results/h200/decode_qwen3-30b-a3b-fp8.json"),
+    Source("h200/hf_qwen3-30b-a3b-fp8.json", "python3 scripts/bench_hf.py "
+           "/tmp/models/qwen3-30b-a3b-fp8 --batch 1 8 --modes eager --repeats 1 --output-len 32 "
+           "--out docs/results/h200/hf_qwen3-30b-a3b-fp8.json"),
     Source("h200/serve_qwen3-30b-a3b-fp8.json", "rm -rf ~/.triton/cache\n"
            "python3 scripts/bench_gpu.py serve /tmp/models/qwen3-30b-a3b-fp8 --concurrency 1 8 64 "
            "--serve-args=\"--kv-cache-dtype fp8_e4m3\" "
@@ -227,6 +230,9 @@ _DEC35, _DECM = "h200/decode_qwen3.5-4b.json", "h200/decode_qwen3-30b-a3b-fp8.js
 _S35, _S35W = "h200/serve_qwen3.5-4b.json", "h200/serve_qwen3.5-4b_warm.json"
 _SM = "h200/serve_qwen3-30b-a3b-fp8.json"
 _SMB = "h200/serve_qwen3-30b-a3b-fp8_bf16kv.json"
+_HFM = "h200/hf_qwen3-30b-a3b-fp8.json"
+#: transformers' FP8 kernels come from the Hub, which the GPU machine cannot reach
+_HFM_HOW = "transformers `generate`, its FP8 weights dequantized to bf16 as it loads"
 _KFP8, _KMOE = "h200/kernels_fp8.json", "h200/kernels_moe.json"
 _KGDN = "h200/kernels_deltanet.json"
 _PM = "h200/parity_qwen3-30b-a3b-fp8-L4.json"
@@ -359,6 +365,12 @@ FIGURES = (
     Figure("h200", "decode, batch 8: TPOT", _MOE,
            (Field(_DECM, "batch8.mean_tpot_ms", "{:.3f} ms"),),
            "floor (the experts 8 tokens touch)", (_step_floor(_DECM, 8),)),
+    Figure("h200", "decode, batch 1, 512-token prompt: ms per token", _MOE,
+           (Field(_DECM, "batch1.mean_tpot_ms", "{:.2f} ms"),), _HFM_HOW,
+           (Field(_HFM, "results[batch=1].decode_ms_per_token", "{:.1f} ms"),)),
+    Figure("h200", "decode, batch 8, 512-token prompts: ms per step", _MOE,
+           (Field(_DECM, "batch8.mean_tpot_ms", "{:.2f} ms"),), _HFM_HOW,
+           (Field(_HFM, "results[batch=8].decode_ms_per_token", "{:.1f} ms"),)),
     Figure("h200", f"`arle serve --kv-cache-dtype fp8_e4m3` + `arle bench`, {_RANDOM}, c = 1",
            _MOE, _serve(_SM, 1)),
     Figure("h200", f"`arle serve --kv-cache-dtype fp8_e4m3` + `arle bench`, {_RANDOM}, c = 8",
@@ -594,12 +606,14 @@ def _new_model_bounds(res: Results) -> list[str]:
         f"TB/s ([{Path(_KFP8).name}](results/{_KFP8}): qkv at one row {qkv['us']:.1f} us, "
         f"{qkv['GBps'] / 1e3:.2f} TB/s, where cuBLAS reads twice the bytes in bf16 at "
         f"{cublas['GBps'] / 1e3:.2f} TB/s; [{Path(_KMOE).name}](results/{_KMOE}): one token's "
-        f"experts {one['us']:.1f} us a layer): dequantising in registers (per weight an e4m3 to "
-        f"fp32 conversion, the scale, a rounding to bf16 and back) bounds them, not the loads. "
-        f"What would close it: dequantising with integer operations (an e4m3 byte shifted into "
-        f"a bf16's exponent and mantissa is its value times 2^-120, which the block scale can "
-        f"take), or FP8 tensor-core dots on activations quantised per token (W8A8, as the "
-        f"prefill runs).", "",
+        f"experts {one['us']:.1f} us a layer): at {moe['commit']}, dequantising in registers "
+        f"(per weight an e4m3 to fp32 conversion, the scale, a rounding to bf16 and back) "
+        f"bounded them, not the loads. The FMA GEMVs now multiply the exact FP8 values and "
+        f"scale each 16-weight run's sum (`run_sums` in kernels/gemv.py): one conversion and "
+        f"one FMA a weight. What would close the rest: FP8 tensor-core dots on activations "
+        f"quantised per token (W8A8, as the prefill runs), or the conversion done with integer "
+        f"operations (an e4m3 byte shifted into a bf16's exponent and mantissa is its value "
+        f"times 2^-120, which the block scale can take).", "",
         f"**`arle serve` at concurrency 8, {_MOE}** ([{Path(_SM).name}](results/{_SM})): "
         f"{c8['output_throughput']:.0f} tok/s against a target of 1500 (the SGLang run the target "
         f"was set against: 137 tok/s), TPOT "

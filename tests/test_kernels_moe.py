@@ -16,7 +16,6 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 from arle_kernels.fp8 import FP8, quantize_fp8_groups
 from arle_kernels.moe import (
     MOE_GEMV_MAX_TOKENS,
-    MOE_GEMV_MAX_TOKENS_FP8,
     MOE_W8A8_MIN_TOKENS,
     ROUTE_ONE_WARP_MAX_TOKENS,
     MoeConfig,
@@ -176,8 +175,8 @@ def test_max_blocks_bounds_every_routing(t: int, k: int, e: int, bm: int) -> Non
 def test_pick_config() -> None:
     """Token classes: the GEMV (one block per expert), tensor cores, FP8 W8A8 from
     MOE_W8A8_MIN_TOKENS on; FP8 K steps inside one scale block."""
-    gemv_classes = [(t, None) for t in range(1, MOE_GEMV_MAX_TOKENS + 1)] + [
-        (t, (128, 128)) for t in range(1, MOE_GEMV_MAX_TOKENS_FP8 + 1)]
+    gemv_classes = [(t, block) for t in range(1, MOE_GEMV_MAX_TOKENS + 1)
+                    for block in (None, (128, 128))]
     for t, block in gemv_classes:
         cfg = pick_moe_config(t, 8, 128, 2048, 768, block)
         assert cfg.kind == "gemv" and cfg.block_m >= t
@@ -190,7 +189,7 @@ def test_pick_config() -> None:
             lanes = 32 * tile.num_warps
             assert w_rows * tile.block_n * tile.block_k // run >= lanes  # runs for every lane
             assert rows * tile.block_n * tile.block_k // run <= 8 * lanes  # <= 8 fp32 sums
-    for t, fp8_kind in ((MOE_GEMV_MAX_TOKENS_FP8 + 1, "mma"), (MOE_GEMV_MAX_TOKENS + 1, "mma"),
+    for t, fp8_kind in ((MOE_GEMV_MAX_TOKENS + 1, "mma"),
                         (MOE_W8A8_MIN_TOKENS - 1, "mma"),
                         (MOE_W8A8_MIN_TOKENS, "w8a8"), (8192, "w8a8")):
         for block in ((128, 128), (16, 16)):

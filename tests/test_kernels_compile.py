@@ -1,0 +1,86 @@
+"""The FP8, MoE and GEMV kernels compile for Hopper (sm_90) on the CPU, through Triton's own
+compiler down to a cubin, in the variants the engine launches.
+
+The interpreter runs a kernel's Python and never meets the compiler's rules (every return of a
+function one type, also in static ifs; tl.dot's operand types): a kernel that passes its
+interpreter check can still fail to build on the GPU. No GPU is needed to find out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import triton
+
+import arle_kernels.fp8 as fp8
+import arle_kernels.gemv as gemv
+import arle_kernels.moe as moe
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - an older triton
+    GPUTarget = ASTSource = None
+
+HOPPER = GPUTarget("cuda", 90, 32) if GPUTarget is not None else None
+#: pointer arguments by name (the kernels share their names); other arguments are i32
+POINTERS = {"x_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+            "as_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "c_ptr": "*bf16",
+            "topw_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+            "expert_ptr": "*i32"}
+
+pytestmark = pytest.mark.skipif(
+    HOPPER is None or "nvidia" not in triton.backends.backends,
+    reason="this triton cannot compile for NVIDIA GPUs")
+
+
+def compile_for_hopper(kernel: Any, constexprs: dict[str, Any], **types: str) -> None:
+    """triton.compile of `kernel` for sm_90 with these constexprs (pointer types from POINTERS
+    unless given)."""
+    names = list(kernel.arg_names)
+    signature = {n: "constexpr" if n in constexprs else types.get(n, POINTERS.get(n, "i32"))
+                 for n in names}
+    src = ASTSource(kernel, signature,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    triton.compile(src, target=HOPPER, options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("even_k", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_gemv_kernels(glu: bool, even_k: bool, scaled: bool) -> None:
+    w = "*fp8e4nv" if scaled else "*bf16"
+    scale = {"SCALED": scaled, "SCALE_N": 128 if scaled else 1, "SCALE_K": 128 if scaled else 1}
+    compile_for_hopper(gemv._gemv_kernel, {
+        "HAS_BIAS": False, "PARTIAL": False, "EVEN_K": even_k, "M_PAD": 2, "BLOCK_N": 2,
+        "BLOCK_K": 2048, "GLU": glu, "PDL": False, "RUN": 16 if scaled else 8, **scale},
+        w_ptr=w)
+    compile_for_hopper(gemv._gemv_mma_kernel, {
+        "HAS_BIAS": False, "PARTIAL": False, "EVEN_K": even_k, "M_PAD": 16, "BLOCK_N": 64,
+        "BLOCK_K": 128, "GLU": glu, "PDL": False, "PRECISION": "tf32", "PAIRED": False,
+        **scale}, w_ptr=w)
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_moe_kernels(glu: bool) -> None:
+    route = {"ROW_DIV": 8 if glu else 1, "GLU": glu, "MUL_WEIGHT": not glu}
+    blocks = {"GROUP_N": 128, "GROUP_K": 128}
+    for a8 in (False, True):
+        compile_for_hopper(moe._moe_mma_kernel, {
+            **route, **blocks, "W8": True, "A8": a8, "BLOCK_M": 16, "BLOCK_N": 64,
+            "BLOCK_K": 128, "PRECISION": "tf32"}, a_ptr="*fp8e4nv" if a8 else "*bf16")
+    for direct in (False, True):
+        for even_k in (False, True):
+            compile_for_hopper(moe._moe_gemv_kernel, {
+                **route, **blocks, "DIRECT": direct, "SUM_PAIRS": direct and not glu,
+                "W8": True, "M_PAD": 8 if direct else 2, "BLOCK_N": 4, "BLOCK_K": 512,
+                "RUN": 16, "EVEN_K": even_k})
+
+
+@pytest.mark.parametrize("a8", [False, True])
+def test_fp8_gemm_kernel(a8: bool) -> None:
+    compile_for_hopper(fp8._fp8_gemm_kernel, {
+        "A8": a8, "HAS_BIAS": True, "GROUP_N": 128, "GROUP_K": 128, "BLOCK_M": 64,
+        "BLOCK_N": 128, "BLOCK_K": 128, "PRECISION": "tf32"},
+        a_ptr="*fp8e4nv" if a8 else "*bf16")
