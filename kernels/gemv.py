@@ -132,6 +132,14 @@ def run_sums(x, w, s, SCALED: tl.constexpr):
 
 
 @triton.jit
+def load_run_sums(x, w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K: tl.constexpr,
+                  SCALED: tl.constexpr, SCALE_K: tl.constexpr):
+    """One K chunk of a streamed GEMV: `load_weight_runs` then `run_sums` with x."""
+    w, s = load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED, SCALE_K)
+    return run_sums(x, w, s, SCALED)
+
+
+@triton.jit
 def dequant_tile(w, scale, dtype: tl.constexpr):
     """An FP8 weight tile times its (broadcast) block scale, in fp32, rounded to `dtype`: the
     weight kernels/fp8.py's reference dequantises, in registers (W8A16 on tensor cores).
@@ -219,12 +227,10 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
         acc_up = run_sums(x, w_up, s_up, SCALED)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         x = load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
-        w, s = load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED, SCALE_K)
-        acc += run_sums(x, w, s, SCALED)
+        acc += load_run_sums(x, w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED, SCALE_K)
         if GLU:
-            w_up, s_up = load_weight_runs(up_ptrs, up_ws_ptrs, k0, K, kk, starts, EVEN_K,
-                                          SCALED, SCALE_K)
-            acc_up += run_sums(x, w_up, s_up, SCALED)
+            acc_up += load_run_sums(x, up_ptrs, up_ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED,
+                                    SCALE_K)
     y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if PARTIAL:

@@ -52,7 +52,7 @@ from arle_kernels.fp8 import (
     quantize_fp8_groups_ref,
 )
 from arle_kernels.fused import silu_mul
-from arle_kernels.gemv import RUN_BYTES, load_chunk, load_weight_runs, run_sums
+from arle_kernels.gemv import RUN_BYTES, load_chunk, load_run_sums
 from arle_kernels.jit import jit_varying
 
 #: (x [M, K], group) -> (FP8 values, scales [M, ceil(K/group)]): kernels/fp8.py's activation
@@ -429,16 +429,6 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
                   MUL_WEIGHT)
 
 
-@triton.jit
-def _run_products(x, w_ptrs, ws_ptrs, k0, kk, starts, K, W8: tl.constexpr,
-                  GROUP_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """x [rows, 1, BLOCK_K // RUN, RUN] (fp32) times one K chunk of W's runs, each run's
-    products summed in registers (FP8: scaled once a run, `run_sums`):
-    -> [rows, BLOCK_N, BLOCK_K // RUN]."""
-    w, s = load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, W8, GROUP_K)
-    return run_sums(x, w, s, W8)
-
-
 @jit_varying("num_pairs")
 def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_ptr,
                      N, K, num_pairs, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn,
@@ -478,10 +468,10 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
     acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // RUN], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
-        acc += _run_products(x, w_ptrs, ws_ptrs, k0, kk, starts, K, W8, GROUP_K, EVEN_K)
+        acc += load_run_sums(x, w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, W8, GROUP_K)
         if GLU:
-            acc_up += _run_products(x, w_ptrs + N * stride_wn, up_ws_ptrs, k0, kk, starts, K,
-                                    W8, GROUP_K, EVEN_K)
+            acc_up += load_run_sums(x, w_ptrs + N * stride_wn, up_ws_ptrs, k0, K, kk, starts,
+                                    EVEN_K, W8, GROUP_K)
     if SUM_PAIRS:
         _sum_pairs_epilogue(tl.sum(acc, axis=2), pairs, row_ok, offs_n, N, c_ptr, topw_ptr,
                             M_PAD, BLOCK_N)
