@@ -137,11 +137,13 @@ class TPRanks:
         self.infos: list[dict[str, Any]] = []
         self._closing = False
         self._failed = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def watch(self, procs: list[subprocess.Popen[bytes]]) -> None:
         """Rank 0: its child ranks, watched from a thread of their own (`_watch`)."""
         self.procs = procs
-        threading.Thread(target=self._watch, name="arle-tp-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="arle-tp-watch", daemon=True)
+        self._watcher.start()
 
     # ---- every step ---------------------------------------------------------------------
     def send(self, message: object) -> None:
@@ -189,7 +191,7 @@ class TPRanks:
         do not exit within seconds), then leave the group."""
         if self._closing:
             return
-        self._closing = True
+        self._stop_watching()
         if not self._failed.is_set():
             with contextlib.suppress(Exception):
                 self._send(_STOP, b"")
@@ -205,13 +207,22 @@ class TPRanks:
 
     def abort(self) -> None:
         """Rank 0, when start-up fails: the other ranks killed, the group left."""
-        self._closing = True
+        self._stop_watching()
         for p in self.procs:
             with contextlib.suppress(OSError):
                 p.kill()
             p.wait()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+    def _stop_watching(self) -> None:
+        """NOTE: the watcher ends before the group is left. Its thread holds this object (its
+        target is a bound method); were it the last holder, the process groups would be freed
+        on that thread, and a C++ destructor that meets interpreter shutdown there aborts the
+        process ('terminate called without an active exception')."""
+        self._closing = True
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()
 
     def _dead_rank(self, wait_s: float = 0.0) -> str | None:
         """Which child rank exited, and how (waiting up to `wait_s` for one to); None: none."""
