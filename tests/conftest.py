@@ -4,6 +4,8 @@ shares its tokenizer, and a factory for engines around either."""
 from __future__ import annotations
 
 import asyncio
+import os
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +22,13 @@ from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
 from arle.model.loader import LoadedModel, load_model
 from arle.threads import torch_thread
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # NOTE: under pytest-xdist every worker, and each process it starts (servers, CLIs, ranks),
+    # keeps to one torch thread: the workers' OpenMP teams spin while idle, and two or more
+    # of them on a 2-core machine slow each other's tests tenfold.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +75,8 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def make_engine() -> AsyncIterator[Callable[..., AsyncEngine]]:
-    """Build engines around a LoadedModel; every engine is closed (and its pages checked) after."""
+    """Build engines around a LoadedModel; after the test every engine is closed and its cache
+    must hold the invariant with no request live: each page free or published, none lost."""
     engines: list[AsyncEngine] = []
 
     def build(loaded: LoadedModel, **config: Any) -> AsyncEngine:
@@ -78,6 +88,8 @@ async def make_engine() -> AsyncIterator[Callable[..., AsyncEngine]]:
     yield build
     for engine in engines:
         await engine.close()
+    for engine in engines:
+        assert_all_pages_back(engine)
 
 
 async def run(engine: AsyncEngine, prompt: str | list[int] | None = None,
@@ -124,3 +136,12 @@ def assert_all_pages_back(engine: AsyncEngine) -> None:
     """Every page is free or cached (none private, none lost), every slot free."""
     engine.cache.check([])
     assert engine.cache.num_available == engine.cache.num_pages
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """NOTE: test ids are unique: pytest-xdist schedules tests by id, and of tests that share
+    one it runs a single test, silently."""
+    counts = Counter(item.nodeid for item in items)
+    repeated = sorted(nodeid for nodeid, n in counts.items() if n > 1)
+    if repeated:
+        raise pytest.UsageError(f"tests share an id (pytest-xdist would run one): {repeated}")

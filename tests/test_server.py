@@ -402,23 +402,30 @@ def test_metrics_and_stats(server: ServerProcess, client: openai.OpenAI) -> None
 # ---- fuzz: whatever the schema allows (and more), never a 5xx, never a hang -------------------------
 
 SCHEMA = schemathesis.openapi.from_dict(openapi_schema())
+#: NOTE: one test per operation, each with its own id (schemathesis' own parametrize gives all
+#: of them one node id, and pytest-xdist then runs only one of them)
+OPERATIONS = {op.label: op for op in (r.ok() for r in SCHEMA.get_all_operations())}
 
 
-@SCHEMA.parametrize()
-@settings(max_examples=40, deadline=None, phases=[Phase.generate], database=None,
-          suppress_health_check=list(HealthCheck))
-def test_fuzz_openapi(case: Any, server: ServerProcess) -> None:
-    body = case.body if isinstance(case.body, dict) else None
-    if body is not None and isinstance(body.get("max_tokens"), int):
-        body["max_tokens"] = min(body["max_tokens"], 64)  # bound the time, not the validation
-    if body is not None and isinstance(body.get("n"), int) and body["n"] > 2:
-        body["n"] = 2
-    start = time.monotonic()
-    response = case.call(base_url=server.url, timeout=30)
-    assert response.status_code < 500, (case.body, response.text[:300])
-    assert time.monotonic() - start < 30
-    if response.status_code >= 400:
-        assert set(response.json()["error"]) >= {"message", "type"}
+@pytest.mark.parametrize("label", sorted(OPERATIONS))
+def test_fuzz_openapi(label: str, server: ServerProcess) -> None:
+    @given(case=OPERATIONS[label].as_strategy())
+    @settings(max_examples=40, deadline=None, phases=[Phase.generate], database=None,
+              suppress_health_check=list(HealthCheck))
+    def check(case: Any) -> None:
+        body = case.body if isinstance(case.body, dict) else None
+        if body is not None and isinstance(body.get("max_tokens"), int):
+            body["max_tokens"] = min(body["max_tokens"], 64)  # bound the time, not the validation
+        if body is not None and isinstance(body.get("n"), int) and body["n"] > 2:
+            body["n"] = 2
+        start = time.monotonic()
+        response = case.call(base_url=server.url, timeout=30)
+        assert response.status_code < 500, (case.body, response.text[:300])
+        assert time.monotonic() - start < 30
+        if response.status_code >= 400:
+            assert set(response.json()["error"]) >= {"message", "type"}
+
+    check()
 
 
 _JSON = st.recursive(
