@@ -138,10 +138,25 @@ def assert_all_pages_back(engine: AsyncEngine) -> None:
     assert engine.cache.num_available == engine.cache.num_pages
 
 
+#: The modules that take longest on a 2-core CPU (20-60 s each), longest first. pytest-xdist
+#: hands out modules in the order they are collected: these go first, so that the processes
+#: end together instead of one waiting on the other's long module at the end.
+LONGEST_MODULES = ("test_clients", "test_tensor_parallel", "test_kernels_deltanet",
+                   "test_fp8_weights", "test_qwen3_5", "test_kernels_moe", "test_parity",
+                   "test_kernels_fp8")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """NOTE: test ids are unique: pytest-xdist schedules tests by id, and of tests that share
+    """The longest modules first (a stable sort: the order within a module stays).
+    NOTE: test ids are unique: pytest-xdist schedules tests by id, and of tests that share
     one it runs a single test, silently."""
     counts = Counter(item.nodeid for item in items)
     repeated = sorted(nodeid for nodeid, n in counts.items() if n > 1)
     if repeated:
         raise pytest.UsageError(f"tests share an id (pytest-xdist would run one): {repeated}")
+
+    def rank(item: pytest.Item) -> int:
+        name = item.path.stem
+        return LONGEST_MODULES.index(name) if name in LONGEST_MODULES else len(LONGEST_MODULES)
+
+    items.sort(key=rank)

@@ -500,7 +500,8 @@ def interp_check_deltanet() -> None:
     compare_step(TINY, SHORT_EXTEND, torch.float32, "cpu", 16, chunked=False)
     wide = Shape(hk=2, hv=4, dk=32, dv=32)  # two blocks of value columns per head
     compare_step(wide, MIXED, torch.float32, "cpu", 4, block_v=16)
-    compare_step(wide, SHORT_EXTEND, torch.float32, "cpu", 16, block_v=16, chunked=False)
+    compare_step(wide, Step(extend=((4, 30, 27), (-1, 9, 5)), pad_tokens=1), torch.float32,
+                 "cpu", 16, block_v=16, chunked=False)  # (a page boundary, a padding row)
     for step in (DECODE, EXTEND):  # one key head for 3 value heads, conv of 3, dv 24
         compare_step(ODD, step, torch.float32, "cpu", 4)
 
