@@ -2,7 +2,8 @@
 #   make run    create .venv, install arle and the default model, answer one prompt
 #   make test   the same install plus the test extras, then the test suite
 # Others: make test-fast (no slow tests), make lint (ruff, mypy), make test-latest (the suite on
-# the newest versions pyproject allows, in .venv-latest), make lock (refresh the lock from those).
+# the newest versions pyproject allows, in .venv-latest), make lock (the lock from the versions
+# make test-latest last ran).
 # Installs are stamped (keyed on pyproject.toml and the lock), so a second run only runs the command.
 
 PYTHON ?= python3
@@ -70,9 +71,8 @@ test-latest:
 	$(MAKE) $(LATEST)/.installed
 	$(LATEST)/bin/python -m pytest $(PYTEST_OPTS) $(PYTEST_ARGS)
 
-lock:
-	rm -f $(LATEST)/.installed
-	$(MAKE) $(LATEST)/.installed
+# the versions make test-latest last ran (made now if it never ran)
+lock: $(LATEST)/.installed
 	{ echo "# The versions make run, make test and CI install (pip -c). Made by make lock:"; \
 	  echo "# pip freeze of .venv-latest, Linux x86-64, CPU; torch and triton are the Makefile's."; \
 	  $(LATEST)/bin/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|triton|pip|setuptools)=='; \
