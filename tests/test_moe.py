@@ -35,7 +35,8 @@ from moe_checks import (
 )
 
 from arle.model.config import ModelConfig
-from arle.model.decoder import MLP, DecoderLM
+from arle.model.decoder import DecoderLM
+from arle.model.layers import MLP
 from arle.model.loader import load_model
 from arle.model.moe import SparseMoE, unfuse_experts
 from arle.model.parallel import SINGLE

@@ -36,8 +36,9 @@ from moe_checks import assert_cli_and_server_answer
 from arle.executor.paged import DeviceStep, KVCache, PagedAttention
 from arle.logging import configure_logging
 from arle.model.config import ModelConfig
-from arle.model.decoder import Attention, DecoderLM, QKVGateLinear, RMSNorm
+from arle.model.decoder import DecoderLM
 from arle.model.deltanet import GatedDeltaNet, QKVZLinear
+from arle.model.layers import Attention, QKVGateLinear, RMSNorm
 from arle.model.loader import LoadedModel, load_model
 from arle.model.parallel import SINGLE, fp8_weights, linear
 from arle_kernels.ops import REFERENCE, Ops

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from arle.model.config import ModelConfig
-from arle.model.decoder import AttentionBackend, HFShards, RMSNorm
+from arle.model.layers import AttentionBackend, HFShards, RMSNorm
 from arle.model.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
 from arle_kernels.split_sums import SplitSums
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from arle.model.config import ModelConfig
-from arle.model.decoder import MLP
+from arle.model.layers import MLP
 from arle.model.parallel import (
     FP8,
     ReplicatedLinear,
