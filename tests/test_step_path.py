@@ -111,7 +111,8 @@ def test_graph_inputs_compute_what_the_eager_step_does(tiny: LoadedModel) -> Non
     packed = pack_step(prefill, PS)
     step, _ = step_views(packed, torch.tensor(packed.meta, dtype=torch.int32), 1)
     model(step.input_ids, PagedAttention(kv, step, rotary, model))
-    decode = StepPlan(2, [Row(r.slot, n, 1, None, True, 0, r.pages, r.params)
+    decode = StepPlan(2, [Row(slot=r.slot, start=n, num_tokens=1, input_ids=None, sample=True,
+                              sample_offset=0, pages=r.pages, params=r.params)
                           for r, n in zip(prefill.rows, lens, strict=True)])
     token_buffer = torch.zeros(16, dtype=torch.int32)
     token_buffer[:3] = torch.tensor([7, 300, 4000], dtype=torch.int32)

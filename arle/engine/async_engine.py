@@ -489,7 +489,7 @@ class AsyncEngine:
             seq.num_inflight -= 1
             tl = seq.timeline
             tl.batch_width = max(tl.batch_width, width)
-            if row.input_ids is None:
+            if row.is_decode:
                 tl.decode_us += exec_us
                 tl.decode_tokens += 1
             else:

@@ -67,18 +67,35 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
+        """The next step under the token budget: decode rows, prefill chunks of running
+        requests, then admission; None when nothing can run."""
         t0 = time.perf_counter()
         budget = self.config.max_batched_tokens
-        decode_rows: list[Row] = []
-        prefill_rows: list[Row] = []
+        decode_rows = self._decode_rows(budget)
+        budget -= len(decode_rows)
+        prefill_rows = self._running_prefill_rows(budget)
+        budget -= sum(r.num_tokens for r in prefill_rows)
+        new_slots, admitted_rows = self._admit(budget)
+        rows = decode_rows + prefill_rows + admitted_rows
+        if not rows:
+            return None
+        saves_after = self._commit(rows)
+        self._step_ids += 1
+        plan = StepPlan(self._step_ids, rows, new_slots, saves_before=self.cache.take_saves(),
+                        saves_after=saves_after)
+        plan.schedule_us = (time.perf_counter() - t0) * 1e6
+        return plan
 
-        # 1. decode rows, oldest first; preempt the newest when pages run out.
+    def _decode_rows(self, budget: int) -> list[Row]:
+        """A row for each running request past its prefill, oldest first; when pages run out
+        the newest running request is preempted."""
+        rows: list[Row] = []
         for seq in list(self.running):
             # NOTE: a request preempted earlier in this loop is WAITING now (victims are the
             # newest, so never one that already has a row).
             if seq.status is not Status.RUNNING or seq.in_prefill or not seq.wants_more_samples():
                 continue
-            if budget < 1:
+            if len(rows) >= budget:
                 break
             rc = seq.cache
             assert rc is not None
@@ -89,20 +106,27 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            decode_rows.append(Row(rc.slot, seq.num_scheduled, 1, None, True, seq.num_sampled,
-                                   rc.pages, seq.params, seq, seq.grammar))
-            budget -= 1
+            rows.append(Row(slot=rc.slot, start=seq.num_scheduled, num_tokens=1, input_ids=None,
+                            sample=True, sample_offset=seq.num_sampled, pages=rc.pages,
+                            params=seq.params, owner=seq, grammar=seq.grammar))
+        return rows
 
-        # 2. prefill chunks of running requests (admitted earlier, prompt not done yet).
+    def _running_prefill_rows(self, budget: int) -> list[Row]:
+        """The next prefill chunk of each running request whose prompt is not done yet."""
+        rows: list[Row] = []
         for seq in self.running:
             if budget < 1:
                 break
             if seq.in_prefill:
-                prefill_rows.append(self._prefill_row(seq, budget))
-                budget -= prefill_rows[-1].num_tokens
+                rows.append(self._prefill_row(seq, budget))
+                budget -= rows[-1].num_tokens
+        return rows
 
-        # 3. admission: head of the queue first (no overtaking, so no starvation).
-        new_slots = []
+    def _admit(self, budget: int) -> tuple[list[NewSlot], list[Row]]:
+        """Waiting requests in order (no overtaking, so no starvation) while slots, pages and
+        budget last: their new slots and first prefill chunks."""
+        new_slots: list[NewSlot] = []
+        rows: list[Row] = []
         while (self.waiting and budget > 0
                and len(self.running) < self.config.max_running_requests):
             seq = self.waiting[0]
@@ -129,12 +153,13 @@ class Scheduler:
             self.running.append(seq)
             new_slots.append(NewSlot(rc.slot, list(seq.tokens), seq.num_prompt, seq.params,
                                      rc.restore))
-            prefill_rows.append(self._prefill_row(seq, budget))
-            budget -= prefill_rows[-1].num_tokens
+            rows.append(self._prefill_row(seq, budget))
+            budget -= rows[-1].num_tokens
+        return new_slots, rows
 
-        rows = decode_rows + prefill_rows
-        if not rows:
-            return None
+    def _commit(self, rows: list[Row]) -> list[tuple[int, int]]:
+        """Advance each row's request past its tokens, publish finished prompt pages, and
+        return the state snapshots (slot, snapshot) the prefill rows' page boundaries take."""
         saves_after = []
         for row in rows:
             seq = row.owner
@@ -145,26 +170,24 @@ class Scheduler:
             if rc is None:
                 continue
             self.cache.reached(rc, row.start, row.num_tokens)
-            if row.input_ids is not None:
+            if not row.is_decode:
                 # Share finished prompt pages at once (their K/V is queued before any reader's),
                 # and a hybrid model's state at the last page boundary the chunk reached.
                 self.cache.publish(rc, seq.tokens, seq.num_scheduled)
                 snapshot = self.cache.snapshot(rc, seq.tokens, seq.num_scheduled)
                 if snapshot is not None:
                     saves_after.append((rc.slot, snapshot))
-        self._step_ids += 1
-        plan = StepPlan(self._step_ids, rows, new_slots, saves_before=self.cache.take_saves(),
-                        saves_after=saves_after)
-        plan.schedule_us = (time.perf_counter() - t0) * 1e6
-        return plan
+        return saves_after
 
     def _prefill_row(self, seq: Sequence, budget: int) -> Row:
         n = min(seq.prefill_target - seq.num_scheduled, self.config.chunked_prefill_size, budget)
         start = seq.num_scheduled
         assert seq.cache is not None
         done = start + n == seq.prefill_target
-        row = Row(seq.cache.slot, start, n, seq.tokens[start:start + n], done, seq.num_output,
-                  seq.cache.pages, seq.params, seq, seq.grammar)
+        row = Row(slot=seq.cache.slot, start=start, num_tokens=n,
+                  input_ids=seq.tokens[start:start + n], sample=done,
+                  sample_offset=seq.num_output, pages=seq.cache.pages, params=seq.params,
+                  owner=seq, grammar=seq.grammar)
         if seq.scoring:
             # position p's logits score prompt token p + 1 (the last prompt position samples)
             lo, hi = max(start, seq.score_next), min(start + n, seq.num_prompt - 1)

@@ -361,7 +361,7 @@ def _token_segments(rows: list[Row], ps: int
     kv_slots: list[int] = []
     sample_at: list[int] = []
     for r in rows:
-        ids += r.input_ids if r.input_ids is not None else [0]
+        ids += [0] if r.input_ids is None else r.input_ids
         pos = range(r.start, r.seq_len)
         positions += pos
         kv_slots += [r.pages[p // ps] * ps + p % ps for p in pos]
@@ -382,7 +382,7 @@ def extend_graph_block(rows: list[Row], ps: int, pad_slot: int, shape: ExtendGra
     tok_slots: list[int] = []
     cu = [0]
     for r in rows:
-        tok_slots += [pad_slot] * r.num_tokens if r.input_ids is not None else [r.slot]
+        tok_slots += [r.slot] if r.is_decode else [pad_slot] * r.num_tokens
         cu.append(cu[-1] + r.num_tokens)
     t, nr = len(ids), len(rows)
     assert t <= shape.tokens and nr <= shape.rows, f"{t} tokens, {nr} rows > {shape}"

@@ -8,10 +8,11 @@ from typing import Any
 from arle.sampling import SamplingParams
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Row:
-    """One request's part of a step. Decode rows (input_ids None) read their input token on
-    the device, from the slot the previous step's sample was written to."""
+    """One request's part of a step (built with keywords). A decode row (`is_decode`: no
+    input_ids) reads its one input token on the device, from the slot the previous step's
+    sample was written to; a prefill row carries its tokens."""
 
     slot: int
     start: int  # position of the row's first token
@@ -29,6 +30,10 @@ class Row:
     #: after them, these ids (their logits give its logprob); None: nothing to score.
     score_targets: list[int] | None = None
     score_from: int = 0
+
+    @property
+    def is_decode(self) -> bool:
+        return self.input_ids is None
 
     @property
     def seq_len(self) -> int:
@@ -63,7 +68,7 @@ class StepPlan:
 
     @property
     def num_decode_rows(self) -> int:
-        return sum(1 for r in self.rows if r.input_ids is None)
+        return sum(1 for r in self.rows if r.is_decode)
 
     @property
     def num_tokens(self) -> int:
