@@ -17,25 +17,12 @@ from typing import Any
 import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
-from arle.executor.distributed import TPRanks, peer_inputs, rank_memory, sample_on_first_rank
+from arle.executor.distributed import TPRanks, peer_inputs, rank_memory
 from arle.executor.grammar import GrammarMasks
-from arle.executor.paged import (
-    KVCache,
-    PagedAttention,
-    StatePool,
-    StepInputs,
-    kv_format,
-    step_views,
-)
+from arle.executor.paged import KVCache, StatePool, StepInputs, kv_format
 from arle.executor.plan import StepPlan
-from arle.executor.sampler import (
-    PenaltyState,
-    SampleOutput,
-    logprobs_of,
-    prompt_scores_of,
-    sample_into,
-    score_positions,
-)
+from arle.executor.sampler import PenaltyState, logprobs_of, prompt_scores_of
+from arle.executor.step import eager_forward, run_step_body
 from arle.model.decoder import DecoderLM
 from arle.threads import torch_thread
 from arle_kernels.ops import ops_for
@@ -84,42 +71,13 @@ class CPUExecutor:
     def run_step(self, inputs: StepInputs) -> StepOutput:
         """One step, on the calling thread (the worker thread; a TP rank's main thread)."""
         t0 = time.perf_counter()
-        for new_slot in inputs.new_slots:
-            self.penalties.start_slot(*new_slot)
-        inputs.start_states(self.state)
-        packed = inputs.packed
-        # NOTE: the grammar rows' masks are filled on their own thread while the forward runs.
-        masks = (self.grammar_masks.start(inputs.grammars, inputs.sampling.size)
-                 if inputs.grammars and inputs.sampling is not None else None)
-        meta = torch.tensor(packed.meta, dtype=torch.int32)
-        step, decode_slots = step_views(packed, meta, num_splits=1)
-        if packed.num_decode:
-            step.input_ids[: packed.num_decode] = self.token_buffer[decode_slots]
-        hidden = self.model(step.input_ids, PagedAttention(self.kv, step, self.rotary, self.model,
-                                                           self.state, self.page_size))
-        inputs.save_states(self.state)
-        scores = []
-        if packed.num_scores:
-            scored = score_positions(hidden[packed.view(meta, "score_index")],
-                                     packed.view(meta, "score_targets"), inputs.score_top,
-                                     self.model.logits)
-            scores = prompt_scores_of(scored, packed.segment("score_targets"), inputs.score_rows)
-        if not packed.sample_rows:
-            return StepOutput([], [], time.perf_counter() - t0, scores)
-        logits = self.model.logits(hidden[packed.view(meta, "sample_index")])
-        slots = packed.view(meta, "sample_slots")
-
-        def sample(full: torch.Tensor) -> SampleOutput:
-            assert inputs.sampling is not None
-            return sample_into(full, inputs.sampling, slots, self.penalties, self.token_buffer,
-                               self.generator,
-                               bitmask=masks.result() if masks is not None else None)
-
-        # NOTE: TP: rank 0 samples the gathered logits; the others learn the ids (None here)
-        out = (sample(logits) if self.tp.size == 1 else sample_on_first_rank(
-            self.tp, logits, self.model.config.vocab_size, slots, self.token_buffer, sample))
+        meta = torch.tensor(inputs.packed.meta, dtype=torch.int32)
+        out, scored = run_step_body(self, inputs, meta, inputs.sampling,
+                                    lambda: eager_forward(self, inputs, meta, num_splits=1))
+        scores = (prompt_scores_of(scored, inputs.packed.segment("score_targets"),
+                                   inputs.score_rows) if scored is not None else [])
         if out is None:
-            return StepOutput([], [], time.perf_counter() - t0)
+            return StepOutput([], [], time.perf_counter() - t0, scores)
         if inputs.grammars:
             self.grammar_masks.sampled(inputs.grammars, out.token_ids)
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),

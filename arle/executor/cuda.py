@@ -35,7 +35,7 @@ import torch
 from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, DecodeGraphs, ExtendGraphs
 from arle.executor.cuda_startup import start_up
-from arle.executor.distributed import TPRanks, peer_inputs, rank_memory, sample_on_first_rank
+from arle.executor.distributed import TPRanks, peer_inputs, rank_memory
 from arle.executor.grammar import GrammarMasks
 from arle.executor.paged import (
     FP8_KV,
@@ -46,7 +46,6 @@ from arle.executor.paged import (
     StatePool,
     StepInputs,
     kv_format,
-    step_views,
 )
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import (
@@ -56,9 +55,8 @@ from arle.executor.sampler import (
     ScoreOutput,
     logprobs_of,
     prompt_scores_of,
-    sample_into,
-    score_positions,
 )
+from arle.executor.step import Forward, attention_backend, eager_forward, run_step_body
 from arle.model.decoder import DecoderLM
 from arle.threads import torch_thread
 from arle_kernels.decode_attention import pick_num_splits
@@ -194,7 +192,7 @@ class CUDAExecutor:
 
     def backend(self, step: DeviceStep) -> PagedAttention:
         """The model's attention (and recurrent state) for one step."""
-        return PagedAttention(self.kv, step, self.rotary, self.model, self.state, self.page_size)
+        return attention_backend(self, step)
 
     def forward_decode(self, step: DeviceStep) -> torch.Tensor:
         """A decode graph's forward: step.input_ids are the rows' slots in the token buffer."""
@@ -262,65 +260,34 @@ class CUDAExecutor:
                 "memory_plan": self.startup_info.get("memory_plan")}
 
     def _enqueue(self, h: HostStep) -> tuple[torch.cuda.Event, _Pending]:
+        """The step body (arle.executor.step) queued on our stream between its copy in and
+        its copy out; returns the event that marks it done, never waiting for it."""
         start = torch.cuda.Event(enable_timing=True)
         with torch.inference_mode():
             meta, batch = self._copy_in(h)
-            grammars = h.inputs.grammars if batch is not None else []
-            # NOTE: a step with grammar rows starts filling their masks now, on the grammar
-            # thread: it waits for the previous grammar step's tokens while this step's forward
-            # is queued and runs (see arle.executor.grammar).
-            masks = (self.grammar_masks.start(grammars, batch.size)
-                     if grammars and batch is not None else None)
             with torch.cuda.stream(self.stream):
                 start.record(self.stream)
-                for new_slot in h.inputs.new_slots:
-                    self.penalties.start_slot(*new_slot)
-                h.inputs.start_states(self.state)
-                scored = None
-                if h.graph_bs:
-                    logits = self._replay(h, meta)
-                elif h.extend_tokens:
-                    logits = self._replay_extend(h, meta)
-                else:
-                    nd = h.layout.num_decode
-                    step, decode_slots = step_views(h.layout, meta, self.num_splits_for(nd))
-                    if nd:
-                        step.input_ids[:nd] = self.token_buffer[decode_slots]
-                    hidden = self.model(step.input_ids, self.backend(step))
-                    if h.layout.num_scores:
-                        scored = score_positions(hidden[h.layout.view(meta, "score_index")],
-                                                 h.layout.view(meta, "score_targets"),
-                                                 h.inputs.score_top, self.model.logits)
-                    index = h.layout.view(meta, "sample_index")
-                    logits = self.model.logits(hidden[index]) if index.numel() else hidden[:0]
-                h.inputs.save_states(self.state)
-                out = None
-                slots = h.layout.view(meta, "sample_slots")
-
-                def sample(full: torch.Tensor) -> SampleOutput:
-                    assert batch is not None
-                    # NOTE: the launcher's only wait, and only in steps with grammar rows.
-                    bitmask = (masks.result().to(self.device, non_blocking=True)
-                               if masks is not None else None)
-                    return sample_into(full, batch, slots, self.penalties, self.token_buffer,
-                                       self.generator, self.model.ops.greedy_pick, bitmask)
-
-                if self.tp.size > 1:  # rank 0 samples the gathered logits; the others learn ids
-                    if h.layout.sample_rows:
-                        out = sample_on_first_rank(self.tp, logits, self.model.config.vocab_size,
-                                                   slots, self.token_buffer, sample)
-                elif batch is not None:
-                    out = sample(logits)
+                out, scored = run_step_body(self, h.inputs, meta, batch,
+                                            lambda: self._forward(h, meta))
             pending = _Pending(start, h.inputs.want_logprobs)
             event = torch.cuda.Event(enable_timing=True, blocking=True)
             pending.out, pending.scores = self._copy_out(out, scored, event)
             if scored is not None:
                 pending.score_targets = h.layout.segment("score_targets")
                 pending.score_rows = h.inputs.score_rows
+            grammars = h.inputs.grammars if batch is not None else []
             if grammars and pending.out is not None:
                 # consumed by the next grammar step's mask job, once the copy is done
                 self.grammar_masks.sampled(grammars, pending.out.token_ids, event.synchronize)
         return event, pending
+
+    def _forward(self, h: HostStep, meta: torch.Tensor) -> Forward:
+        """The step's forward: a graph's replay where one fits the step, else eager."""
+        if h.graph_bs:
+            return Forward(self._replay(h, meta))
+        if h.extend_tokens:
+            return Forward(self._replay_extend(h, meta))
+        return eager_forward(self, h.inputs, meta, self.num_splits_for(h.layout.num_decode))
 
     def _copy_in(self, h: HostStep) -> tuple[torch.Tensor, SamplingBatch | None]:
         """The step's packed array (and, unless the batch takes the greedy pick, which reads
