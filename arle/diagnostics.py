@@ -295,7 +295,7 @@ async def warmup_passes(engine: AsyncEngine, phases: list[Phase]) -> bool:
 
     ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. ",
                                   add_special_tokens=False) or [0]
-    n = max(1, min(engine.scheduler.config.chunked_prefill_size, engine.max_model_len - 2, 512))
+    n = max(1, min(engine.limits.chunked_prefill_size, engine.max_model_len - 2, 512))
     prompt = (ids * (n // len(ids) + 1))[:n]
 
     def params(tokens: int) -> Any:
@@ -324,12 +324,12 @@ async def warmup_passes(engine: AsyncEngine, phases: list[Phase]) -> bool:
 
 
 def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
-    pool = engine.executor.kv_pool
+    pool = engine.kv_pool
     return {"weights_bytes": engine.model_info.get("bytes"),
             "kv_pool": {"tokens": pool.num_tokens, "pages": pool.num_pages,
                         "page_size": pool.page_size, "bytes": pool.bytes,
                         "dtype": pool.dtype},
-            "state_pool": state_pool(engine),
+            "state_pool": engine.state_pool(),
             # NOTE: the CPU executor allocates activations per step; the CUDA one measures its
             # peak in a profile run at start-up (and its CUDA graphs' capture).
             "cuda": engine.model_info.get("memory_plan"),
@@ -338,20 +338,11 @@ def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
             # tensor parallel: each rank's weights, KV and state pools (rank 0 first)
             "ranks": engine.model_info.get("ranks"),
             "max_model_len": engine.max_model_len,
-            "max_running_requests": engine.scheduler.config.max_running_requests,
+            "max_running_requests": engine.limits.max_running_requests,
             "max_batched_tokens": engine.config.max_batched_tokens,
-            "chunked_prefill_size": engine.scheduler.config.chunked_prefill_size,
+            "chunked_prefill_size": engine.limits.chunked_prefill_size,
             # NOTE: `arle warmup` takes `arle serve`'s settings unless --engine-defaults
             "serving": engine.config.serving}
-
-
-def state_pool(engine: AsyncEngine) -> dict[str, Any] | None:
-    """A hybrid model's recurrent-state pool (None: no Gated DeltaNet layers)."""
-    state = engine.executor.state
-    if state is None:
-        return None
-    return {"slots": engine.executor.num_slots, "snapshots": engine.executor.num_snapshots,
-            "slot_bytes": state.slot_bytes, "bytes": state.nbytes}
 
 
 async def run_warmup(config: Any, prompt: str = "Say hello in one short sentence.",

@@ -119,7 +119,7 @@ class EngineBackend:
                     raise EngineStepError(delta.error or "generation failed")
 
     def info(self) -> dict[str, Any]:
-        pool = self.engine.executor.kv_pool
+        pool = self.engine.kv_pool
         return {"model": self.model_name, **self.engine.model_info,
                 "max_model_len": self.engine.max_model_len,
                 "kv_cache_tokens": pool.num_tokens}
@@ -130,7 +130,7 @@ class EngineBackend:
 
     async def kv_usage(self) -> dict[str, Any] | None:
         snap = self.engine.snapshot()
-        pool = self.engine.executor.kv_pool
+        pool = self.engine.kv_pool
         return {"pages_total": snap["kv_pages_total"],
                 "pages_used": snap["kv_pages_total"] - snap["kv_pages_free"],
                 "pages_cached": snap["kv_pages_cached"], "page_size": pool.page_size,

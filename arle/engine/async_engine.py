@@ -25,7 +25,7 @@ from arle.engine.scheduler import Scheduler, SchedulerConfig
 from arle.engine.sequence import Sequence, Status
 from arle.engine.trace import build_trace
 from arle.errors import ArleError, InvalidRequestError, OverloadedError
-from arle.executor.base import Executor, StepOutput
+from arle.executor.base import Executor, KVPoolInfo, StepOutput
 from arle.executor.plan import StepPlan
 from arle.logging import get_logger
 from arle.model.tokenizer import Tokenizer
@@ -406,6 +406,25 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    # ---- what front ends and diagnostics read ----------------------------------------------
+    @property
+    def kv_pool(self) -> KVPoolInfo:
+        """The KV pool's pages, page size, bytes and format."""
+        return self.executor.kv_pool
+
+    @property
+    def limits(self) -> SchedulerConfig:
+        """The scheduling limits in force (the config's, resolved for the device)."""
+        return self.scheduler.config
+
+    def state_pool(self) -> dict[str, Any] | None:
+        """A hybrid model's recurrent-state pool (None: no Gated DeltaNet layers)."""
+        state = self.executor.state
+        if state is None:
+            return None
+        return {"slots": self.executor.num_slots, "snapshots": self.executor.num_snapshots,
+                "slot_bytes": state.slot_bytes, "bytes": state.nbytes}
 
     def snapshot(self) -> dict[str, Any]:
         """Live numbers for /v1/stats, /metrics and `arle chat`'s /stats."""

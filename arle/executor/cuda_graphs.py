@@ -81,7 +81,7 @@ class DecodeGraphs:
     def step(self, bs: int) -> DeviceStep:
         """The graph's inputs as a step: views of the static buffers (decode rows only).
         NOTE: its input_ids are the rows' slots: the model reads the ids from the token buffer
-        there (`Decoder.forward`'s id_source), in the embedding kernel."""
+        there (`DecoderLM.forward`'s id_source), in the embedding kernel."""
         slots, positions, kv_slots, seq_lens = self.meta[:, :bs]
         # NOTE: padding rows share one slot; as a recurrent state's slot that would be several
         # rows updating one state at once, so they get none (-1)

@@ -210,7 +210,7 @@ _ALIGN = 4
 
 @dataclass(frozen=True)
 class ExtendGraphShape:
-    """A step padded for an extend graph (`arle.executor.cuda.ExtendGraphs`): `tokens` token
+    """A step padded for an extend graph (`arle.executor.cuda_graphs.ExtendGraphs`): `tokens` token
     slots, `rows` rows, every row an extend row (a decode row is one new token), and the
     extend kernel's work as a list of (row, token block of `block_t` tokens) pairs."""
 
