@@ -287,16 +287,35 @@ class AsyncEngine:
         """Yield deltas until one has finish_reason. Raises InvalidRequestError before any
         output for a bad request and OverloadedError when the waiting queue is full.
         Cancelling the consumer (or closing this iterator) aborts the request."""
+        self._check_request(request)
+        seq = await self._enqueue(request)
+        try:
+            while True:
+                item = await seq.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not seq.finished:
+                self.abort(seq.request_id)
+
+    def _check_request(self, request: GenerateRequest) -> None:
+        """What can be refused before any work: a closed engine, bad parameters, a full queue."""
         if self._closed:
             raise ArleError("the engine is shut down")
-        params = request.params
-        params.validate()
-        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+        request.params.validate()
+        if request.params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             # NOTE: each rank holds a slice of the vocabulary: scoring would need the gather
             # that only the sampled rows get
             raise InvalidRequestError("prompt logprobs (echo) are not supported with "
                                       "--tensor-parallel-size > 1", param="echo")
         self.check_admission()
+
+    async def _enqueue(self, request: GenerateRequest) -> Sequence:
+        """Tokenize the prompt and compile its grammar off the loop, check them, and queue
+        the request for the scheduler."""
         # NOTE: a request counts as waiting from here, through its tokenization (a thread hop
         # during which others arrive), until it is in the scheduler's queue: the bound holds
         # under any burst.
@@ -316,6 +335,18 @@ class AsyncEngine:
                 raise ArleError("the engine is shut down")
         finally:
             self._admitting -= 1
+        seq = self._new_sequence(request, rid, ids, nbytes, matcher)
+        seq.timeline.created, seq.timeline.tokenized = t_created, t_tok
+        seq.timeline.tokenize_us = (t_tok - t_created) * 1e6
+        self._requests[rid] = seq
+        self.scheduler.add(seq)
+        self._ensure_loop()
+        self._wake.set()
+        return seq
+
+    def _new_sequence(self, request: GenerateRequest, rid: str, ids: list[int], nbytes: int,
+                      matcher: Any) -> Sequence:
+        params = request.params
         seq = Sequence(request_id=rid, prompt_ids=ids, params=params,
                        max_total_tokens=self.max_model_len,
                        # NOTE: a grammar ends at EOS whatever ignore_eos says: the mask allows it
@@ -324,27 +355,11 @@ class AsyncEngine:
                                 else self.tokenizer.eos_token_ids),
                        route=request.route, stream=request.stream, prompt_bytes=nbytes,
                        grammar=matcher)
-        seq.timeline.created, seq.timeline.tokenized = t_created, t_tok
-        seq.timeline.tokenize_us = (t_tok - t_created) * 1e6
         seq.timeline.queue_depth = len(self.scheduler.waiting)
         seq.output_state = _OutputState(
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             StopStringMatcher(params.stop) if params.stop else None)
-        self._requests[rid] = seq
-        self.scheduler.add(seq)
-        self._ensure_loop()
-        self._wake.set()
-        try:
-            while True:
-                item = await seq.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            if not seq.finished:
-                self.abort(rid)
+        return seq
 
     def check_admission(self) -> None:
         """Raise OverloadedError when the waiting bound is reached. `generate()` checks it; a

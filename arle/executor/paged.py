@@ -276,67 +276,84 @@ class PackedStep:
         return meta[start:start + n]
 
 
+class _Segments:
+    """The packed array as it is built: named segments, each aligned to _ALIGN unless told."""
+
+    def __init__(self) -> None:
+        self.meta: list[int] = []
+        self.offsets: dict[str, tuple[int, int]] = {}
+
+    def put(self, name: str, values: list[int], align: bool = True) -> None:
+        if align:
+            self.meta.extend([0] * (-len(self.meta) % _ALIGN))
+        self.offsets[name] = (len(self.meta), len(values))
+        self.meta.extend(values)
+
+
 def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int = 0,
               extend: ExtendGraphShape | None = None) -> PackedStep:
     """Flatten a plan for the device: plain Python, no torch (runs on the event loop).
     graph_bs: a decode graph's layout; extend: an extend graph's (see `extend_graph_block`)."""
-    ps = page_size
-    rows = plan.rows
-    nd = plan.num_decode_rows
+    rows, nd = plan.rows, plan.num_decode_rows
     max_seq = max(r.seq_len for r in rows)
-    max_pages = -(-max_seq // ps)
-    meta: list[int] = []
-    offsets: dict[str, tuple[int, int]] = {}
-
-    def put(name: str, values: list[int], align: bool = True) -> None:
-        if align:
-            meta.extend([0] * (-len(meta) % _ALIGN))
-        offsets[name] = (len(meta), len(values))
-        meta.extend(values)
-
+    max_pages = -(-max_seq // page_size)
     table: list[int] = []
     for r in rows:
-        n = -(-r.seq_len // ps)
-        table += r.pages[:n]
-        table += [0] * (max_pages - n)
+        n = -(-r.seq_len // page_size)
+        table += r.pages[:n] + [0] * (max_pages - n)
+    seg = _Segments()
     if extend is not None:
-        block, sample_at = extend_graph_block(rows, ps, pad_slot, extend)
-        put("extend_graph", block)
-        put("page_table", table)
+        block, sample_at = extend_graph_block(rows, page_size, pad_slot, extend)
+        seg.put("extend_graph", block)
+        seg.put("page_table", table)
     elif graph_bs:
-        pad = graph_bs - nd
-        # NOTE: the four [bs] segments stay back to back: one copy fills the graph's meta block
-        put("decode_slots", [r.slot for r in rows] + [pad_slot] * pad)
-        put("positions", [r.start for r in rows] + [0] * pad, align=False)
-        put("kv_slots", [r.pages[r.start // ps] * ps + r.start % ps for r in rows] + [-1] * pad,
-            align=False)
-        put("seq_lens", [r.seq_len for r in rows] + [1] * pad, align=False)
-        put("page_table", table + [0] * (max_pages * pad))
-        sample_at = list(range(nd))
+        sample_at = _put_decode_graph(seg, rows, page_size, table, max_pages, graph_bs - nd,
+                                      pad_slot)
     else:
-        ids, positions, kv_slots, sample_at = _token_segments(rows, ps)
-        cu = [0]
-        for r in rows[nd:]:  # decode rows come first; the extend rows' new tokens follow
-            cu.append(cu[-1] + r.num_tokens)
-        put("input_ids", ids)
-        put("positions", positions)
-        put("kv_slots", kv_slots)
-        put("seq_lens", [r.seq_len for r in rows])
-        put("cu_q_lens", cu)
-        put("row_slots", [r.slot for r in rows])
-        put("page_table", table)
-    put("sample_index", sample_at)
-    put("sample_slots", [r.slot for r in rows if r.sample])
+        sample_at = _put_eager(seg, rows, nd, page_size, table)
+    seg.put("sample_index", sample_at)
+    seg.put("sample_slots", [r.slot for r in rows if r.sample])
     score_at, targets = _score_segments(rows)
     if score_at:
         # NOTE: scored positions need every token's hidden state: only eager steps have them
         assert not graph_bs and extend is None, "scoring needs an eager step"
-        put("score_index", score_at)
-        put("score_targets", targets)
-    return PackedStep(meta, offsets, num_tokens=plan.num_tokens, num_rows=len(rows),
+        seg.put("score_index", score_at)
+        seg.put("score_targets", targets)
+    return PackedStep(seg.meta, seg.offsets, num_tokens=plan.num_tokens, num_rows=len(rows),
                       num_decode=nd, max_pages=max_pages,
                       max_q_len=max((r.num_tokens for r in rows[nd:]), default=1),
                       max_seq_len=max_seq, sample_rows=sample_at, num_scores=len(score_at))
+
+
+def _put_decode_graph(seg: _Segments, rows: list[Row], ps: int, table: list[int],
+                      max_pages: int, pad: int, pad_slot: int) -> list[int]:
+    """A decode graph's segments (its rows are all decode rows), `pad` padding rows
+    included; -> the sampling indices."""
+    # NOTE: the four [bs] segments stay back to back: one copy fills the graph's meta block
+    seg.put("decode_slots", [r.slot for r in rows] + [pad_slot] * pad)
+    seg.put("positions", [r.start for r in rows] + [0] * pad, align=False)
+    seg.put("kv_slots", [r.pages[r.start // ps] * ps + r.start % ps for r in rows] + [-1] * pad,
+            align=False)
+    seg.put("seq_lens", [r.seq_len for r in rows] + [1] * pad, align=False)
+    seg.put("page_table", table + [0] * (max_pages * pad))
+    return list(range(len(rows)))
+
+
+def _put_eager(seg: _Segments, rows: list[Row], nd: int, ps: int, table: list[int]
+               ) -> list[int]:
+    """An eager step's segments, token by token; -> the sampling indices."""
+    ids, positions, kv_slots, sample_at = _token_segments(rows, ps)
+    cu = [0]
+    for r in rows[nd:]:  # decode rows come first; the extend rows' new tokens follow
+        cu.append(cu[-1] + r.num_tokens)
+    seg.put("input_ids", ids)
+    seg.put("positions", positions)
+    seg.put("kv_slots", kv_slots)
+    seg.put("seq_lens", [r.seq_len for r in rows])
+    seg.put("cu_q_lens", cu)
+    seg.put("row_slots", [r.slot for r in rows])
+    seg.put("page_table", table)
+    return sample_at
 
 
 def _score_segments(rows: list[Row]) -> tuple[list[int], list[int]]:
