@@ -76,8 +76,8 @@ def test_without_another_kernels_ours_stays_empty_under_that_name() -> None:
 
 
 def test_transformers_and_ours_import_from_the_root() -> None:
-    """transformers (5.25 on imports the installed `kernels` distribution) beside ours, from the
-    root: the break a fresh clone's `python -m pytest` hit."""
+    """transformers, which imports the `kernels` distribution wherever one is installed, beside
+    ours, from the root (as `python -m pytest` runs)."""
     pytest.importorskip("transformers")
     code = ("from transformers.models.qwen3_5 import modeling_qwen3_5; import arle_kernels.gemv, "
             "importlib.util as u; s = u.find_spec('kernels'); print(s and s.origin)")
