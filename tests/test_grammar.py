@@ -13,6 +13,8 @@ import pytest
 import torch
 from conftest import run
 
+from arle.config import EngineConfig
+from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import GenerateRequest, Grammar, SamplingParams
 from arle.errors import InvalidRequestError
 from arle.executor.grammar import apply_token_bitmask, bitmask_words
@@ -111,3 +113,19 @@ async def test_steps_without_grammar_rows_start_no_mask_job(tiny, make_engine) -
     text = "".join(d.text for d in deltas)
     assert len(text) == 6 and set(text) <= {"a", "b"} and deltas[-1].finish_reason == "stop"
     assert started and all(n == 1 for n in started)
+
+
+async def test_a_vocabulary_padded_past_the_tokenizers(tiny_dir) -> None:  # type: ignore[no-untyped-def]
+    """A model whose embedding is wider than its tokenizer (320 ids, 259 tokens): the grammar's
+    masks are as wide as the model's vocabulary (a mask of the tokenizer's width failed every
+    constrained step), and no id past the tokenizer's is sampled."""
+    config = EngineConfig(model=str(tiny_dir), kv_cache_tokens=4096)
+    async with await AsyncEngine.create(config) as engine:
+        assert engine.model_info["vocab_size"] > engine.tokenizer.vocab_size
+        req = GenerateRequest(prompt="{", grammar=Grammar("json_object"),
+                              params=SamplingParams(temperature=1.0, max_tokens=40, seed=1))
+        deltas = [d async for d in engine.generate(req)]
+    assert deltas[-1].finish_reason in ("stop", "length"), deltas[-1].error
+    ids = [t for d in deltas for t in d.token_ids]
+    assert ids and max(ids) < engine.tokenizer.vocab_size
+    assert "".join(d.text for d in deltas).startswith("{")

@@ -92,6 +92,44 @@ class _OutputState:
     stops: StopStringMatcher | None
 
 
+#: why a request ends: (finish_reason, stop_reason)
+_End = tuple[str, str | int]
+
+
+def _text_and_end(seq: Sequence, token: int) -> tuple[str, _End | None]:
+    """The text a new output token adds, and why the request ends with it (None: it goes
+    on). At the end, what was held back comes out too (an incomplete UTF-8 tail, a partial
+    stop string)."""
+    state: _OutputState = seq.output_state
+    params = seq.params
+    end: _End | None = None
+    text, matched = "", None
+    if token in seq.eos_ids:
+        end = ("stop", "eos")
+    elif token in params.stop_token_ids:
+        end = ("stop", token)
+    else:
+        text = state.detok.push([token])
+        if state.stops is not None and text:
+            text, matched = state.stops.feed(text)
+            if matched is not None:
+                end = ("stop", matched)
+    if end is None:
+        if seq.num_output >= params.max_tokens:
+            end = ("length", "max_tokens")
+        elif len(seq.tokens) >= seq.max_total_tokens:
+            end = ("length", "context")
+    if end is None or matched is not None:
+        return text, end
+    tail = state.detok.flush()
+    if state.stops is None:
+        return text + tail, end
+    more, matched = state.stops.feed(tail)
+    if matched is not None:
+        return text + more, ("stop", matched)
+    return text + more + state.stops.flush(), end
+
+
 class AsyncEngine:
     """Continuous batching over a paged KV cache, with the executor overlapped (see `_loop`)."""
 
@@ -127,7 +165,7 @@ class AsyncEngine:
         self._admitting = 0
         self._ids = itertools.count()
         self.stats: collections.Counter[str] = collections.Counter()
-        self.grammars = GrammarCompiler(tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, self.model_info.get("vocab_size", 0))
         log.info("scheduler_settings", max_running_requests=self.scheduler.config.max_running_requests,
                  max_batched_tokens=config.max_batched_tokens,
                  chunked_prefill_size=self.scheduler.config.chunked_prefill_size,
@@ -214,7 +252,8 @@ class AsyncEngine:
         if executor.state is not None:
             log.info("state_pool", slots=executor.num_slots, snapshots=executor.num_snapshots,
                      slot_bytes=executor.state.slot_bytes, bytes=executor.state.nbytes)
-        info = {"architecture": cfg.architecture, "parameters": loaded.num_parameters,
+        info = {"architecture": cfg.architecture, "vocab_size": cfg.vocab_size,
+                "parameters": loaded.num_parameters,
                 "dtype": _dtype_name(loaded.dtype), "bytes": loaded.num_bytes,
                 "context": cfg.max_position_embeddings, "path": str(loaded.path),
                 "load_ms": round(loaded.load_ms, 1), "device": str(loaded.device),
@@ -554,39 +593,10 @@ class AsyncEngine:
 
     def _on_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         seq.tokens.append(token)
-        now = time.perf_counter()
         if not seq.timeline.first_token:
-            seq.timeline.first_token = now
+            seq.timeline.first_token = time.perf_counter()
         self.stats["generated_tokens"] += 1
-        state: _OutputState = seq.output_state
-        params = seq.params
-        reason: tuple[str, str | int] | None = None
-        text, matched = "", None
-        if token in seq.eos_ids:
-            reason = ("stop", "eos")
-        elif token in params.stop_token_ids:
-            reason = ("stop", token)
-        else:
-            text = state.detok.push([token])
-            if state.stops is not None and text:
-                text, matched = state.stops.feed(text)
-                if matched is not None:
-                    reason = ("stop", matched)
-        if reason is None:
-            if seq.num_output >= params.max_tokens:
-                reason = ("length", "max_tokens")
-            elif len(seq.tokens) >= seq.max_total_tokens:
-                reason = ("length", "context")
-        if reason is not None and matched is None:
-            # The end: emit what was held back (an incomplete UTF-8 tail, a partial stop string).
-            tail = state.detok.flush()
-            if state.stops is None:
-                text += tail
-            else:
-                more, matched = state.stops.feed(tail)
-                text += more if matched is not None else more + state.stops.flush()
-                if matched is not None:
-                    reason = ("stop", matched)
+        text, reason = _text_and_end(seq, token)
         delta = Delta(seq.request_id, text, [token], [lp] if lp is not None else None,
                       usage=Usage(seq.num_prompt, seq.num_output, max(seq.matched_tokens, 0)))
         if seq.prompt_scores is not None:

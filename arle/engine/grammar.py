@@ -48,8 +48,12 @@ class GrammarCompiler:
     """One per engine: the tokenizer as llguidance sees it (built on first use: ~0.25 s for a
     49k vocabulary), and a matcher per constrained request."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, model_vocab_size: int = 0) -> None:
         self._tokenizer = tokenizer
+        #: NOTE: the matcher's masks are as wide as the model's vocabulary, which may be padded
+        #: past the tokenizer's (the executors' bitmask rows are that wide; ids past the
+        #: tokenizer's are never allowed)
+        self._n_vocab = max(tokenizer.vocab_size, model_vocab_size)
         self._ll: Any = None
         self._lock = threading.Lock()
 
@@ -62,7 +66,7 @@ class GrammarCompiler:
                 # NOTE: the Rust tokenizer's own JSON, so a GGUF vocabulary works as well as a
                 # tokenizer.json; every id that ends generation counts as EOS.
                 self._ll = llguidance.LLTokenizer(
-                    tok.backend_json(), n_vocab=tok.vocab_size,
+                    tok.backend_json(), n_vocab=self._n_vocab,
                     eos_token=sorted(tok.eos_token_ids))
             return self._ll
 
