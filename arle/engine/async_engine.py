@@ -92,6 +92,15 @@ class _OutputState:
     stops: StopStringMatcher | None
 
 
+def _state_pool_info(executor: Executor) -> dict[str, Any] | None:
+    """The executor's recurrent-state pool: slots, snapshots, bytes (None: no such pool)."""
+    state = executor.state
+    if state is None:
+        return None
+    return {"slots": executor.num_slots, "snapshots": executor.num_snapshots,
+            "slot_bytes": state.slot_bytes, "bytes": state.nbytes}
+
+
 #: why a request ends: (finish_reason, stop_reason)
 _End = tuple[str, str | int]
 
@@ -249,9 +258,8 @@ class AsyncEngine:
         pool = executor.kv_pool
         log.info("kv_pool", tokens=pool.num_tokens, pages=pool.num_pages,
                  page_size=pool.page_size, bytes=pool.bytes, dtype=pool.dtype)
-        if executor.state is not None:
-            log.info("state_pool", slots=executor.num_slots, snapshots=executor.num_snapshots,
-                     slot_bytes=executor.state.slot_bytes, bytes=executor.state.nbytes)
+        if (states := _state_pool_info(executor)) is not None:
+            log.info("state_pool", **states)
         info = {"architecture": cfg.architecture, "vocab_size": cfg.vocab_size,
                 "parameters": loaded.num_parameters,
                 "dtype": _dtype_name(loaded.dtype), "bytes": loaded.num_bytes,
@@ -474,11 +482,7 @@ class AsyncEngine:
 
     def state_pool(self) -> dict[str, Any] | None:
         """A hybrid model's recurrent-state pool (None: no Gated DeltaNet layers)."""
-        state = self.executor.state
-        if state is None:
-            return None
-        return {"slots": self.executor.num_slots, "snapshots": self.executor.num_snapshots,
-                "slot_bytes": state.slot_bytes, "bytes": state.nbytes}
+        return _state_pool_info(self.executor)
 
     def snapshot(self) -> dict[str, Any]:
         """Live numbers for /v1/stats, /metrics and `arle chat`'s /stats."""
