@@ -11,10 +11,11 @@ mkdir -p .whl
 pkgs=(starlette pydantic pydantic-core annotated-types typing-inspection uvicorn structlog orjson
       prompt-toolkit wcwidth gguf openai jiter distro sniffio pytest-asyncio llguidance "$@")
 platforms=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
-         manylinux1_x86_64; do platforms+=(--platform "$p"); done
+for p in manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 \
+         manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do platforms+=(--platform "$p"); done
+# NOTE: the versions CI tests (.ci/constraints.txt), so both machines run the same code
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" \
-  --implementation cp "${platforms[@]}" -d .whl "${pkgs[@]}"
+  -c .ci/constraints.txt --implementation cp "${platforms[@]}" -d .whl "${pkgs[@]}"
 # NOTE: one version of each package: two make the install there fail as a whole
 dups=$(ls .whl | sed -E 's/-[0-9].*//' | tr '_' '-' | tr '[:upper:]' '[:lower:]' | sort | uniq -d)
 [ -z "$dups" ] || { echo "several versions of: $dups (delete all but one from .whl)" >&2; exit 1; }
