@@ -345,7 +345,7 @@ async def test_eager_decode_above_the_graphs_builds_nothing(tmp_path: Path,
                          cuda_graph=True, cuda_graph_max_bs=2)
     ex = engine.executor
     cfg = ex.model.config
-    k, v, ks, vs = ex.kv.layer(0)
+    k, v, ks, vs = ex.dev.kv.layer(0)
     built: list[str] = []
     stop = watch_compiles(built.append)
     if stop is None:
@@ -393,7 +393,7 @@ async def test_one_request_engine_builds_nothing_after_start_up(
     from arle_kernels.jit import watch_compiles
 
     if not ahead:
-        monkeypatch.setattr(cuda_startup, "eager_prefill_runs", lambda ex: [])
+        monkeypatch.setattr(cuda_startup, "eager_prefill_runs", lambda *args: [])
     write_model_dir(tmp_path, hf_config("Qwen3ForCausalLM", **GPU_SHAPE), seed=8)
     loaded = load_model(tmp_path, "bfloat16", "cuda")
     _forget_loaded_variants()

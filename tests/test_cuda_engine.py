@@ -149,7 +149,7 @@ async def test_fp8_kv_through_the_engine(loaded: LoadedModel, tie: float,
     at least half the prompts agree (a random MoE's routing flips on small perturbations; the
     FP8 KV parity check bounds the logits themselves)."""
     engine = make_engine(loaded, kv_cache_dtype="fp8_e4m3", max_running_requests=16)
-    assert engine.executor.kv.k.dtype == torch.float8_e4m3fn
+    assert engine.executor.dev.kv.k.dtype == torch.float8_e4m3fn
     alone = [(await greedy_with_margins(engine, [p], 16))[0] for p in PROMPTS[:3]]
     batched = await greedy_with_margins(engine, PROMPTS, 16)
     for a, b in zip(alone, batched, strict=False):

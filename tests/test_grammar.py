@@ -96,7 +96,7 @@ async def test_a_bad_schema_is_the_requests_fault(tiny, make_engine) -> None:  #
 
 async def test_steps_without_grammar_rows_start_no_mask_job(tiny, make_engine) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine(tiny)
-    masks = engine.executor.grammar_masks
+    masks = engine.executor.dev.grammar_masks
     started: list[int] = []
     start = masks.start
 

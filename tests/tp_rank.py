@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from arle.executor.cpu import CPUExecutor
-from arle.executor.paged import PagedAttention, StepInputs, step_views
+from arle.executor.paged import StepInputs, step_views
 from arle.executor.plan import NewSlot, Row, StepPlan
+from arle.executor.step import attention_backend
 from arle.model.loader import load_model
 from arle.model.parallel import SINGLE, TPGroup
 from arle.sampling import SamplingParams
@@ -47,8 +48,7 @@ def step_logits(model_dir: str, tp: TPGroup = SINGLE) -> list[torch.Tensor | Non
         inputs.start_states(ex.state)
         meta = torch.tensor(inputs.packed.meta, dtype=torch.int32)
         step, _ = step_views(inputs.packed, meta, num_splits=1)
-        hidden = model(step.input_ids, PagedAttention(ex.kv, step, ex.rotary, model, ex.state,
-                                                      PAGE))
+        hidden = model(step.input_ids, attention_backend(ex.dev, step))
         inputs.save_states(ex.state)
         logits.append(tp.gather_columns(model.logits(hidden), model.config.vocab_size))
     return logits

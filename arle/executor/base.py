@@ -45,10 +45,12 @@ class KVPoolInfo:
 class Executor(Protocol):
     kv_pool: KVPoolInfo
     num_slots: int
-    #: a hybrid model's recurrent state pool (None: no Gated DeltaNet layers), and how many
-    #: snapshots it keeps for the prefix cache
-    state: StatePool | None
+    #: how many recurrent-state snapshots the pool keeps for the prefix cache
     num_snapshots: int
+
+    @property
+    def state(self) -> StatePool | None:
+        """A hybrid model's recurrent state pool (None: no Gated DeltaNet layers)."""
 
     def launch(self, plan: StepPlan) -> Awaitable[StepOutput]: ...
 

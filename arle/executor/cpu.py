@@ -18,11 +18,10 @@ import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
 from arle.executor.distributed import TPRanks, peer_inputs, rank_memory
-from arle.executor.grammar import GrammarMasks
 from arle.executor.paged import KVCache, StatePool, StepInputs, kv_format
 from arle.executor.plan import StepPlan
-from arle.executor.sampler import PenaltyState, logprobs_of, prompt_scores_of
-from arle.executor.step import eager_forward, run_step_body
+from arle.executor.sampler import logprobs_of, prompt_scores_of
+from arle.executor.step import StepState, eager_forward, run_step_body
 from arle.model.decoder import DecoderLM
 from arle.threads import torch_thread
 from arle_kernels.ops import ops_for
@@ -35,30 +34,26 @@ class CPUExecutor:
     def __init__(self, model: DecoderLM, num_pages: int, page_size: int, num_slots: int,
                  kv_dtype: torch.dtype, max_positions: int, seed: int = 0,
                  num_snapshots: int = 0) -> None:
-        cfg = model.config
         model.ops = ops_for(torch.device("cpu"))
         self.model = model
-        self.page_size = page_size
         self.num_slots = num_slots
-        self.tp = model.tp
-        self.kv = KVCache.for_model(model.rank_config, num_pages, page_size, kv_dtype,
-                                    torch.device("cpu"))
-        self.kv_pool = KVPoolInfo(num_pages, page_size, self.kv.nbytes, kv_format(kv_dtype))
         self.num_snapshots = num_snapshots
-        # NOTE: one spare state entry past the slots, as on CUDA (start-up's profile step)
-        self.state = StatePool.for_model(model.rank_config, num_slots + 1, num_snapshots,
-                                         kv_dtype, torch.device("cpu"))
-        self.rotary = model.rotary_table(max_positions)
-        self.token_buffer = torch.zeros(num_slots, dtype=torch.int32)
-        self.penalties = PenaltyState(num_slots, cfg.vocab_size, "cpu")
-        self.generator = torch.Generator().manual_seed(seed)
-        self.grammar_masks = GrammarMasks(cfg.vocab_size)
+        self.tp = model.tp
+        kv = KVCache.for_model(model.rank_config, num_pages, page_size, kv_dtype,
+                               torch.device("cpu"))
+        self.dev = StepState.build(model, kv, num_slots, num_snapshots, max_positions, seed,
+                                   kv_dtype)
+        self.kv_pool = KVPoolInfo(num_pages, page_size, kv.nbytes, kv_format(kv_dtype))
         # NOTE: one worker thread: steps run in launch order, as on a CUDA stream.
         self._worker = torch_thread()
 
+    @property
+    def state(self) -> StatePool | None:
+        return self.dev.state
+
     def launch(self, plan: StepPlan) -> Awaitable[StepOutput]:
         """Flatten the plan here (the caller's thread); run it on the worker thread."""
-        inputs = StepInputs.of(plan, self.page_size)
+        inputs = StepInputs.of(plan, self.kv_pool.page_size)
         if self.ranks is not None:
             return asyncio.wrap_future(self._worker.submit(self._run_group, inputs))
         return asyncio.wrap_future(self._worker.submit(self.run_step, inputs))
@@ -72,25 +67,25 @@ class CPUExecutor:
         """One step, on the calling thread (the worker thread; a TP rank's main thread)."""
         t0 = time.perf_counter()
         meta = torch.tensor(inputs.packed.meta, dtype=torch.int32)
-        out, scored = run_step_body(self, inputs, meta, inputs.sampling,
-                                    lambda: eager_forward(self, inputs, meta, num_splits=1))
+        out, scored = run_step_body(self.dev, inputs, meta, inputs.sampling,
+                                    lambda: eager_forward(self.dev, inputs, meta, num_splits=1))
         scores = (prompt_scores_of(scored, inputs.packed.segment("score_targets"),
                                    inputs.score_rows) if scored is not None else [])
         if out is None:
             return StepOutput([], [], time.perf_counter() - t0, scores)
         if inputs.grammars:
-            self.grammar_masks.sampled(inputs.grammars, out.token_ids)
+            self.dev.grammar_masks.sampled(inputs.grammars, out.token_ids)
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
                           time.perf_counter() - t0, scores)
 
     def rank_info(self) -> dict[str, Any]:
         """This rank's memory: weights, KV pool, recurrent state pool (`arle warmup`)."""
-        return rank_memory(self.tp, "cpu", self.model, self.kv_pool.num_pages, self.kv.nbytes,
-                           self.state.nbytes if self.state is not None else 0)
+        return rank_memory(self.tp, "cpu", self.model, self.kv_pool.num_pages,
+                           self.kv_pool.bytes, self.state.nbytes if self.state is not None else 0)
 
     def close(self) -> None:
         # The thread is shared (see torch_thread): wait for this executor's steps, keep it.
         # NOTE: a TP group stops after the last step, on the same thread
         ranks = self.ranks
         self._worker.submit(ranks.close if ranks is not None else lambda: None).result()
-        self.grammar_masks.close()
+        self.dev.grammar_masks.close()

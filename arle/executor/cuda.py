@@ -33,58 +33,23 @@ from typing import Any
 import torch
 
 from arle.executor.base import KVPoolInfo, StepOutput
-from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, DecodeGraphs, ExtendGraphs
-from arle.executor.cuda_startup import start_up
+from arle.executor.cuda_startup import CUDAExecutorConfig, start_up
 from arle.executor.distributed import TPRanks, peer_inputs, rank_memory
-from arle.executor.grammar import GrammarMasks
-from arle.executor.paged import (
-    FP8_KV,
-    DeviceStep,
-    KVCache,
-    PackedStep,
-    PagedAttention,
-    StatePool,
-    StepInputs,
-    kv_format,
-)
+from arle.executor.paged import FP8_KV, PackedStep, StatePool, StepInputs, kv_format
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import (
-    PenaltyState,
     SampleOutput,
     SamplingBatch,
     ScoreOutput,
     logprobs_of,
     prompt_scores_of,
 )
-from arle.executor.step import Forward, attention_backend, eager_forward, run_step_body
+from arle.executor.step import Forward, eager_forward, run_step_body
 from arle.model.decoder import DecoderLM
 from arle.threads import torch_thread
-from arle_kernels.decode_attention import pick_num_splits
-from arle_kernels.extend_attention import block_tokens
 from arle_kernels.ops import ops_for
 
 __all__ = ["FP8_KV", "CUDAExecutor", "CUDAExecutorConfig"]
-
-
-@dataclass(frozen=True)
-class CUDAExecutorConfig:
-    page_size: int
-    num_slots: int
-    max_batched_tokens: int
-    max_model_len: int
-    kv_dtype: torch.dtype
-    #: Share of the GPU's memory for weights, activations and the KV pool (as SGLang's).
-    mem_fraction_static: float = 0.85
-    #: KV pool size in tokens; None: what the memory plan leaves.
-    kv_cache_tokens: int | None = None
-    #: Largest decode batch captured as a CUDA graph; 0 disables graphs.
-    cuda_graph_max_bs: int = 256
-    #: Steps with prefill rows up to this many tokens (and EXTEND_GRAPH_ROWS rows) replay a
-    #: CUDA graph too; 0: they run eagerly. Needs cuda_graph_max_bs > 0.
-    extend_graph_max_tokens: int = 2048
-    seed: int = 0
-    #: A hybrid model's state snapshots for the prefix cache.
-    num_snapshots: int = 0
 
 
 @dataclass
@@ -120,93 +85,30 @@ class CUDAExecutor:
         self.model, self.config = model, config
         self.tp = model.tp
         self.device = next(model.parameters()).device
-        self.page_size = config.page_size
         self.num_slots = config.num_slots
-        self.pad_slot = config.num_slots  # token_buffer has one spare entry for graph padding
-        self.max_pages = -(-(config.max_model_len + 1) // config.page_size)
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_snapshots = config.num_snapshots
         self.stream = torch.cuda.Stream(self.device)
         # NOTE: a step's copies in and out run on streams of their own, so no copy sits between
         # two steps' kernels on `self.stream` (see `_copy_in`, `_copy_out`)
         self.copy_in_stream = torch.cuda.Stream(self.device)
         self.copy_out_stream = torch.cuda.Stream(self.device)
         model.ops = ops_for(self.device)
-        self.rotary = model.rotary_table(config.max_model_len + 1)
-        self.token_buffer = torch.zeros(config.num_slots + 1, dtype=torch.int32,
-                                        device=self.device)
-        self.penalties = PenaltyState(config.num_slots, model.config.vocab_size, self.device)
-        self.num_snapshots = config.num_snapshots
-        # NOTE: the spare entry past the slots is start-up's profile step's (pad_slot); padding
-        # rows of the graphs touch no state (slot -1)
-        self.state = StatePool.for_model(model.rank_config, config.num_slots + 1,
-                                         config.num_snapshots, next(model.parameters()).dtype,
-                                         self.device)
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.grammar_masks = GrammarMasks(model.config.vocab_size, pin_memory=True)
-        # NOTE: the weights, the rotary table and the token buffer were written on the default
-        # stream; everything after runs on ours.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-
-        self.kv: KVCache  # the profile's scratch cache during start-up, then the pool
-        self.graphs: DecodeGraphs | None = None
-        self.extend_graphs: ExtendGraphs | None = None
+        started = start_up(model, config, self.stream)
+        self.dev = started.dev
+        self.graphs, self.extend_graphs = started.graphs, started.extend_graphs
+        #: the decode kernel's split count for a step of n decode rows
+        self.num_splits_for = started.splits
         #: What start-up measured, for `arle warmup` and the model info.
-        self.startup_info = start_up(self)
-        self.kv_pool = KVPoolInfo(self.kv.k.shape[1], config.page_size, self.kv.nbytes,
+        self.startup_info = started.report
+        kv = self.dev.kv
+        self.kv_pool = KVPoolInfo(kv.k.shape[1], config.page_size, kv.nbytes,
                                   kv_format(config.kv_dtype))
         self._launcher = torch_thread()
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arle-wait")
 
-    # ---- what start-up asks of the executor ----------------------------------------------
-    def make_graph_buffers(self) -> None:
-        """The decode and extend graphs' static buffers, as the config asks (none: eager)."""
-        config = self.config
-        if config.cuda_graph_max_bs <= 0:
-            return
-        self.graphs = DecodeGraphs(min(config.cuda_graph_max_bs, config.num_slots),
-                                   self.max_pages, self.device,
-                                   self.pad_slot if self.state is not None else None)
-        if config.extend_graph_max_tokens > 0:
-            cfg = self.model.rank_config
-            block_t = block_tokens(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads,
-                                   config.kv_dtype == FP8_KV)
-            # NOTE: the logits buffer is this rank's vocabulary range (TP: gathered after)
-            self.extend_graphs = ExtendGraphs(
-                min(config.extend_graph_max_tokens, config.max_batched_tokens),
-                min(EXTEND_GRAPH_ROWS, config.num_slots), block_t, self.max_pages,
-                self.model.lm_head.weight.shape[0], self.pad_slot, self.device)
-
-    def eager_decode_above(self) -> int | None:
-        """Decode steps of more rows than this run eagerly: 0 without graphs, the largest
-        graph's batch where the graphs stop short of the most running requests
-        (`--cuda-graph-max-bs`), None where a graph takes every decode step."""
-        g = self.graphs
-        if g is None:
-            return 0
-        return g.max_bs if g.max_bs < self.num_slots - 1 else None
-
-    def pick_num_splits(self, num_decode: int) -> int:
-        """The decode kernel's split count for a batch of that many decode rows."""
-        return pick_num_splits(num_decode, self.model.rank_config.num_kv_heads,
-                               self.config.max_model_len, self.num_sms)
-
-    def backend(self, step: DeviceStep) -> PagedAttention:
-        """The model's attention (and recurrent state) for one step."""
-        return attention_backend(self, step)
-
-    def forward_decode(self, step: DeviceStep) -> torch.Tensor:
-        """A decode graph's forward: step.input_ids are the rows' slots in the token buffer."""
-        hidden = self.model(step.input_ids, self.backend(step), id_source=self.token_buffer)
-        # NOTE: in the model's dtype: the greedy pick reads it as is, `sample` upcasts
-        return self.model.logits(hidden, upcast=False)
-
-    def forward_extend(self, t: int) -> None:
-        """Extend graph t's forward; its logits go to the graphs' shared buffer."""
-        g = self.extend_graphs
-        assert g is not None
-        step, sample_index = g.step(t, self.token_buffer, self.pad_slot)
-        hidden = self.model(step.input_ids, self.backend(step))
-        g.logits.copy_(self.model.logits(hidden[sample_index]))
+    @property
+    def state(self) -> StatePool | None:
+        return self.dev.state
 
     # ---- the event loop's thread ----------------------------------------------------------
     def launch(self, plan: StepPlan) -> Awaitable[StepOutput]:
@@ -235,7 +137,7 @@ class CUDAExecutor:
         elif self.extend_graphs is not None and not scoring:
             extend_t = self.extend_graphs.size_for(plan.num_tokens, len(rows))
         shape = self.extend_graphs.shapes[extend_t] if self.extend_graphs and extend_t else None
-        inputs = StepInputs.of(plan, self.page_size, graph_bs, self.pad_slot, shape)
+        inputs = StepInputs.of(plan, self.config.page_size, graph_bs, self.dev.pad_slot, shape)
         return HostStep(inputs, torch.tensor(inputs.packed.meta, dtype=torch.int32).pin_memory(),
                         graph_bs, extend_t)
 
@@ -256,7 +158,8 @@ class CUDAExecutor:
     def rank_info(self) -> dict[str, Any]:
         """This rank's memory plan (`arle warmup`)."""
         return {**rank_memory(self.tp, self.device, self.model, self.kv_pool.num_pages,
-                              self.kv.nbytes, self.state.nbytes if self.state is not None else 0),
+                              self.kv_pool.bytes,
+                              self.state.nbytes if self.state is not None else 0),
                 "memory_plan": self.startup_info.get("memory_plan")}
 
     def _enqueue(self, h: HostStep) -> tuple[torch.cuda.Event, _Pending]:
@@ -267,7 +170,7 @@ class CUDAExecutor:
             meta, batch = self._copy_in(h)
             with torch.cuda.stream(self.stream):
                 start.record(self.stream)
-                out, scored = run_step_body(self, h.inputs, meta, batch,
+                out, scored = run_step_body(self.dev, h.inputs, meta, batch,
                                             lambda: self._forward(h, meta))
             pending = _Pending(start, h.inputs.want_logprobs)
             event = torch.cuda.Event(enable_timing=True, blocking=True)
@@ -278,7 +181,7 @@ class CUDAExecutor:
             grammars = h.inputs.grammars if batch is not None else []
             if grammars and pending.out is not None:
                 # consumed by the next grammar step's mask job, once the copy is done
-                self.grammar_masks.sampled(grammars, pending.out.token_ids, event.synchronize)
+                self.dev.grammar_masks.sampled(grammars, pending.out.token_ids, event.synchronize)
         return event, pending
 
     def _forward(self, h: HostStep, meta: torch.Tensor) -> Forward:
@@ -287,7 +190,7 @@ class CUDAExecutor:
             return Forward(self._replay(h, meta))
         if h.extend_tokens:
             return Forward(self._replay_extend(h, meta))
-        return eager_forward(self, h.inputs, meta, self.num_splits_for(h.layout.num_decode))
+        return eager_forward(self.dev, h.inputs, meta, self.num_splits_for(h.layout.num_decode))
 
     def _copy_in(self, h: HostStep) -> tuple[torch.Tensor, SamplingBatch | None]:
         """The step's packed array (and, unless the batch takes the greedy pick, which reads
@@ -338,17 +241,6 @@ class CUDAExecutor:
         g.graphs[h.extend_tokens].replay()
         return g.logits[: len(h.layout.sample_rows)]
 
-    def num_splits_for(self, num_decode: int) -> int:
-        """The decode kernel's split count: the one the graph of that batch size was captured
-        with. NOTE: eager steps then compile no variant the capture did not (a first-use
-        compile stalls every request for a second or more)."""
-        if not num_decode:
-            return 1
-        g = self.graphs
-        if g is not None and num_decode <= g.max_bs:
-            return g.num_splits[g.size_for(num_decode)]
-        return self.pick_num_splits(num_decode)
-
     # ---- the waiter thread -----------------------------------------------------------------
     @staticmethod
     def _wait(event: torch.cuda.Event, pending: _Pending) -> StepOutput:
@@ -365,7 +257,7 @@ class CUDAExecutor:
     def close(self) -> None:
         self._launcher.submit(lambda: None).result()
         self._waiter.shutdown(wait=True)
-        self.grammar_masks.close()
+        self.dev.grammar_masks.close()
         torch.cuda.synchronize(self.device)
 
 

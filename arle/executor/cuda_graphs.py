@@ -70,6 +70,11 @@ class DecodeGraphs:
     def size_for(self, n: int) -> int:
         return next(bs for bs in self.sizes if bs >= n)
 
+    @property
+    def nbytes(self) -> int:
+        """The static input buffers' bytes (the captured graphs' outputs not counted)."""
+        return _nbytes(self.meta, self.page_table)
+
     def load(self, packed: PackedStep, meta: torch.Tensor, bs: int) -> None:
         """Copy a packed graph step (`pack_step(..., graph_bs=bs)`, `meta` on the device) into
         the static buffers: the [4, bs] block in one copy, then the page-table corner."""
@@ -145,6 +150,11 @@ class ExtendGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0
 
+    @property
+    def nbytes(self) -> int:
+        """The static buffers' bytes: inputs and the shared logits."""
+        return _nbytes(*self.blocks.values(), self.page_table, self.logits)
+
     def size_for(self, num_tokens: int, num_rows: int) -> int:
         """The graph a step of that many tokens and rows replays; 0: none (run it eagerly)."""
         if num_rows > self.rows or num_tokens > self.sizes[-1]:
@@ -195,6 +205,10 @@ class ExtendGraphs:
         self.capture_s = time.perf_counter() - t0
         log.info("extend_graphs_captured", tokens=self.sizes, rows=self.rows,
                  seconds=round(self.capture_s, 2))
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def graph_reserve(max_bs: int, extend_tokens: int, extend_rows: int, vocab: int,

@@ -1,5 +1,6 @@
-"""The CUDA executor's start-up: the profile step, the memory plan, the graphs' capture, and
-every Triton kernel variant built before the first request.
+"""The CUDA executor's start-up, a function of the model and the config: the profile step, the
+memory plan, the graphs' capture, and every Triton kernel variant built before the first request.
+It returns what it built (`Started`): the step state on the KV pool, the graphs, a report.
 
 `start_up` runs the phases in order:
 1. the profile step's scratch cache stands in for the KV pool (a kernel variant depends on the
@@ -19,15 +20,16 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from arle.errors import ArleError
-from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, graph_reserve
+from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, DecodeGraphs, ExtendGraphs, graph_reserve
 from arle.executor.paged import FP8_KV, DeviceStep, KVCache, kv_format
 from arle.executor.sampler import SamplingBatch, sample
+from arle.executor.step import StepState, attention_backend
 from arle.logging import get_logger
 from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
@@ -39,19 +41,43 @@ from arle_kernels.decode_attention import (
     PRELOAD_MAX_BATCH,
     pick_num_splits,
 )
+from arle_kernels.extend_attention import block_tokens
 from arle_kernels.fp8 import fp8_row_classes
 from arle_kernels.gemv import row_classes
 from arle_kernels.jit import compile_ahead
 from arle_kernels.moe import moe_token_classes
 from arle_kernels.noise import exponential_noise
 
-if TYPE_CHECKING:
-    from arle.executor.cuda import CUDAExecutor
-
 log = get_logger("arle.executor.cuda")
 
 #: The profile run samples with the most memory-hungry path (a sort over the vocabulary).
 PROFILE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
+
+
+@dataclass(frozen=True)
+class CUDAExecutorConfig:
+    page_size: int
+    num_slots: int
+    max_batched_tokens: int
+    max_model_len: int
+    kv_dtype: torch.dtype
+    #: Share of the GPU's memory for weights, activations and the KV pool (as SGLang's).
+    mem_fraction_static: float = 0.85
+    #: KV pool size in tokens; None: what the memory plan leaves.
+    kv_cache_tokens: int | None = None
+    #: Largest decode batch captured as a CUDA graph; 0 disables graphs.
+    cuda_graph_max_bs: int = 256
+    #: Steps with prefill rows up to this many tokens (and EXTEND_GRAPH_ROWS rows) replay a
+    #: CUDA graph too; 0: they run eagerly. Needs cuda_graph_max_bs > 0.
+    extend_graph_max_tokens: int = 2048
+    seed: int = 0
+    #: A hybrid model's state snapshots for the prefix cache.
+    num_snapshots: int = 0
+
+    @property
+    def max_pages(self) -> int:
+        """Pages in one request's page table at the longest context (and its next token)."""
+        return -(-(self.max_model_len + 1) // self.page_size)
 
 
 @dataclass(frozen=True)
@@ -67,133 +93,252 @@ class MemoryPlan:
     num_pages: int
 
 
-def start_up(ex: CUDAExecutor) -> dict[str, Any]:
-    """Make `ex` ready to step: its KV pool (`ex.kv`), its graphs, every kernel variant it
-    will launch. Returns what each phase measured (`ex.startup_info`)."""
-    config = ex.config
-    with torch.cuda.stream(ex.stream):
-        states = ex.state.nbytes if ex.state is not None else 0
-        weights = torch.cuda.memory_allocated(ex.device) - states
-        t0 = time.perf_counter()
-        ex.kv = scratch_cache(ex)
-        profile = prefill_step(ex, config.max_batched_tokens, PROFILE_PARAMS,
-                               min(ex.num_slots, config.max_batched_tokens))
-        before = torch.cuda.memory_allocated(ex.device)
-        ex.make_graph_buffers()
-        buffers = torch.cuda.memory_allocated(ex.device) - before
-        decode_runs = (ex.graphs.runs(ex.forward_decode, ex.pick_num_splits, ex.pad_slot)
-                       if ex.graphs is not None else {})
-        extend_runs = (ex.extend_graphs.runs(ex.forward_extend)
-                       if ex.extend_graphs is not None else {})
-        eager_above = ex.eager_decode_above()
-        eager = (() if eager_above is None
-                 else (functools.partial(build_eager_decode_variants, ex, eager_above),))
-        prefills = eager_prefill_runs(ex)
-        built = build_ahead(ex, profile, *prefills, *decode_runs.values(),
-                            *extend_runs.values(), *eager,
-                            functools.partial(build_sampler_variants, ex))
-        # NOTE: the graphs' static buffers are not the profile step's: the reserve has them
-        peak = peak_memory(profile, ex.device) - buffers
-        for run in prefills:  # for real, on the scratch cache
-            run()
-        del ex.kv, profile, prefills
-        torch.cuda.empty_cache()
-        profile_s = time.perf_counter() - t0 - built["seconds"]
-        plan = plan_memory(ex, weights, states, peak)
-        # NOTE: TP: every rank's pool has the pages of the smallest plan (rank 0's cache
-        # manager hands out page ids every rank's pool must hold)
-        plan = replace(plan, num_pages=ex.model.tp.all_min(plan.num_pages, ex.device))
-        m = ex.model.rank_config
-        ex.kv = KVCache.for_model(m, plan.num_pages, config.page_size, config.kv_dtype,
-                                  ex.device)
+@dataclass(frozen=True)
+class DecodeSplits:
+    """The decode kernel's split count for a step of n decode rows: the one the graph of that
+    batch size was captured with, else the kernel's pick. NOTE: eager steps then compile no
+    variant the capture did not (a first-use compile stalls every request for a second or
+    more)."""
+
+    num_kv_heads: int
+    max_model_len: int
+    num_sms: int
+    graphs: DecodeGraphs | None
+
+    def pick(self, n: int) -> int:
+        return pick_num_splits(n, self.num_kv_heads, self.max_model_len, self.num_sms)
+
+    def __call__(self, n: int) -> int:
+        if not n:
+            return 1
+        g = self.graphs
+        if g is not None and n <= g.max_bs:
+            return g.num_splits[g.size_for(n)]
+        return self.pick(n)
+
+
+@dataclass(frozen=True)
+class Started:
+    """What start-up built: the step state on the KV pool, the graphs (None: eager), the
+    decode kernel's split counts, and what each phase measured (`arle warmup`, model info)."""
+
+    dev: StepState
+    graphs: DecodeGraphs | None
+    extend_graphs: ExtendGraphs | None
+    splits: DecodeSplits
+    report: dict[str, Any]
+
+
+def start_up(model: DecoderLM, config: CUDAExecutorConfig, stream: torch.cuda.Stream
+             ) -> Started:
+    """The step state, the KV pool, the graphs and every kernel variant the executor will
+    launch, on `stream`."""
+    device = next(model.parameters()).device
+    # NOTE: the weights were written on the default stream; everything after runs on ours
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        scratch = StepState.build(model, scratch_cache(model, config, device), config.num_slots,
+                                  config.num_snapshots, config.max_model_len + 1, config.seed,
+                                  next(model.parameters()).dtype)
+        graphs, extend_graphs = graph_buffers(scratch, config)
+        splits = DecodeSplits(model.rank_config.num_kv_heads, config.max_model_len,
+                              torch.cuda.get_device_properties(device).multi_processor_count,
+                              graphs)
+        plan, built, profile_s = profile(scratch, config, graphs, extend_graphs, splits)
+        kv = KVCache.for_model(model.rank_config, plan.num_pages, config.page_size,
+                               config.kv_dtype, device)
+        dev = replace(scratch, kv=kv)
+        del scratch
+    report = memory_report(plan, kv, config, profile_s)
+    capture(dev, graphs, extend_graphs, splits, stream)
+    return Started(dev, graphs, extend_graphs, splits, {
+        "memory_plan": report, "kernels_built_ahead": built,
+        "cuda_graphs": ({"batch_sizes": graphs.sizes, "capture_s": round(graphs.capture_s, 3)}
+                        if graphs is not None else None),
+        "extend_graphs": ({"tokens": extend_graphs.sizes, "rows": extend_graphs.rows,
+                           "capture_s": round(extend_graphs.capture_s, 3)}
+                          if extend_graphs is not None else None)})
+
+
+def profile(dev: StepState, config: CUDAExecutorConfig, graphs: DecodeGraphs | None,
+            extend_graphs: ExtendGraphs | None, splits: DecodeSplits
+            ) -> tuple[MemoryPlan, dict[str, float], float]:
+    """On the scratch cache (`dev.kv`): every variant built ahead, the profile step's peak
+    and the memory plan it leaves. -> (the plan, what build_ahead built, the profile's
+    seconds). NOTE: nothing here outlives the call but numbers, so the scratch cache is
+    freed when the caller drops `dev`."""
+    model, device = dev.model, dev.kv.k.device
+    states = dev.state.nbytes if dev.state is not None else 0
+    buffers = sum(g.nbytes for g in (graphs, extend_graphs) if g is not None)
+    weights = torch.cuda.memory_allocated(device) - states - dev.kv.nbytes - buffers
+    t0 = time.perf_counter()
+    largest = prefill_step(dev, config.max_batched_tokens, PROFILE_PARAMS,
+                           min(config.num_slots, config.max_batched_tokens))
+    decode_runs, extend_runs = graph_runs(dev, graphs, extend_graphs, splits)
+    above = eager_decode_above(graphs, config.num_slots)
+    eager = (() if above is None
+             else (functools.partial(build_eager_decode_variants, dev, splits, above),))
+    prefills = eager_prefill_runs(dev, config, extend_graphs)
+    built = build_ahead(model, *prefills, largest, *decode_runs.values(), *extend_runs.values(),
+                        *eager, functools.partial(build_sampler_variants, dev))
+    # NOTE: the graphs' static buffers are not the profile step's: the reserve has them
+    peak = peak_memory(largest, device) - buffers
+    for run in prefills:  # for real, on the scratch cache
+        run()
+    profile_s = time.perf_counter() - t0 - built["seconds"]
+    plan = plan_memory(model, config, weights, states, peak)
+    # NOTE: TP: every rank's pool has the pages of the smallest plan (rank 0's cache
+    # manager hands out page ids every rank's pool must hold)
+    return replace(plan, num_pages=model.tp.all_min(plan.num_pages, device)), built, profile_s
+
+
+def capture(dev: StepState, graphs: DecodeGraphs | None, extend_graphs: ExtendGraphs | None,
+            splits: DecodeSplits, stream: torch.cuda.Stream) -> None:
+    """On the KV pool: the graphs captured, the eager decode steps' and the sampler's
+    variants built."""
+    torch.cuda.empty_cache()  # the scratch cache's and the profile step's memory
+    decode_runs, extend_runs = graph_runs(dev, graphs, extend_graphs, splits)
+    if graphs is not None:
+        pool = torch.cuda.graph_pool_handle()
+        graphs.capture(decode_runs, pool, stream)
+        if extend_graphs is not None:
+            extend_graphs.capture(extend_runs, pool, stream)
+    with torch.cuda.stream(stream):
+        above = eager_decode_above(graphs, dev.num_slots)
+        if above is not None:
+            build_eager_decode_variants(dev, splits, above)
+        build_sampler_variants(dev)
+    stream.synchronize()
+
+
+def memory_report(plan: MemoryPlan, kv: KVCache, config: CUDAExecutorConfig, profile_s: float
+                  ) -> dict[str, Any]:
+    """The memory plan, logged, and as the report gives it."""
     fmt = kv_format(config.kv_dtype)
     log.info("memory_plan", total_gb=round(plan.total_bytes / 1e9, 2),
-             weights_gb=round(weights / 1e9, 2), state_pool_gb=round(states / 1e9, 2),
+             weights_gb=round(plan.weights_bytes / 1e9, 2),
+             state_pool_gb=round(plan.state_pool_bytes / 1e9, 2),
              activation_peak_gb=round(plan.activation_peak_bytes / 1e9, 2),
              graph_reserve_gb=round(plan.graph_reserve_bytes / 1e9, 2),
              mem_fraction_static=config.mem_fraction_static, profile_s=round(profile_s, 2))
     log.info(f"KV pool: {plan.num_pages * config.page_size} tokens, {plan.num_pages} pages @ "
-             f"{config.page_size}, {ex.kv.nbytes / 1e9:.2f} GB, format {fmt}")
-
-    if ex.graphs is not None:
-        pool = torch.cuda.graph_pool_handle()
-        ex.graphs.capture(decode_runs, pool, ex.stream)
-        if ex.extend_graphs is not None:
-            ex.extend_graphs.capture(extend_runs, pool, ex.stream)
-    if eager_above is not None:
-        build_eager_decode_variants(ex, eager_above)
-    build_sampler_variants(ex)
+             f"{config.page_size}, {kv.nbytes / 1e9:.2f} GB, format {fmt}")
     memory = {k: v for k, v in asdict(plan).items() if k != "num_pages"}
-    return {
-        "memory_plan": {**memory, "kv_pool_bytes": ex.kv.nbytes, "kv_format": fmt,
-                        "mem_fraction_static": config.mem_fraction_static,
-                        "profile_s": round(profile_s, 3)},
-        "kernels_built_ahead": built,
-        "cuda_graphs": ({"batch_sizes": ex.graphs.sizes,
-                         "capture_s": round(ex.graphs.capture_s, 3)}
-                        if ex.graphs is not None else None),
-        "extend_graphs": ({"tokens": ex.extend_graphs.sizes, "rows": ex.extend_graphs.rows,
-                           "capture_s": round(ex.extend_graphs.capture_s, 3)}
-                          if ex.extend_graphs is not None else None),
-    }
+    return {**memory, "kv_pool_bytes": kv.nbytes, "kv_format": fmt,
+            "mem_fraction_static": config.mem_fraction_static, "profile_s": round(profile_s, 3)}
 
 
-def scratch_cache(ex: CUDAExecutor) -> KVCache:
+def graph_buffers(dev: StepState, config: CUDAExecutorConfig
+                  ) -> tuple[DecodeGraphs | None, ExtendGraphs | None]:
+    """The decode and extend graphs' static buffers, as the config asks (None: eager)."""
+    if config.cuda_graph_max_bs <= 0:
+        return None, None
+    device, cfg = dev.kv.k.device, dev.model.rank_config
+    graphs = DecodeGraphs(min(config.cuda_graph_max_bs, config.num_slots), config.max_pages,
+                          device, dev.pad_slot if dev.state is not None else None)
+    if config.extend_graph_max_tokens <= 0:
+        return graphs, None
+    block_t = block_tokens(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads,
+                           config.kv_dtype == FP8_KV)
+    # NOTE: the logits buffer is this rank's vocabulary range (TP: gathered after)
+    return graphs, ExtendGraphs(
+        min(config.extend_graph_max_tokens, config.max_batched_tokens),
+        min(EXTEND_GRAPH_ROWS, config.num_slots), block_t, config.max_pages,
+        dev.model.lm_head.weight.shape[0], dev.pad_slot, device)
+
+
+def graph_runs(dev: StepState, graphs: DecodeGraphs | None, extend_graphs: ExtendGraphs | None,
+               splits: DecodeSplits
+               ) -> tuple[dict[int, Callable[[], torch.Tensor]], dict[int, Callable[[], None]]]:
+    """Each graph's forward on `dev` (what build_ahead runs, then capture records)."""
+    decode = (graphs.runs(functools.partial(forward_decode, dev), splits.pick, dev.pad_slot)
+              if graphs is not None else {})
+    extend = (extend_graphs.runs(functools.partial(forward_extend, dev, extend_graphs))
+              if extend_graphs is not None else {})
+    return decode, extend
+
+
+def forward_decode(dev: StepState, step: DeviceStep) -> torch.Tensor:
+    """A decode graph's forward: step.input_ids are the rows' slots in the token buffer."""
+    hidden = dev.model(step.input_ids, attention_backend(dev, step), id_source=dev.token_buffer)
+    # NOTE: in the model's dtype: the greedy pick reads it as is, `sample` upcasts
+    return dev.model.logits(hidden, upcast=False)
+
+
+def forward_extend(dev: StepState, graphs: ExtendGraphs, t: int) -> None:
+    """Extend graph t's forward; its logits go to the graphs' shared buffer."""
+    step, sample_index = graphs.step(t, dev.token_buffer, dev.pad_slot)
+    hidden = dev.model(step.input_ids, attention_backend(dev, step))
+    graphs.logits.copy_(dev.model.logits(hidden[sample_index]))
+
+
+def eager_decode_above(graphs: DecodeGraphs | None, num_slots: int) -> int | None:
+    """Decode steps of more rows than this run eagerly: 0 without graphs, the largest graph's
+    batch where the graphs stop short of the most running requests (`--cuda-graph-max-bs`),
+    None where a graph takes every decode step."""
+    if graphs is None:
+        return 0
+    return graphs.max_bs if graphs.max_bs < num_slots - 1 else None
+
+
+def scratch_cache(model: DecoderLM, config: CUDAExecutorConfig, device: torch.device
+                  ) -> KVCache:
     """A KV cache for the profile step: one full prefill chunk."""
-    m = ex.model.rank_config
-    pages = -(-ex.config.max_batched_tokens // ex.page_size) + 1
-    return KVCache.for_model(m, pages, ex.page_size, ex.config.kv_dtype, ex.device)
+    pages = -(-config.max_batched_tokens // config.page_size) + 1
+    return KVCache.for_model(model.rank_config, pages, config.page_size, config.kv_dtype, device)
 
 
-def prefill_step(ex: CUDAExecutor, n: int, params: SamplingParams, rows: int
+def prefill_step(dev: StepState, n: int, params: SamplingParams, rows: int
                  ) -> Callable[[], None]:
-    """One prefill chunk of n tokens at positions 0..n-1, on `ex.kv` (the scratch cache, every
-    page in its page table), `rows` of its tokens sampling with `params`. At
+    """One prefill chunk of n tokens at positions 0..n-1, on `dev.kv` (the scratch cache,
+    every page in its page table), `rows` of its tokens sampling with `params`. At
     `max_batched_tokens`, every slot sampling with PROFILE_PARAMS: the largest step, what the
     memory plan measures."""
-    model, device = ex.model, ex.device
+    model, device = dev.model, dev.kv.k.device
     ids = torch.randint(0, model.config.vocab_size, (n,), dtype=torch.int32, device=device)
     slots = torch.arange(n, dtype=torch.int32, device=device)
     # NOTE: a chunk may be longer than the model's context (max_batched_tokens above
     # max_model_len); the rope kernel reads the rotary table at each position unchecked
-    pos = slots % ex.rotary.shape[0]
-    table = torch.arange(ex.kv.k.shape[1], dtype=torch.int32, device=device)[None]
+    pos = slots % dev.rotary.shape[0]
+    table = torch.arange(dev.kv.k.shape[1], dtype=torch.int32, device=device)[None]
     step = DeviceStep(ids, pos, slots, torch.tensor([n], dtype=torch.int32, device=device),
                       torch.tensor([0, n], dtype=torch.int32, device=device), table,
                       num_decode=0, max_q_len=n, num_splits=1,
-                      slots=torch.full((1,), ex.pad_slot, dtype=torch.int32, device=device))
+                      slots=torch.full((1,), dev.pad_slot, dtype=torch.int32, device=device))
     batch = SamplingBatch.build([params] * rows, [0] * rows, device)
 
     def run() -> None:
         with torch.inference_mode():
-            hidden = model(ids, ex.backend(step))
-            sample(model.logits(hidden[:rows]), batch, generator=ex.generator)
+            hidden = model(ids, attention_backend(dev, step))
+            sample(model.logits(hidden[:rows]), batch, generator=dev.generator)
     return run
 
 
-def eager_prefill_runs(ex: CUDAExecutor) -> list[Callable[[], None]]:
+def eager_prefill_runs(dev: StepState, config: CUDAExecutorConfig,
+                       extend_graphs: ExtendGraphs | None) -> list[Callable[[], None]]:
     """Without extend graphs (one running request, or no graphs), prefill steps run eagerly at
     any length: one short prefill per variant class their kernels compile by row count
     (`token_classes` above one row: the GEMVs' also give the glue kernels a count that is
-    neither 1 nor a multiple of 16), one row sampling greedily. So no prompt builds a variant mid-request."""
-    if ex.extend_graphs is not None:
+    neither 1 nor a multiple of 16), one row sampling greedily. So no prompt builds a variant
+    mid-request."""
+    if extend_graphs is not None:
         return []
     greedy = SamplingParams(temperature=0.0)
-    return [prefill_step(ex, n, greedy, 1)
-            for n in token_classes(ex.model, ex.config.max_batched_tokens) if n > 1]
+    return [prefill_step(dev, n, greedy, 1)
+            for n in token_classes(dev.model, config.max_batched_tokens) if n > 1]
 
 
-def build_ahead(ex: CUDAExecutor, *passes: Callable[[], object]) -> dict[str, float]:
+def build_ahead(model: DecoderLM, *passes: Callable[[], object]) -> dict[str, float]:
     """Run the start-up passes with their launches turned into compiles (`compile_ahead`): the
     Triton kernel variants they take are built side by side, on every core, before the passes
     run for real (from a cold cache they are most of the time to ready). Returns the seconds,
     the variants built and how many of them worker processes compiled.
     The model runs cut to a few layers (`variant_layers`): the pass is host work that the
     builds share the interpreter with, and the other layers would only repeat it.
-    NOTE: nothing is computed, so a pass here must be one that runs again after."""
+    NOTE: nothing is computed, so a pass here must be one that runs again after. On the
+    current stream."""
     t0 = time.perf_counter()
-    with (torch.inference_mode(), torch.cuda.stream(ex.stream),
-          compile_ahead() as builds, variant_layers_only(ex.model)):
+    with torch.inference_mode(), compile_ahead() as builds, variant_layers_only(model):
         for run in passes if builds.on else ():
             run()
     built = {"seconds": round(time.perf_counter() - t0, 3), "variants": builds.variants,
@@ -233,19 +378,20 @@ def peak_memory(run: Callable[[], None], device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device)
 
 
-def plan_memory(ex: CUDAExecutor, weights: int, states: int, peak: int) -> MemoryPlan:
+def plan_memory(model: DecoderLM, config: CUDAExecutorConfig, weights: int, states: int,
+                peak: int) -> MemoryPlan:
     """The KV pool's pages: `--mem-fraction-static` of the GPU, less the weights, the state
     pool and the profile step's activation peak (`peak` counts all three) and the graphs'
     reserve; or `--kv-cache-tokens` where given."""
-    config, m = ex.config, ex.model.rank_config
-    total = torch.cuda.get_device_properties(ex.device).total_memory
+    m, device = model.rank_config, next(model.parameters()).device
+    total = torch.cuda.get_device_properties(device).total_memory
     per_token = m.kv_bytes_per_token(torch.finfo(config.kv_dtype).bits // 8,
                                      4 if config.kv_dtype == FP8_KV else 0)
     graphs = config.cuda_graph_max_bs > 0
     reserve = graph_reserve(
-        min(config.cuda_graph_max_bs, ex.num_slots) if graphs else 0,
+        min(config.cuda_graph_max_bs, config.num_slots) if graphs else 0,
         min(config.extend_graph_max_tokens, config.max_batched_tokens),
-        min(EXTEND_GRAPH_ROWS, ex.num_slots), m.vocab_size, peak - weights - states,
+        min(EXTEND_GRAPH_ROWS, config.num_slots), m.vocab_size, peak - weights - states,
         config.max_batched_tokens)
     budget = int(total * config.mem_fraction_static) - peak - reserve
     if config.kv_cache_tokens is None and budget < 2 * config.page_size * per_token:
@@ -256,9 +402,9 @@ def plan_memory(ex: CUDAExecutor, weights: int, states: int, peak: int) -> Memor
             f"--mem-fraction-static {config.mem_fraction_static} of {total / 2**30:.1f} GiB")
     tokens = config.kv_cache_tokens or budget // per_token
     pages = max(tokens // config.page_size, 2)
-    free, _ = torch.cuda.mem_get_info(ex.device)
+    free, _ = torch.cuda.mem_get_info(device)
     check_fits(pages * config.page_size * per_token, reserve, free,
-               total - free - torch.cuda.memory_reserved(ex.device), config.mem_fraction_static)
+               total - free - torch.cuda.memory_reserved(device), config.mem_fraction_static)
     return MemoryPlan(total, weights, states, peak - weights - states, reserve, pages)
 
 
@@ -276,43 +422,41 @@ def check_fits(kv: int, reserve: int, free: int, others: int, fraction: float) -
         f"(now {fraction}) or set --kv-cache-tokens")
 
 
-def build_eager_decode_variants(ex: CUDAExecutor, above: int = 0) -> None:
+def build_eager_decode_variants(dev: StepState, splits: DecodeSplits, above: int = 0) -> None:
     """Build now, for decode steps of more than `above` rows (which run eagerly:
-    `ex.eager_decode_above()`), the kernel variants eager steps pick by their size, which the
+    `eager_decode_above`), the kernel variants eager steps pick by their size, which the
     warm-up passes may not all reach: the decode kernel's split counts (each its own merge
     variant) with and without its first block loaded before the PDL wait (up to
     PRELOAD_MAX_BATCH rows), and a whole decode step at one row count per class the other
     kernels compile by (`token_classes`). On padding rows (no K/V written, no recurrent
-    state); the outputs are thrown away."""
-    m, model, device = ex.model.rank_config, ex.model, ex.device
+    state); the outputs are thrown away. On the current stream."""
+    m, model, device = dev.model.rank_config, dev.model, dev.kv.k.device
     # each (split count, preload, merge variant) variant, at the fewest rows that pick it
-    rows_for = {(pick_num_splits(b, m.num_kv_heads, ex.config.max_model_len, ex.num_sms),
-                 b <= PRELOAD_MAX_BATCH, b <= MERGE_O_WITH_LSE_MAX_BATCH): b
-                for b in range(ex.num_slots, above, -1)}
-    k, v, ks, vs = ex.kv.layer(0)
+    rows_for = {(splits.pick(b), b <= PRELOAD_MAX_BATCH, b <= MERGE_O_WITH_LSE_MAX_BATCH): b
+                for b in range(dev.num_slots, above, -1)}
+    k, v, ks, vs = dev.kv.layer(0)
     dtype = model.embed_tokens.weight.dtype
-    with torch.inference_mode(), torch.cuda.stream(ex.stream):
+    with torch.inference_mode():
         for (n, _, _), b in sorted(rows_for.items()):
             q = torch.zeros(b, m.num_heads, m.head_dim, dtype=dtype, device=device)
             table = torch.zeros(b, 1, dtype=torch.int32, device=device)
             seq_lens = torch.ones(b, dtype=torch.int32, device=device)
             model.ops.decode_attention(q, k, v, table, seq_lens, 1.0, n, k_scale=ks, v_scale=vs)
-        for b in token_classes(model, ex.num_slots):
+        for b in token_classes(model, dev.num_slots):
             if b > above:
-                step = padding_decode_step(ex, b)
-                model.logits(model(step.input_ids, ex.backend(step)))
-    ex.stream.synchronize()
+                step = padding_decode_step(dev, b, splits(b))
+                model.logits(model(step.input_ids, attention_backend(dev, step)))
 
 
-def padding_decode_step(ex: CUDAExecutor, rows: int) -> DeviceStep:
+def padding_decode_step(dev: StepState, rows: int, num_splits: int) -> DeviceStep:
     """A decode step of `rows` padding rows, as a graph's: token 0 at position 0 with one
     token of context on page 0, no K/V written, no recurrent state (slot -1)."""
     def full(value: int, *shape: int) -> torch.Tensor:
-        return torch.full(shape, value, dtype=torch.int32, device=ex.device)
+        return torch.full(shape, value, dtype=torch.int32, device=dev.kv.k.device)
 
     return DeviceStep(input_ids=full(0, rows), positions=full(0, rows), kv_slots=full(-1, rows),
                       seq_lens=full(1, rows), cu_q_lens=full(0, 1), page_table=full(0, rows, 1),
-                      num_decode=rows, max_q_len=1, num_splits=ex.num_splits_for(rows),
+                      num_decode=rows, max_q_len=1, num_splits=num_splits,
                       slots=full(-1, rows))
 
 
@@ -337,18 +481,17 @@ def token_classes(model: DecoderLM, limit: int) -> list[int]:
     return sorted(c for c in classes if c <= limit)
 
 
-def build_sampler_variants(ex: CUDAExecutor) -> None:
+def build_sampler_variants(dev: StepState) -> None:
     """The sampler's kernels, built now: the greedy pick's (kernels/greedy.py) for the logits
     steps give it, the decode graphs' (the model's dtype) and the other steps' (fp32), into
     the token buffer's spare entry; and the seeded rows' noise (a request with a `seed`: no
-    start-up step has one)."""
-    model, device = ex.model, ex.device
+    start-up step has one). On the current stream."""
+    model, device = dev.model, dev.kv.k.device
     vocab = model.config.vocab_size
-    slots = torch.full((1,), ex.pad_slot, dtype=torch.int32, device=device)
-    with torch.inference_mode(), torch.cuda.stream(ex.stream):
+    slots = torch.full((1,), dev.pad_slot, dtype=torch.int32, device=device)
+    with torch.inference_mode():
         for dtype in {model.embed_tokens.weight.dtype, torch.float32}:
             logits = torch.zeros(1, vocab, dtype=dtype, device=device)
-            model.ops.greedy_pick(logits, slots, ex.token_buffer)
+            model.ops.greedy_pick(logits, slots, dev.token_buffer)
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         exponential_noise(zero, zero, vocab)
-    ex.stream.synchronize()

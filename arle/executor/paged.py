@@ -62,6 +62,10 @@ class KVCache:
                             cfg.head_dim, dtype, device)
 
     @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)

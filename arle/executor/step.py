@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -36,19 +35,53 @@ from arle.executor.sampler import (
 from arle.model.decoder import DecoderLM
 
 
-class StepDevice(Protocol):
-    """What a step reads and writes: an executor's model and device state."""
+@dataclass(frozen=True)
+class StepState:
+    """What a step reads and writes on its device: the model, its caches and the per-slot state.
+    Each executor holds one; the CUDA executor's start-up builds its own (`cuda_startup`)."""
 
     model: DecoderLM
     kv: KVCache
     state: StatePool | None
     rotary: Tensor
-    page_size: int
-    #: each request slot's last sampled id: the next step's decode rows read their input here
+    #: each request slot's last sampled id: the next step's decode rows read their input here.
+    #: NOTE: one spare entry past the slots (`pad_slot`): graph padding and start-up's profile
+    #: step write there
     token_buffer: Tensor
     penalties: PenaltyState
     generator: torch.Generator
     grammar_masks: GrammarMasks
+
+    @classmethod
+    def build(cls, model: DecoderLM, kv: KVCache, num_slots: int, num_snapshots: int,
+              max_positions: int, seed: int, dtype: torch.dtype) -> StepState:
+        """Zeroed per-slot state for `num_slots` requests beside `kv`, on its device
+        (`dtype`: the model's activations', which the recurrent states take)."""
+        device = kv.k.device
+        cfg = model.config
+        return cls(
+            model=model, kv=kv,
+            state=StatePool.for_model(model.rank_config, num_slots + 1, num_snapshots,
+                                      dtype, device),
+            rotary=model.rotary_table(max_positions),
+            token_buffer=torch.zeros(num_slots + 1, dtype=torch.int32, device=device),
+            penalties=PenaltyState(num_slots, cfg.vocab_size, device),
+            generator=torch.Generator(device).manual_seed(seed),
+            grammar_masks=GrammarMasks(cfg.vocab_size, pin_memory=device.type == "cuda"))
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+    @property
+    def num_slots(self) -> int:
+        return self.token_buffer.shape[0] - 1
+
+    @property
+    def pad_slot(self) -> int:
+        """The token buffer's spare entry (and the state pool's), past the slots: no
+        request's."""
+        return self.num_slots
 
 
 @dataclass
@@ -59,12 +92,12 @@ class Forward:
     scored: ScoreOutput | None = None
 
 
-def attention_backend(dev: StepDevice, step: DeviceStep) -> PagedAttention:
+def attention_backend(dev: StepState, step: DeviceStep) -> PagedAttention:
     """The model's attention (and recurrent state) for one step."""
     return PagedAttention(dev.kv, step, dev.rotary, dev.model, dev.state, dev.page_size)
 
 
-def eager_forward(dev: StepDevice, inputs: StepInputs, meta: Tensor, num_splits: int) -> Forward:
+def eager_forward(dev: StepState, inputs: StepInputs, meta: Tensor, num_splits: int) -> Forward:
     """The forward without a graph: the decode rows' inputs from the token buffer, the model
     over the step's tokens, the prompt scores, the sampling rows' logits."""
     layout = inputs.packed
@@ -81,7 +114,7 @@ def eager_forward(dev: StepDevice, inputs: StepInputs, meta: Tensor, num_splits:
     return Forward(dev.model.logits(hidden[index]) if index.numel() else hidden[:0], scored)
 
 
-def run_step_body(dev: StepDevice, inputs: StepInputs, meta: Tensor,
+def run_step_body(dev: StepState, inputs: StepInputs, meta: Tensor,
                   batch: SamplingBatch | None, forward: Callable[[], Forward]
                   ) -> tuple[SampleOutput | None, ScoreOutput | None]:
     """One step on `dev`, queued in device order (`meta`: the packed array on the device,
