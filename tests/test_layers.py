@@ -1,4 +1,5 @@
-"""The layers hold: no module imports from a layer above its own (docs/architecture.md).
+"""The layers hold: no module imports from a layer above its own (docs/architecture.md), and
+no modules import each other in a circle.
 
 Every import statement counts, inside functions and under TYPE_CHECKING too: a deferred import
 is still a dependency.
@@ -38,8 +39,8 @@ def rank(module: str) -> int:
     raise KeyError(f"{module}: in no layer; add it to RANKS in tests/test_layers.py")
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+def module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[0] == "kernels":
         parts[0] = "arle_kernels"
@@ -91,3 +92,61 @@ def test_the_check_sees_deferred_and_relative_imports(tmp_path: Path) -> None:
     found = imported(probe, "arle.executor.probe")
     assert found == {"arle.executor.plan", "arle.engine.request"}
     assert [m for m in found if rank(m) > rank("arle.executor.probe")] == ["arle.engine.request"]
+
+
+def import_graph(sources: list[Path], root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules of `sources` it imports, `from package import module` included."""
+    names = {module_name(p, root): p for p in sources}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                edges.update(f"{node.module}.{a.name}" for a in node.names)
+        edges |= imported(path, name)
+        graph[name] = {m for m in edges if m in names and m != name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle() -> None:
+    """No two modules import each other, directly or through others, deferred imports and
+    TYPE_CHECKING ones included: the modules of a circle can only be read together."""
+    assert import_circles(import_graph(SOURCES)) == []
+
+
+def test_the_circle_check_sees_a_deferred_circle(tmp_path: Path) -> None:
+    (tmp_path / "arle" / "executor").mkdir(parents=True)
+    (tmp_path / "arle" / "executor" / "a.py").write_text("from arle.executor import b\n")
+    (tmp_path / "arle" / "executor" / "b.py").write_text("def f():\n    import arle.executor.c\n")
+    (tmp_path / "arle" / "executor" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from arle.executor.a import X\n")
+    graph = import_graph(sorted(tmp_path.glob("arle/**/*.py")), tmp_path)
+    assert import_circles(graph) == [["arle.executor.a", "arle.executor.b", "arle.executor.c"]]
