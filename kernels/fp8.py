@@ -166,7 +166,7 @@ def _pick_fp8_config(m: int, n: int, k: int, block: tuple[int, int]) -> GemvConf
 def fp8_row_classes(n: int, k: int, block: tuple[int, int], max_rows: int) -> tuple[int, ...]:
     """One row count per launch configuration `_pick_fp8_config` gives up to max_rows (the
     kernels compile per config): what a warm-up runs to build every FP8 linear variant."""
-    seen: dict[Fp8Config, int] = {}
+    seen: dict[GemvConfig | Fp8Config, int] = {}
     for m in range(1, max_rows + 1):
         seen.setdefault(_pick_fp8_config(m, n, k, block), m)
     return tuple(seen.values())

@@ -34,7 +34,6 @@ from arle.logging import get_logger
 from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
 from arle.model.moe import Experts
-from arle.model.parallel import fp8_scale_of
 from arle.sampling import SamplingParams
 from arle_kernels.decode_attention import (
     MERGE_O_WITH_LSE_MAX_BATCH,
@@ -45,6 +44,7 @@ from arle_kernels.extend_attention import block_tokens
 from arle_kernels.fp8 import fp8_row_classes
 from arle_kernels.gemv import row_classes
 from arle_kernels.jit import compile_ahead
+from arle_kernels.linear import fp8_scale_of
 from arle_kernels.moe import moe_token_classes
 from arle_kernels.noise import exponential_noise
 

@@ -16,7 +16,7 @@ from arle.model.config import ModelConfig
 from arle.model.deltanet import GatedDeltaNet
 from arle.model.layers import MLP, Attention, AttentionBackend, RMSNorm
 from arle.model.moe import SparseMoE
-from arle.model.parallel import SINGLE, TPGroup, VocabParallelEmbedding, linear
+from arle.model.parallel import SINGLE, TPGroup, VocabParallelEmbedding
 from arle.model.rope import RotaryEmbedding
 from arle_kernels.ops import REFERENCE, Ops
 from arle_kernels.split_sums import SplitSums
@@ -141,7 +141,7 @@ class DecoderLM(nn.Module):
         """lm_head(hidden): fp32, or (upcast=False) in the model's dtype, for a consumer that
         upcasts only what it needs (the CUDA decode graphs: the greedy pick reads bf16).
         NOTE: with TP, this rank's vocabulary range only (`TPGroup.gather_columns`)."""
-        y = linear(hidden, self.lm_head.weight)
+        y = self.ops.linear(hidden, self.lm_head.weight, None)
         return y.float() if upcast else y
 
     def weight_targets(self) -> dict[str, tuple[nn.Parameter, str | int | None]]:

@@ -11,12 +11,7 @@ import torch
 from torch import nn
 
 from arle.model.config import ModelConfig
-from arle.model.parallel import (
-    MergedColumnParallelLinear,
-    RowParallelLinear,
-    TPGroup,
-    linear_silu_and_mul,
-)
+from arle.model.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
 from arle_kernels.ops import Ops
 from arle_kernels.split_sums import SplitSums
 
@@ -186,5 +181,5 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor | SplitSums:
-        return self.down_proj.forward_unreduced(linear_silu_and_mul(x, self.gate_up_proj.weight,
-                                                                    ops.silu_and_mul))
+        return self.down_proj.forward_unreduced(
+            ops.linear_silu_and_mul(x, self.gate_up_proj.weight))

@@ -24,7 +24,6 @@ from arle.model.parallel import (
     TPGroup,
     expand_scale_rows,
     fp8_block,
-    linear_silu_and_mul,
     new_scale,
     new_weight,
     scale_layout,
@@ -176,8 +175,7 @@ class SparseMoE(nn.Module):
         y = self.tp.all_reduce(y)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             mlp = self.shared_expert
-            shared = mlp.down_proj(linear_silu_and_mul(x, mlp.gate_up_proj.weight,
-                                                       ops.silu_and_mul))
+            shared = mlp.down_proj(ops.linear_silu_and_mul(x, mlp.gate_up_proj.weight))
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return y
 

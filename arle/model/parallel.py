@@ -6,9 +6,10 @@ full checkpoint tensor: every rank reads the same checkpoint and keeps its slice
 
 Block-scaled FP8 weights are a property of a linear, not of a model: a linear built inside
 `fp8_weights(block)` holds `weight` float8_e4m3fn and `weight_scale_inv` fp32 (one scale per
-block of the weight; the checkpoint's names), and `linear()` and its siblings run such a weight
-through `arle_kernels.fp8.fp8_linear`. The loader decides which linears stay FP8 (on CUDA) and
-`unquantize`s the rest; on the CPU it dequantises the checkpoint instead (arle/model/loader.py).
+block of the weight; the checkpoint's names), and the device's products (`ops_for`,
+arle_kernels/linear.py) run such a weight through the FP8 kernels. The loader decides which
+linears stay FP8 (on CUDA) and `unquantize`s the rest; on the CPU it dequantises the
+checkpoint instead (arle/model/loader.py).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from arle_kernels.gemv import gemv, gemv_silu_mul, gemv_split_sums, use_gemv
+from arle_kernels.linear import attach_fp8_scale, fp8_scale_of
+from arle_kernels.ops import ops_for
 from arle_kernels.split_sums import SplitSums
 
 
@@ -91,17 +92,6 @@ def fp8_block() -> tuple[int, int] | None:
     return _FP8_BLOCK
 
 
-def fp8_scale_of(weight: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-    """An FP8 weight's scales and the (rows, columns) block each covers."""
-    return weight.fp8_scale, weight.fp8_block  # type: ignore[attr-defined]
-
-
-def attach_fp8_scale(weight: nn.Parameter, scale: nn.Parameter, block: tuple[int, int]) -> None:
-    """Let the functions below (which see the weight only) find its scales."""
-    weight.fp8_scale = scale  # type: ignore[attr-defined]
-    weight.fp8_block = block  # type: ignore[attr-defined]
-
-
 def scale_layout(sizes: list[int], block: tuple[int, int], whole: bool) -> tuple[int, int]:
     """The block of a weight whose rows are `sizes` shards stacked (merged projections, gate and
     up of an expert), for a rank holding `whole` shards (no TP split) or slices of them.
@@ -119,54 +109,16 @@ def expand_scale_rows(scale: torch.Tensor, bn: int, rows: int) -> torch.Tensor:
     return scale.repeat_interleave(bn, dim=-2).narrow(-2, 0, rows)
 
 
-def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                unreduced: bool = False) -> torch.Tensor | SplitSums:
-    """An FP8 linear; unreduced (no bias): its split sums left for the consumer on CUDA."""
-    from arle_kernels import fp8
-
-    scale, block = fp8_scale_of(weight)
-    # NOTE: the torch reference off CUDA (the loader dequantises there: only tests get here)
-    if not x.is_cuda:
-        return fp8.fp8_linear_ref(x, weight, scale, block, bias)
-    if unreduced:
-        return fp8.fp8_linear_unreduced(x, weight, scale, block)
-    return fp8.fp8_linear(x, weight, scale, block, bias)
-
-
-def _on_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """On CUDA with few rows (decode), our Triton GEMV where it streams the weights faster
-    than cuBLAS (`use_gemv`)."""
-    return x.is_cuda and use_gemv(x.shape[0], weight.shape[0], weight.shape[1])
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias): the GEMV where `_on_gemv`, else cuBLAS; an FP8 weight through
-    the FP8 kernels."""
-    if weight.dtype == FP8:
-        return _fp8_linear(x, weight, bias)
-    return gemv(x, weight, bias) if _on_gemv(x, weight) else F.linear(x, weight, bias)
+    """x @ weight^T (+ bias) by the kernels of x's device (`ops_for`: the one place that
+    picks them)."""
+    return ops_for(x.device).linear(x, weight, bias)
 
 
 def linear_unreduced(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | SplitSums:
-    """`linear` (no bias) for a consumer that takes `SplitSums` (`ops.add_rms_norm`,
-    `ops.qk_norm_rope_store_kv`): where the GEMV splits K, its partial sums are left for that
-    consumer to add (no reduce kernel); otherwise y."""
-    if weight.dtype == FP8:
-        return _fp8_linear(x, weight, unreduced=True)
-    return gemv_split_sums(x, weight) if _on_gemv(x, weight) else F.linear(x, weight)
-
-
-def linear_silu_and_mul(x: torch.Tensor, gate_up: torch.Tensor,
-                        silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up] (an MLP's projection and its
-    activation). Where `linear` takes the GEMV, one kernel does both (the activation in its
-    epilogue: no gate_up round trip, one launch less per layer); else linear + silu_and_mul."""
-    if gate_up.dtype == FP8:
-        return silu_and_mul(_fp8_linear(x, gate_up))
-    if x.is_cuda and use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1], glu=True):
-        return gemv_silu_mul(x, gate_up)
-    return silu_and_mul(linear(x, gate_up))
+    """`linear` (no bias), possibly as split sums for a consumer that takes them."""
+    return ops_for(x.device).linear_unreduced(x, weight)
 
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "str | int | None"], None]

@@ -1,0 +1,67 @@
+"""A linear layer's product y = x W^T (+ b), by the weight's format: the torch references, and
+the CUDA path (our GEMV where it streams the weights faster than cuBLAS, `use_gemv`; cuBLAS
+otherwise; block-scaled FP8 weights through the FP8 kernels). `ops_for` picks one family.
+
+A block-scaled FP8 weight carries its scales (`attach_fp8_scale`): the products see only the
+weight.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from arle_kernels.fp8 import FP8, fp8_linear, fp8_linear_ref, fp8_linear_unreduced
+from arle_kernels.fused import silu_and_mul, silu_and_mul_ref
+from arle_kernels.gemv import gemv, gemv_silu_mul, gemv_split_sums, use_gemv
+from arle_kernels.split_sums import SplitSums
+
+
+def fp8_scale_of(weight: Tensor) -> tuple[Tensor, tuple[int, int]]:
+    """An FP8 weight's scales and the (rows, columns) block each covers."""
+    return weight.fp8_scale, weight.fp8_block  # type: ignore[attr-defined]
+
+
+def attach_fp8_scale(weight: Tensor, scale: Tensor, block: tuple[int, int]) -> None:
+    """Let the products (which see the weight only) find its scales."""
+    weight.fp8_scale = scale  # type: ignore[attr-defined]
+    weight.fp8_block = block  # type: ignore[attr-defined]
+
+
+def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if weight.dtype == FP8:
+        return fp8_linear_ref(x, weight, *fp8_scale_of(weight), bias)
+    return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul_ref(x: Tensor, gate_up: Tensor) -> Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up]."""
+    return silu_and_mul_ref(linear_ref(x, gate_up))
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if weight.dtype == FP8:
+        return fp8_linear(x, weight, *fp8_scale_of(weight), bias)
+    if use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def linear_unreduced(x: Tensor, weight: Tensor) -> Tensor | SplitSums:
+    """`linear` (no bias) for a consumer that takes `SplitSums` (`add_rms_norm`,
+    `qk_norm_rope_store_kv`): where the GEMV splits K, its partial sums are left for that
+    consumer to add (no reduce kernel); otherwise y."""
+    if weight.dtype == FP8:
+        return fp8_linear_unreduced(x, weight, *fp8_scale_of(weight))
+    if use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
+        return gemv_split_sums(x, weight)
+    return F.linear(x, weight)
+
+
+def linear_silu_and_mul(x: Tensor, gate_up: Tensor) -> Tensor:
+    """`linear_silu_and_mul_ref`: where `linear` takes the GEMV, one kernel does both (the
+    activation in its epilogue: no gate_up round trip, one launch less per layer)."""
+    if gate_up.dtype != FP8 and use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1],
+                                         glu=True):
+        return gemv_silu_mul(x, gate_up)
+    return silu_and_mul(linear(x, gate_up))
