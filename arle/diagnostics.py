@@ -349,7 +349,7 @@ async def run_warmup(config: Any, prompt: str = "Say hello in one short sentence
                      max_tokens: int = 32) -> dict[str, Any]:
     """Load, warm up, answer one request; the diagnostics report (report["ok"] says if every
     phase passed; the first failing phase ends the run)."""
-    from arle.engine.async_engine import AsyncEngine
+    from arle.engine.build import create_engine
 
     report: dict[str, Any] = {"ok": False, "versions": versions(), "hardware": hardware(),
                               "device": "cpu", "model": None, "memory": None, "phases": [],
@@ -358,7 +358,7 @@ async def run_warmup(config: Any, prompt: str = "Say hello in one short sentence
     holder: dict[str, AsyncEngine] = {}
 
     async def load() -> dict[str, Any]:
-        holder["engine"] = await AsyncEngine.create(config)
+        holder["engine"] = await create_engine(config)
         return {"load_ms": holder["engine"].model_info.get("load_ms")}
 
     ok = await timed_phase(phases, "load", load)

@@ -28,6 +28,7 @@ from stamp import stamp
 
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
+from arle.engine.build import create_engine
 from arle.engine.request import GenerateRequest, SamplingParams
 from arle.model.default import resolve_model_path
 from arle.threads import torch_thread
@@ -111,7 +112,7 @@ async def main() -> None:
     args = ap.parse_args()
 
     path = resolve_model_path(args.model)
-    engine = await AsyncEngine.create(EngineConfig(model=str(path), dtype=args.dtype,
+    engine = await create_engine(EngineConfig(model=str(path), dtype=args.dtype,
                                                    enable_prefix_cache=False))
     # NOTE: transformers runs on arle's torch thread too: one OpenMP team in the process, so
     # neither engine pays for the other's idle spinning threads (see torch_thread).

@@ -42,6 +42,7 @@ from stamp import stamp
 
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
+from arle.engine.build import create_engine
 from arle.engine.request import GenerateRequest, SamplingParams
 from arle.gcwatch import GCPauses, freeze_start_up
 from arle_kernels.jit import pdl_enabled
@@ -158,7 +159,7 @@ async def _engine(args: argparse.Namespace, **kw: Any) -> AsyncEngine:
         import arle.executor.cuda_graphs as cuda_graphs
 
         cuda_graphs.EXTEND_GRAPH_TOKENS = tuple(int(t) for t in args.extend_tokens.split(","))
-    engine = await AsyncEngine.create(_engine_config(args, **kw))
+    engine = await create_engine(_engine_config(args, **kw))
     if not args.no_gc_freeze:
         freeze_start_up()
     return engine

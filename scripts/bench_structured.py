@@ -27,6 +27,7 @@ import torch
 
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
+from arle.engine.build import build_engine
 from arle.engine.request import GenerateRequest, Grammar, SamplingParams
 from arle.model.default import resolve_model_path
 from arle.threads import torch_thread
@@ -83,7 +84,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           max_running_requests=max(args.batch), kv_cache_tokens=32768,
                           num_threads=args.threads)
-    engine = await asyncio.wrap_future(torch_thread().submit(AsyncEngine.build, config))
+    engine = await asyncio.wrap_future(torch_thread().submit(build_engine, config))
     grammar = Grammar("json_schema", SCHEMA)
     results: dict[str, Any] = {"model": str(resolve_model_path(args.model)), "schema": SCHEMA,
                                "batches": {}}

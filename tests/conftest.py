@@ -17,6 +17,7 @@ from helpers import require_smollm2_gguf
 
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine
+from arle.engine.build import engine_from_loaded
 from arle.engine.request import Delta, GenerateRequest, SamplingParams
 from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
@@ -34,7 +35,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 @pytest.fixture(scope="session")
 def smol() -> LoadedModel:
     """SmolLM2-135M-Instruct from the default GGUF, fp32 (~7 s, once per session). Loaded on the
-    engine's torch thread, as AsyncEngine.create does (see torch_thread)."""
+    engine's torch thread, as create_engine does (see torch_thread)."""
     path = require_smollm2_gguf()
     return torch_thread().submit(load_model, path, "float32", "cpu").result()
 
@@ -81,7 +82,7 @@ async def make_engine() -> AsyncIterator[Callable[..., AsyncEngine]]:
 
     def build(loaded: LoadedModel, **config: Any) -> AsyncEngine:
         config.setdefault("kv_cache_tokens", 4096)
-        engine = AsyncEngine.from_loaded(EngineConfig(**config), loaded)
+        engine = engine_from_loaded(EngineConfig(**config), loaded)
         engines.append(engine)
         return engine
 

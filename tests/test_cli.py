@@ -216,10 +216,11 @@ class FakeEngine:
 
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """Installs FakeEngine as arle.engine.async_engine; returns a model path that exists."""
-    module = types.ModuleType("arle.engine.async_engine")
-    module.AsyncEngine = FakeEngine  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "arle.engine.async_engine", module)
+    """Installs FakeEngine.create as arle.engine.build's create_engine; returns a model path
+    that exists."""
+    module = types.ModuleType("arle.engine.build")
+    module.create_engine = FakeEngine.create  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "arle.engine.build", module)
     monkeypatch.setattr(FakeEngine, "instances", [])
     monkeypatch.setattr(FakeEngine, "fail_create", None)
     monkeypatch.setattr(FakeEngine, "fail_generate", None)

@@ -124,14 +124,16 @@ def test_doctor_warns_on_unwritable_paths(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 @pytest.fixture
 def tiny_engines(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> list[AsyncEngine]:
-    """`AsyncEngine.create` builds engines around the tiny model instead of loading a file."""
+    """`create_engine` builds engines around the tiny model instead of loading a file."""
+    import arle.engine.build
+
     made: list[AsyncEngine] = []
 
-    async def create(cls: type[AsyncEngine], config: EngineConfig) -> AsyncEngine:
-        made.append(AsyncEngine.from_loaded(config, tiny))
+    async def create(config: EngineConfig) -> AsyncEngine:
+        made.append(arle.engine.build.engine_from_loaded(config, tiny))
         return made[-1]
 
-    monkeypatch.setattr(AsyncEngine, "create", classmethod(create))
+    monkeypatch.setattr(arle.engine.build, "create_engine", create)
     return made
 
 

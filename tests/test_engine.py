@@ -314,10 +314,11 @@ def test_one_running_request_takes_no_extend_graphs(tiny: LoadedModel,
     `arle chat`) one decode graph and no extend graphs (a prefill step comes once a request);
     with more, the extend graphs' ladder. Checked on the CPU: the config, not the executor."""
     import arle.executor.cuda as cuda_executor
+    from arle.engine.build import _cuda_executor
 
     seen: list[Any] = []
     monkeypatch.setattr(cuda_executor, "CUDAExecutor", lambda model, config: seen.append(config))
     config = EngineConfig(max_running_requests=running).for_device("cuda")
-    AsyncEngine._cuda_executor(config, tiny, 256, running + 1)
+    _cuda_executor(config, tiny, 256, running + 1)
     assert seen[0].extend_graph_max_tokens == extend_tokens
     assert seen[0].cuda_graph_max_bs == running

@@ -14,7 +14,7 @@ import torch
 from conftest import run
 
 from arle.config import EngineConfig
-from arle.engine.async_engine import AsyncEngine
+from arle.engine.build import create_engine
 from arle.engine.request import GenerateRequest, Grammar, SamplingParams
 from arle.errors import InvalidRequestError
 from arle.executor.grammar import apply_token_bitmask, bitmask_words
@@ -120,7 +120,7 @@ async def test_a_vocabulary_padded_past_the_tokenizers(tiny_dir) -> None:  # typ
     masks are as wide as the model's vocabulary (a mask of the tokenizer's width failed every
     constrained step), and no id past the tokenizer's is sampled."""
     config = EngineConfig(model=str(tiny_dir), kv_cache_tokens=4096)
-    async with await AsyncEngine.create(config) as engine:
+    async with await create_engine(config) as engine:
         assert engine.model_info["vocab_size"] > engine.tokenizer.vocab_size
         req = GenerateRequest(prompt="{", grammar=Grammar("json_object"),
                               params=SamplingParams(temperature=1.0, max_tokens=40, seed=1))

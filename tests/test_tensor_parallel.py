@@ -30,7 +30,7 @@ from model_dirs import hf_config, write_model_dir, write_qwen3_5_dir
 from served import ROOT, ServerProcess
 
 from arle.config import EngineConfig
-from arle.engine.async_engine import AsyncEngine
+from arle.engine.build import create_engine
 from arle.engine.request import GenerateRequest
 from arle.errors import ModelLoadError
 from arle.executor.distributed import TPRanks
@@ -243,7 +243,7 @@ async def test_cancellation_and_preemption_under_tp(model_dirs: dict[str, Path])
     prompts = [[(11 * i + 7 * j) % 250 for j in range(20 + 3 * i)] for i in range(4)]
     results = {}
     for tp in (1, 2):
-        engine = await AsyncEngine.create(replace(base, tensor_parallel_size=tp))
+        engine = await create_engine(replace(base, tensor_parallel_size=tp))
         try:
             out = await run_many(engine, prompts, max_tokens=24, temperature=0.0,
                                  ignore_eos=True)
@@ -269,7 +269,7 @@ async def test_a_prefix_hit_restores_every_ranks_state(model_dirs: dict[str, Pat
     turn1 = [(13 * j + 5) % 250 for j in range(64)]
     base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, kv_cache_tokens=1024,
                         max_running_requests=2)
-    engine = await AsyncEngine.create(replace(base, tensor_parallel_size=2))
+    engine = await create_engine(replace(base, tensor_parallel_size=2))
     try:
         # one token: the 64 prompt tokens computed, a snapshot at their page boundary
         await run(engine, turn1, max_tokens=1, ignore_eos=True)
@@ -280,7 +280,7 @@ async def test_a_prefix_hit_restores_every_ranks_state(model_dirs: dict[str, Pat
         assert prefix["state_restored"] and prefix["matched_tokens"] == 64, prefix
     finally:
         await engine.close()
-    cold = await AsyncEngine.create(replace(base, enable_prefix_cache=False))
+    cold = await create_engine(replace(base, enable_prefix_cache=False))
     try:
         assert tokens_of(await run(cold, turn2, max_tokens=12, ignore_eos=True)) == \
             tokens_of(hit)

@@ -94,11 +94,11 @@ async def _chat(config: EngineConfig, url: str | None, api_key: str | None, conv
             raise
         backend = remote
     else:
-        from arle.engine.async_engine import AsyncEngine  # NOTE: lazy: loads torch
+        from arle.engine.build import create_engine  # NOTE: lazy: loads torch
 
         if interactive:
             sys.stderr.write("loading the model...\n")
-        backend = EngineBackend(await AsyncEngine.create(config))
+        backend = EngineBackend(await create_engine(config))
     session = ChatSession(backend, conversation=conversation, settings=settings,
                           show_stats=show_stats,
                           status_out=sys.stdout if interactive else sys.stderr)

@@ -100,10 +100,10 @@ def complete(
 async def _generate(config: EngineConfig, prompt: str | None,
                     messages: list[dict[str, Any]] | None, overrides: dict[str, Any],
                     json_out: bool) -> None:
-    from arle.engine.async_engine import AsyncEngine  # NOTE: lazy: loads torch
+    from arle.engine.build import create_engine  # NOTE: lazy: loads torch
     from arle.engine.request import GenerateRequest
 
-    engine = await AsyncEngine.create(config)
+    engine = await create_engine(config)
     try:
         request = GenerateRequest(prompt=prompt, messages=messages,
                                   params=engine.default_params(**overrides),

@@ -123,13 +123,13 @@ async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
                  grace_period: float) -> None:
     import uvicorn
 
-    from arle.engine.async_engine import AsyncEngine
+    from arle.engine.build import create_engine
     from arle.gcwatch import PAUSES, freeze_start_up, thaw
     from arle.server import MAX_HEADER_BYTES
     from arle.server.app import create_app
     from arle.server.guards import limited_http_protocol
 
-    engine = await AsyncEngine.create(config)
+    engine = await create_engine(config)
     try:
         await _warm_up(engine)
         app = create_app(engine, settings)

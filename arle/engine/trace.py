@@ -18,15 +18,6 @@ def build_trace(seq: Sequence, *, active: int, waiting: int) -> dict[str, Any]:
     total_ms = (t.finished - t.created) * 1e3
     ttft_ms = (t.first_token - t.created) * 1e3 if t.first_token else None
     completion = seq.num_output
-    matched = max(seq.matched_tokens, 0)
-    wait_us = (t.admitted - t.tokenized) * 1e6 if t.admitted else None
-    phases = {
-        "admission": round(t.admission_us),
-        "prefill": round(t.prefill_us),
-        "decode": round(t.decode_us),
-        "emit": round(t.emit_us),
-    }
-    phases["total"] = sum(phases.values())
     return {
         "request_id": seq.request_id,
         "route": seq.route,
@@ -45,24 +36,33 @@ def build_trace(seq: Sequence, *, active: int, waiting: int) -> dict[str, Any]:
             "prompt_tokens_per_s_at_ttft": _per_s(seq.num_prompt, ttft_ms or 0.0),
             "total_tokens_per_s_e2e": _per_s(seq.num_prompt + completion, total_ms),
         },
-        "preprocess": {
-            "tokenize_us": round(t.tokenize_us),
-            "wait_us": None if wait_us is None else round(wait_us),
-            "queue_depth": t.queue_depth,
-        },
-        "prefix": {
-            "matched_tokens": matched,
-            "resume_prefill_tokens": t.prefill_tokens,
-            "hit_rate": round(matched / seq.num_prompt, 4) if seq.num_prompt else 0.0,
-            "state_restored": seq.state_restored,
-        },
-        "scheduler": {
-            "active": active,
-            "waiting": waiting,
-            "batch_width": t.batch_width,
-            "prefill_tokens": t.prefill_tokens,
-            "decode_tokens": t.decode_tokens,
-            "preemptions": seq.num_preemptions,
-            "phase_us": phases,
-        },
+        "preprocess": _preprocess(seq),
+        "prefix": _prefix(seq),
+        "scheduler": _scheduler(seq, active, waiting),
     }
+
+
+def _preprocess(seq: Sequence) -> dict[str, Any]:
+    t = seq.timeline
+    wait_us = (t.admitted - t.tokenized) * 1e6 if t.admitted else None
+    return {"tokenize_us": round(t.tokenize_us),
+            "wait_us": None if wait_us is None else round(wait_us),
+            "queue_depth": t.queue_depth}
+
+
+def _prefix(seq: Sequence) -> dict[str, Any]:
+    matched = max(seq.matched_tokens, 0)
+    return {"matched_tokens": matched,
+            "resume_prefill_tokens": seq.timeline.prefill_tokens,
+            "hit_rate": round(matched / seq.num_prompt, 4) if seq.num_prompt else 0.0,
+            "state_restored": seq.state_restored}
+
+
+def _scheduler(seq: Sequence, active: int, waiting: int) -> dict[str, Any]:
+    t = seq.timeline
+    phases = {"admission": round(t.admission_us), "prefill": round(t.prefill_us),
+              "decode": round(t.decode_us), "emit": round(t.emit_us)}
+    phases["total"] = sum(phases.values())
+    return {"active": active, "waiting": waiting, "batch_width": t.batch_width,
+            "prefill_tokens": t.prefill_tokens, "decode_tokens": t.decode_tokens,
+            "preemptions": seq.num_preemptions, "phase_us": phases}
