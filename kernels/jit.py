@@ -312,7 +312,7 @@ def _compile_elsewhere(module: str, name: str, signature: Any, constexprs: Any, 
 
 def _make_launcher(kernel: Any) -> None:
     """Make (or load from Triton's disk cache) a built variant's launcher, as its first launch
-    would (Triton 3.6: a C module compiled with gcc per kernel signature)."""
+    would (a C module compiled per kernel signature)."""
     from triton.runtime.driver import driver
 
     make = getattr(driver.active, "launcher_cls", None)

@@ -71,8 +71,9 @@ def load_script(name: str) -> ModuleType:
 
 
 def _interpreter_runs_tensor_loop_bounds() -> bool:
-    """Older interpreters (seen: triton 3.6) turn a tensor loop bound into an int with int() of a
-    1-element array, which NumPy >= 2.4 refuses; triton 3.9's squeezes it first."""
+    """Whether this Triton's interpreter runs a tensor loop bound under this NumPy: an
+    interpreter that takes int() of a 1-element array cannot where NumPy refuses that (>= 2.4);
+    one that squeezes the array first can."""
     import numpy as np
     import triton.runtime.interpreter as interp
 
@@ -88,7 +89,7 @@ def run_interpreter_check(module: str, check: str) -> None:
 
     NOTE: a subprocess, because TRITON_INTERPRET must be set before triton is first imported
     and pytest has imported it by now. Skips where the interpreter cannot run our kernels'
-    loops (triton 3.6 with NumPy >= 2.4, as on the GPU machine; there the GPU tests run)."""
+    loops (`_interpreter_runs_tensor_loop_bounds`; where it cannot, the GPU tests run)."""
     if not _interpreter_runs_tensor_loop_bounds():
         pytest.skip("this triton's interpreter cannot run tensor-bounded loops under this NumPy")
     code = f"import tests.{module} as t; t.{check}()"

@@ -13,7 +13,6 @@ from conftest import assert_all_pages_back, cancel_mid_stream, run, run_many, te
 from helpers import load_script
 
 from arle.config import EngineConfig
-from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import GenerateRequest, SamplingParams
 from arle.errors import InvalidRequestError, OverloadedError
 from arle.executor.base import StepOutput

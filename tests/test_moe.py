@@ -65,7 +65,8 @@ def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_moe_logits_match_transformers(moe_dirs: dict[str, Path], case: str) -> None:
-    """Measured max |diff| <= 8e-6 (logit std ~2.8), top-1 100%, every chunking."""
+    """Within fp32 summation order of transformers: max |diff| under 1e-4 (logit std ~2.8),
+    the same top-1, at every chunking."""
     loaded = load_model(moe_dirs[case], "float32")
     assert loaded.config.architecture == "Qwen3MoeForCausalLM"
     assert_logits_match(loaded, hf_from_dir(moe_dirs[case]), random_ids(70))
@@ -241,8 +242,8 @@ def q35_moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("arch", QWEN3_5_MOE_LAYOUTS)
 def test_qwen3_5_moe_logits_match_transformers(q35_moe_dirs: dict[str, Path], arch: str) -> None:
     """Every layer (3 Gated DeltaNet, 2 full attention) has routed experts and a shared one.
-    Measured max |diff| <= 5.1e-5 (the Gated DeltaNet layers' fp32 recurrences differ in
-    summation order), top-1 100%."""
+    Within fp32 summation order of transformers (its Gated DeltaNet recurrence sums in another
+    order): max |diff| under 1e-4, the same top-1."""
     loaded = load_model(q35_moe_dirs[arch], "float32")
     assert loaded.config.architecture == arch
     assert all(isinstance(layer.mlp, SparseMoE) and layer.mlp.shared_expert is not None

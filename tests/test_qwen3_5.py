@@ -304,7 +304,7 @@ def test_gated_delta_net_layer_matches_transformers(causal: tuple[LoadedModel, A
     """Layer 2 (the second linear layer: state entry 1), each chunk against transformers'
     layer with its cache and against its one pass over the whole sequence; the states it
     leaves are transformers' (conv: its last K - 1 inputs); other slots stay untouched.
-    Measured max |diff| <= 1.1e-6 on outputs of rms ~0.5."""
+    Within fp32 summation order: 1e-5 on outputs of rms ~0.5."""
     ours, hf = causal
     cfg = ours.config
     mixer = ours.model.layers[2].mixer
@@ -436,10 +436,9 @@ def test_teacher_forced_logits_match_transformers(q35_dirs: dict[str, Path], arc
     """arle fp32 through the engine's step path (paged attention, the state slot carried from
     chunk to chunk) against transformers fp32: prefill whole, in chunks of 16 (each from a page
     boundary's state) and 23 (across pages), and (the multimodal layout) token by token.
-    Measured (logit std ~2.9): max |diff| <= 4.6e-5, mean KL <= 2e-11, top-1 100%.
-    transformers differs from itself by as much (5-8e-5) between its whole pass and its
-    token-by-token cached one: the floor of fp32 here (its chunked delta rule solves
-    triangular systems; the recurrence does not)."""
+    Bound: max |diff| 1e-4 (logit std ~2.9), the same top-1. transformers differs from itself
+    by half that between its whole pass and its token-by-token cached one: the floor of fp32
+    here (its chunked delta rule solves triangular systems; the recurrence does not)."""
     ours = load_model(q35_dirs[arch], "float32")
     ids = random_ids(PROMPT_LEN)
     ref = hf_logits(hf_from_dir(q35_dirs[arch]), ids)
@@ -517,7 +516,8 @@ def interp_check_model() -> None:
 
 @pytest.mark.slow
 def test_model_through_the_triton_kernels_under_the_interpreter() -> None:
-    """Measured max |diff| against the references <= 3.6e-5 (the kernels' fp32 sums)."""
+    """The Triton kernels agree with their torch references within 1e-4 (the kernels' fp32
+    sums run in another order), the same top-1."""
     run_interpreter_check("test_qwen3_5", "interp_check_model")
 
 
