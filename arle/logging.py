@@ -101,6 +101,14 @@ def resolve_log_format(fmt: str | None) -> LogFormat:
     return cast(LogFormat, value)
 
 
+def _traceback_formatter(level_no: int) -> Any:
+    """Tracebacks without the frames' local variables, which hold what clients sent (a request
+    body, a prompt); with them only at debug level."""
+    if structlog.dev.rich is None:
+        return structlog.dev.plain_traceback
+    return structlog.dev.RichTracebackFormatter(show_locals=level_no <= logging.DEBUG)
+
+
 def configure_logging(fmt: LogFormat | None = None, level: str | int = "info") -> None:
     """Set up structlog and route stdlib logging through it. Safe to call again: it replaces
     the previous set-up instead of adding to it."""
@@ -115,7 +123,8 @@ def configure_logging(fmt: LogFormat | None = None, level: str | int = "info") -
         exc_processors: list[Processor] = [structlog.processors.format_exc_info]
     else:
         timestamper = structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False)
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(),
+                                                 exception_formatter=_traceback_formatter(level_no))
         exc_processors = []  # the console renderer prints tracebacks itself
 
     shared: list[Processor] = [

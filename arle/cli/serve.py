@@ -29,6 +29,12 @@ from arle.config import EngineConfig
 from arle.errors import ArleError
 from arle.logging import get_logger
 from arle.server import DEFAULT_MAX_BODY_BYTES
+from arle.server.connections import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEAD_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    ConnectionLimits,
+)
 
 if TYPE_CHECKING:
     from arle.engine.async_engine import AsyncEngine
@@ -62,6 +68,20 @@ def serve(
     max_body_bytes: Annotated[int, _server_opt(
         "--max-body-bytes", min=1024, help="Largest request body; larger get 413.")
     ] = DEFAULT_MAX_BODY_BYTES,
+    max_connections: Annotated[int, _server_opt(
+        "--max-connections", min=1,
+        help="Open connections held at most (lowered below the descriptor limit); past it the "
+             "oldest idle one is closed, or, when all are busy, the new one gets 503.")
+    ] = DEFAULT_MAX_CONNECTIONS,
+    head_timeout: Annotated[float, _server_opt(
+        "--head-timeout", min=0.1,
+        help="Seconds a connection may take to send a request head (from opening, or from "
+             "its last response); then it is closed (408 for a partial head).")
+    ] = DEFAULT_HEAD_TIMEOUT_S,
+    body_timeout: Annotated[float, _server_opt(
+        "--body-timeout", min=0.1,
+        help="Seconds a request body may take to arrive after its head; then the connection "
+             "is closed.")] = DEFAULT_BODY_TIMEOUT_S,
     grace_period: Annotated[float, _server_opt(
         "--grace-period", min=0.0,
         help="Seconds running requests may take to finish after SIGINT/SIGTERM.")] = 30.0,
@@ -89,7 +109,8 @@ def serve(
     settings = ServerSettings(served_model_name=served_model_name, api_key=api_key or None,
                               max_body_bytes=max_body_bytes, allowed_hosts=hosts,
                               allowed_origins=tuple(allowed_origins or ()))
-    run_on_uvloop(_serve(config, settings, host, port, grace_period))
+    limits = ConnectionLimits(max_connections, head_timeout, body_timeout)
+    run_on_uvloop(_serve(config, settings, limits, host, port, grace_period))
 
 
 def run_on_uvloop(main: Any) -> Any:
@@ -119,8 +140,8 @@ async def _warm_up(engine: AsyncEngine) -> None:
                                                   kernel=kernel[:2000]))
 
 
-async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
-                 grace_period: float) -> None:
+async def _serve(config: EngineConfig, settings: Any, limits: ConnectionLimits, host: str,
+                 port: int, grace_period: float) -> None:
     import uvicorn
 
     from arle.engine.build import create_engine
@@ -168,7 +189,7 @@ async def _serve(config: EngineConfig, settings: Any, host: str, port: int,
         uv_config = uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", server_header=False,
             timeout_graceful_shutdown=math.ceil(grace_period) + _SHUTDOWN_BACKSTOP_S,
-            http=limited_http_protocol(app.state.on_refused),
+            http=limited_http_protocol(app.state.on_refused, limits=limits),
             h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         server = Server(uv_config)
         task = asyncio.ensure_future(server.serve(sockets=[sock]))

@@ -29,7 +29,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -239,10 +239,13 @@ class _Handlers:
         if length.isdigit() and int(length) > limit:
             raise too_big
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_big
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_big
+        except ClientDisconnect:
+            raise ClientGone from None
         try:
             return orjson.loads(bytes(body))
         except orjson.JSONDecodeError as e:

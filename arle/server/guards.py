@@ -26,6 +26,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from arle.server import MAX_HEADER_BYTES, MAX_HEADERS
+from arle.server.connections import ConnectionLimits, Deadline, Registry, descriptor_cap
 from arle.server.protocol import error_json
 
 #: The Host names a loopback-bound server answers to by default.
@@ -200,17 +201,30 @@ def _content_type_refusal(value: bytes | None) -> Refusal | None:
                    "unsupported_media_type")
 
 
+def _raw_response(status: str, refusal: Refusal) -> bytes:
+    body = refusal_body(refusal)
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: "
+            f"{len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
 def limited_http_protocol(on_refused: OnRefused | None = None,
                           max_headers: int = MAX_HEADERS,
-                          max_header_bytes: int = MAX_HEADER_BYTES) -> Any:
+                          max_header_bytes: int = MAX_HEADER_BYTES,
+                          limits: ConnectionLimits | None = None) -> Any:
     """uvicorn's httptools protocol with the head limits applied while it is parsed: past them
-    the client gets 431 and the connection closes; nothing more of that request is kept.
+    the client gets 431 and the connection closes; nothing more of that request is kept. With
+    `limits`, the deadlines and the connection cap of arle/server/connections.py too.
     "h11" when httptools is missing (then `uvicorn.Config(h11_max_incomplete_event_size=...)`
-    bounds the head, answering 400)."""
+    bounds the head, answering 400; no deadlines, no cap)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         return "h11"
+    registry = Registry(descriptor_cap(limits.max_connections)) if limits is not None else None
+
+    def refuse(refusal: Refusal) -> None:
+        if on_refused is not None:
+            on_refused("unmatched", refusal)
 
     class LimitedHttpTools(HttpToolsProtocol):
         """NOTE: httptools gathers a header's pieces before `on_header` sees it, so the bytes
@@ -220,6 +234,56 @@ def limited_http_protocol(on_refused: OnRefused | None = None,
         _head_bytes = 0
         _head_count = 0
         _refused = False
+        #: a request's head is read and its response not yet finished
+        _busy = False
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._deadline = Deadline(self.loop)
+            if registry is not None and not registry.admit(self):
+                self._refused = True
+                refusal = Refusal(503, f"the server holds its most connections "
+                                  f"({registry.cap}), each with a request in flight; retry",
+                                  "server_error", "too_many_connections")
+                refuse(refusal)
+                transport.write(_raw_response("503 Service Unavailable", refusal))
+                transport.close()
+                return
+            self._arm_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if registry is not None:
+                registry.remove(self)
+            self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def busy(self) -> bool:
+            return self._busy
+
+        def close_idle(self) -> None:
+            self._deadline.cancel()
+            self.transport.close()
+
+        def _arm_head(self) -> None:
+            if limits is not None:
+                self._deadline.arm(limits.head_timeout_s, self._head_expired)
+
+        def _head_expired(self) -> None:
+            """No whole head in time: a partial one gets 408, a silent connection just ends."""
+            if self._in_head and not self._refused:
+                self._refused = True
+                assert limits is not None
+                refusal = Refusal(408, f"the request head did not arrive within "
+                                  f"{limits.head_timeout_s:g} s (--head-timeout)",
+                                  "invalid_request_error", "request_timeout")
+                refuse(refusal)
+                self.transport.write(_raw_response("408 Request Timeout", refusal))
+            self.transport.close()
+
+        def _body_expired(self) -> None:
+            """The body did not arrive in time: the connection ends; the route sees the client
+            leave."""
+            self.transport.close()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -239,13 +303,8 @@ def limited_http_protocol(on_refused: OnRefused | None = None,
             self._refused = True
             refusal = Refusal(431, message + "; that is the limit", "invalid_request_error",
                               "request_headers_too_large")
-            if on_refused is not None:
-                on_refused("unmatched", refusal)
-            body = refusal_body(refusal)
-            self.transport.write(
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                b"content-type: application/json\r\ncontent-length: "
-                + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+            refuse(refusal)
+            self.transport.write(_raw_response("431 Request Header Fields Too Large", refusal))
             self.transport.close()
             return True
 
@@ -262,8 +321,12 @@ def limited_http_protocol(on_refused: OnRefused | None = None,
 
         def on_headers_complete(self) -> None:
             self._in_head = False
-            if not self._refused:
-                super().on_headers_complete()
+            if self._refused:
+                return
+            self._busy = True
+            if limits is not None:
+                self._deadline.arm(limits.body_timeout_s, self._body_expired)
+            super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
             if not self._refused:
@@ -271,6 +334,14 @@ def limited_http_protocol(on_refused: OnRefused | None = None,
 
         def on_message_complete(self) -> None:
             if not self._refused:
+                self._deadline.cancel()
                 super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            pipelined = bool(self.pipeline)
+            super().on_response_complete()
+            self._busy = pipelined
+            if not pipelined and not self.transport.is_closing():
+                self._arm_head()
 
     return LimitedHttpTools
