@@ -7,6 +7,8 @@ Each rank runs one torch thread (2-core CI machines); the models are the tiny ra
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -381,3 +383,46 @@ def test_the_default_gguf_model_splits_over_3_not_2() -> None:
         check_tensor_parallel(path, 2)
     answers = [_complete(path, tp) for tp in (1, 3)]
     assert answers[0]["text"] == answers[1]["text"]
+
+
+def _listening(pids: list[int]) -> list[str]:
+    """The local addresses ("host:port") of the TCP sockets `pids` listen on."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                found.append(_address(local))
+    return found
+
+
+def _address(hex_local: str) -> str:
+    """/proc/net/tcp{,6}'s "ADDR:PORT" (hex, each 32-bit word little-endian) as text."""
+    addr, port = hex_local.split(":")
+    raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, len(addr), 8))
+    return f"{ipaddress.ip_address(raw)}:{int(port, 16)}"
+
+
+def test_a_tp2_server_listens_on_loopback_only(model_dirs: dict[str, Path],
+                                               tmp_path: Path) -> None:
+    """Every port `arle serve --tp 2` opens (the HTTP port, the ranks' store, gloo's) is on
+    loopback: nobody else on the network can reach the group's store."""
+    server, mark = _marked_tp2_server(model_dirs["qwen3"], tmp_path)
+    try:
+        server.wait_ready()
+        listening = _listening(_processes_marked(mark))
+    finally:
+        server.stop()
+    assert len(listening) >= 2, listening  # the HTTP port and the store at least
+    outside = [a for a in listening
+               if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback]
+    assert not outside, listening

@@ -119,7 +119,8 @@ class WorkerSpec:
     rank: int
     size: int
     local_rank: int
-    init_method: str
+    #: rank 0's store: (host, port); None: torchrun's (env://)
+    address: tuple[str, int] | None
     backend: str
     build: Build
     #: rank 0's log format and level
@@ -266,17 +267,32 @@ def _exit_now() -> None:
     os._exit(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _listen(host: str, port: int) -> socket.socket:
+    """The group's store's listening socket, on `host` only. NOTE: given a host, torch's
+    TCPStore still listens on every interface; from a socket bound here it listens on this
+    one address, so a single-host group is reachable from this machine alone."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        raise ArleError(f"tensor parallel: cannot listen on {host}:{port} for the ranks' "
+                        f"store: {e.strerror or e}") from None
 
 
-def _join(rank: int, size: int, init_method: str, backend: str) -> TPRanks:
-    """Join the group: the default group for the model's collectives, a gloo group for the
-    step messages."""
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+def _join(rank: int, size: int, address: tuple[str, int] | None, backend: str,
+          listener: socket.socket | None = None) -> TPRanks:
+    """Join the group through rank 0's store at `address` (rank 0 serves it from `listener`;
+    None: torchrun's store, env://): the default group for the model's collectives, a gloo
+    group for the step messages."""
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    if address is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size,
+                                timeout=timeout)
+    else:
+        store = dist.TCPStore(address[0], address[1], size, rank == 0, timeout=timeout,
+                              master_listen_fd=listener.fileno() if listener else None)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     return TPRanks(TPGroup(rank, size), control)
 
@@ -292,16 +308,22 @@ def start_ranks(size: int, device_type: str, build: Build) -> TPRanks | None:
         if world != size:
             raise ArleError(f"--tensor-parallel-size {size} but torchrun started {world} ranks "
                             "(WORLD_SIZE): give the same number")
+        # NOTE: the store is torchrun's (its agent serves it where --master-addr says); arle
+        # opens no port of its own
         if rank != 0:
-            run_worker(WorkerSpec(rank, size, local, "env://", backend, build))
+            run_worker(WorkerSpec(rank, size, local, None, backend, build))
             return None
-        return _join(0, size, "env://", backend)
-    init = f"tcp://127.0.0.1:{_free_port()}"
+        return _join(0, size, None, backend)
+    # NOTE: one host: every port of the group on loopback (NCCL's bootstrap too, unless the
+    # user named its interface)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    listener = _listen("127.0.0.1", 0)
+    address = ("127.0.0.1", int(listener.getsockname()[1]))
     procs = []
     for rank in range(1, size):
         p = subprocess.Popen([sys.executable, "-m", "arle.executor.distributed"],
                              stdin=subprocess.PIPE)
-        data = pickle.dumps(WorkerSpec(rank, size, rank, init, backend, build,
+        data = pickle.dumps(WorkerSpec(rank, size, rank, address, backend, build,
                                        logging_settings()))
         assert p.stdin is not None
         p.stdin.write(struct.pack("<Q", len(data)) + data)
@@ -310,7 +332,7 @@ def start_ranks(size: int, device_type: str, build: Build) -> TPRanks | None:
     log.info("tensor_parallel_start", ranks=size, backend=backend,
              pids=[p.pid for p in procs])
     try:
-        ranks = _join(0, size, init, backend)
+        ranks = _join(0, size, address, backend, listener)
     except BaseException:
         for p in procs:
             p.kill()
@@ -321,7 +343,7 @@ def start_ranks(size: int, device_type: str, build: Build) -> TPRanks | None:
 
 def run_worker(spec: WorkerSpec) -> None:
     """A rank > 0: join, build the executor, run rank 0's steps until it stops the group."""
-    ranks = _join(spec.rank, spec.size, spec.init_method, spec.backend)
+    ranks = _join(spec.rank, spec.size, spec.address, spec.backend)
     executor = spec.build(ranks.tp, spec.local_rank)
     ranks.gather_infos(executor.rank_info())
     while (inputs := ranks.recv()) is not None:
