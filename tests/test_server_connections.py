@@ -5,6 +5,7 @@ subprocesses on the tiny random model."""
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import socket
 import threading
@@ -100,10 +101,8 @@ def test_a_dripped_head_gets_408_at_its_deadline(server: ServerProcess) -> None:
             if stop.is_set():
                 return
             for s in socks:
-                try:
+                with contextlib.suppress(OSError):
                     s.send(bytes([byte]))
-                except OSError:
-                    pass
             time.sleep(0.2)
 
     dripper = threading.Thread(target=drip, daemon=True)

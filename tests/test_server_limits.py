@@ -437,3 +437,48 @@ def test_complete_stderr_is_quiet(tiny_dir: Path) -> None:
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stderr == "", out.stderr
+
+
+# ---- text too long for the context, refused before it is tokenized -----------------------------
+
+
+def _rss_mb(pid: int) -> tuple[float, float]:
+    """(resident now, peak resident) of a process, in MB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text()
+                  .splitlines() if ":" in line)
+    return (int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024)
+
+
+def test_a_burst_of_huge_prompts_is_refused_before_tokenizing(server: ServerProcess) -> None:
+    """8 concurrent 4 MB texts on each route that tokenizes (a prompt, a chat message, the
+    Responses API's instructions, /tokenize): each a 400 naming the field, before the
+    tokenizer runs (its memory would be hundreds of MB per text), and the server's memory back
+    where it was after."""
+    text = "word " * ((4 << 20) // 5)
+    cases = [("/v1/completions", {"prompt": text, "max_tokens": 1}, "prompt"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]},
+              "messages"),
+             ("/v1/responses", {"input": "hi", "instructions": text}, None),
+             ("/tokenize", {"prompt": text}, "prompt")]
+    pid = server.proc.pid
+    before, _ = _rss_mb(pid)
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            return await asyncio.gather(*(http.post(path, json=body)
+                                          for path, body, _ in cases for _ in range(8)))
+
+    for _ in range(3):
+        answers = asyncio.run(burst())
+        for r, (path, _, param) in zip(answers, [c for c in cases for _ in range(8)],
+                                       strict=True):
+            err = assert_error(r, 400, param)
+            assert "characters are at least" in err["message"], (path, err)
+    time.sleep(0.5)
+    after, peak = _rss_mb(pid)
+    print(f"server RSS MB: before {before:.0f}, peak {peak:.0f}, after {after:.0f}")
+    # NOTE: what stays is the heap's high-water mark of one burst (the bodies themselves,
+    # 128 MB at once), not a share of every burst: three leave no more than one
+    assert after - before < 160, (before, peak, after)
+    assert peak - before < 600, (before, peak, after)
+    still_serving(server)

@@ -52,6 +52,22 @@ def state_pool_info(executor: Executor) -> dict[str, Any] | None:
             "slot_bytes": state.slot_bytes, "bytes": state.nbytes}
 
 
+def text_chars(prompt: object, messages: list[dict[str, Any]] | None) -> int:
+    """The characters of a request's text: a text prompt's, or the messages' contents (text
+    parts included); a token-id prompt has none."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    total = 0
+    for m in messages or ():
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content
+                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
+
+
 #: why a request ends: (finish_reason, stop_reason)
 _End = tuple[str, str | int]
 
@@ -173,7 +189,19 @@ class AsyncEngine:
             # that only the sampled rows get
             raise InvalidRequestError("prompt logprobs (echo) are not supported with "
                                       "--tensor-parallel-size > 1", param="echo")
+        self.check_text_fits(request.prompt, request.messages)
         self.check_admission()
+
+    def check_text_fits(self, prompt: object, messages: list[dict[str, Any]] | None) -> None:
+        """Refuse, before tokenizing it, a text too long for the context whatever its tokens
+        (`Tokenizer.min_tokens`)."""
+        chars = text_chars(prompt, messages)
+        least = self.tokenizer.min_tokens(chars)
+        if least >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt's {chars} characters are at least {least} tokens, but the context "
+                f"is {self.max_model_len} tokens",
+                param="prompt" if messages is None else "messages")
 
     async def _enqueue(self, request: GenerateRequest) -> Sequence:
         """Tokenize the prompt and compile its grammar off the loop, check them, and queue

@@ -107,6 +107,17 @@ class Tokenizer:
         self._plain: HFTokenizer | None = None
         self._plain_lock = threading.Lock()
         self._template: jinja2.Template | None = None
+        #: The most characters of text one token can stand for (`min_tokens`).
+        self.max_token_chars = max(max(map(len, tok.get_vocab(with_added_tokens=True)),
+                                       default=1), 1)
+
+    def min_tokens(self, chars: int) -> int:
+        """At least how many tokens a text of `chars` characters encodes to, known without
+        encoding it: a token stands for at most `max_token_chars` characters of its stored
+        form, which has one character per byte (byte-level BPE) or per character, and a
+        normalizer that merges characters (NFC, NFKC) folds at most 4 into one; so a text too
+        long for the context is refused before the tokenizer spends memory on it."""
+        return -(-chars // (4 * self.max_token_chars))
 
     # --- building -------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import functools
 import hmac
@@ -135,6 +136,38 @@ def error_response(exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
+
+#: A request body this large leaves the heap trimmed after it (`HeapTrim`).
+LARGE_BODY_BYTES = 1 << 20
+
+
+def _large_body(request: Request) -> bool:
+    length = request.headers.get("content-length", "")
+    return not length.isdigit() or int(length) >= LARGE_BODY_BYTES
+
+
+class HeapTrim:
+    """Give the C heap's free pages back to the OS once large request bodies are gone
+    (glibc's malloc_trim): their pieces (the socket's reads, the body's growth) are scattered
+    through the heap, so freed they would stay the server's for good, a burst of large
+    requests leaving it hundreds of MB larger. At most one trim queued at a time."""
+
+    def __init__(self) -> None:
+        self._queued = False
+        self._trim: Any = None
+        with contextlib.suppress(OSError, AttributeError):
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+
+    def soon(self) -> None:
+        if self._trim is None or self._queued:
+            return
+        self._queued = True
+        asyncio.get_running_loop().call_later(0.05, self._run)
+
+    def _run(self) -> None:
+        self._queued = False
+        self._trim(0)
 
 
 async def _until_disconnect(receive: Receive, aw: Awaitable[T]) -> T:
@@ -292,6 +325,9 @@ class _Handlers:
         req = protocol.parse_request(tokenizer_api.TokenizeRequest, await self._read_json(request))
         self._check_model(req.model)
         engine = self.s.engine
+        messages = ([m.model_dump(exclude_none=True) for m in req.messages]
+                    if req.messages is not None else None)
+        engine.check_text_fits(req.prompt, messages)
         return JSONResponse(await asyncio.to_thread(tokenizer_api.tokenize, engine.tokenizer,
                                                     req, engine.max_model_len))
 
@@ -743,7 +779,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> S
                 return Response(status_code=499)  # nobody reads it; ends the ASGI call cleanly
             except Exception as e:
                 return _fail(request, e)
+            finally:
+                if _large_body(request):
+                    trim.soon()
         return Route(path, endpoint, methods=[method])
+
+    trim = HeapTrim()
 
     def _fail(request: Request, exc: BaseException) -> Response:
         resp = error_response(exc, settings.retry_after_s)
