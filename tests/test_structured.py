@@ -197,6 +197,12 @@ def test_bad_tool_requests(smol: ServerProcess) -> None:
             "name": "x", "schema": {"type": "nonsense"}}}}, "response_format.json_schema.schema"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "strict": True, "schema": {"$ref": "#"}}}},
+         "response_format.json_schema.schema"),
+        ({"tools": [{"type": "function", "function": {"name": "loop", "parameters": {
+            "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}],
+          "tool_choice": {"type": "function", "function": {"name": "loop"}}}, "tools"),
     ]
     with httpx.Client(base_url=smol.url, timeout=60) as http:
         for extra, param in cases:
