@@ -170,6 +170,36 @@ def test_required_tool_choice(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(calls[0].function.arguments), tools[calls[0].function.name])
 
 
+
+def test_required_cut_by_max_tokens_keeps_its_whole_calls(client: openai.OpenAI) -> None:
+    """With parallel calls on, the small model repeats its call until max_tokens: the whole
+    calls come back (not an empty answer), and the stream carries no empty deltas."""
+    kw: dict[str, Any] = dict(model="smol", temperature=0, max_tokens=60, tools=[WEATHER],
+                              tool_choice="required",
+                              messages=[{"role": "user", "content": "Weather in Paris?"}])
+    r = client.chat.completions.create(**kw)
+    calls = r.choices[0].message.tool_calls or []
+    assert r.choices[0].finish_reason in ("length", "tool_calls")
+    whole = [c for c in calls if _parses(c.function.arguments)]
+    assert whole, calls
+    for c in whole:
+        jsonschema.validate(json.loads(c.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    middle = [ch.choices[0].delta for ch in chunks[1:-1] if ch.choices]
+    assert all(d.content or d.tool_calls for d in middle), middle
+    streamed = {tc.index for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls
+                or []}
+    assert len(streamed) == len(calls)
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def test_history_with_tool_results_answers(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="smol", max_tokens=20, temperature=0, tools=[WEATHER],
                                        messages=tool_history())
@@ -457,3 +487,48 @@ def test_responses_request_becomes_a_chat_request() -> None:
         with pytest.raises(InvalidRequestError) as e:
             chat_body(bad)
         assert e.value.param == param
+
+
+def test_required_calls_come_out_as_each_is_whole_and_survive_a_cut() -> None:
+    """tool_choice "required" cut by max_tokens: every whole call is returned, each streamed
+    as soon as its closing brace arrives; the call that was cut comes as OpenAI gives one on
+    `length` (its name, the arguments so far)."""
+    from arle.server.tools import ToolCallParser, ToolPlan, tool_message
+
+    plan = ToolPlan("required", [WEATHER, TIME])
+    whole = ['{"name":"get_weather","arguments":{"city":"Paris"}}',
+             '{"name":"get_time","arguments":{"city":"Rome"}}']
+    text = "[" + ",".join(whole) + ',{"name":"get_weather","arguments":{"city":"Ly'
+    stream = ToolCallParser(plan)
+    seen_at: list[int] = []
+    deltas: list[dict[str, Any]] = []
+    for i, ch in enumerate(text):
+        _, d = stream.feed(ch)
+        if d:
+            seen_at.append(i)
+        deltas += d
+    assert seen_at == [len(whole[0]), len(whole[0]) + 1 + len(whole[1])]  # at each "}"
+    _, last = stream.finish()
+    deltas += last
+    msg = tool_message(ToolCallParser(plan), text)
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]]
+    assert calls == [("get_weather", '{"city":"Paris"}'), ("get_time", '{"city":"Rome"}'),
+                     ("get_weather", '{"city":"Ly')]
+    streamed: dict[int, str] = {}
+    for d in deltas:
+        streamed[d["index"]] = streamed.get(d["index"], "") + d["function"]["arguments"]
+    assert list(streamed.values()) == [a for _, a in calls]
+
+
+def test_arguments_are_compact_json_in_every_mode() -> None:
+    """One rule for a call's arguments string, whatever the mode: JSON with no spaces."""
+    from arle.server.tools import ToolCallParser, ToolPlan, tool_message
+
+    spaced = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+    want = '{"city":"Paris","unit":"celsius"}'
+    for plan, text in [(ToolPlan("auto", [WEATHER]), f"<tool_call>\n{spaced}\n</tool_call>"),
+                       (ToolPlan("auto", [WEATHER]), spaced.replace("arguments", "parameters")),
+                       (ToolPlan("required", [WEATHER]), f"[{spaced}]"),
+                       (ToolPlan("named", [WEATHER], "get_weather"), want)]:
+        msg = tool_message(ToolCallParser(plan), text)
+        assert msg["tool_calls"][0]["function"]["arguments"] == want, (plan.mode, text)

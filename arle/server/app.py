@@ -720,10 +720,13 @@ class _Run:
                 echo, echo_lps = self._echo(c)
                 logprobs = _join_logprobs(echo_lps, logprobs, self.req.logprobs is not None)
                 text = echo + text
-            if text or last or lps or (first and self.echo):
+            chat = self._chat_delta(c, text, last) if self.chat else None
+            # NOTE: text the tool parser holds (a call not yet whole) makes no chunk
+            shown = bool(chat) if chat is not None else bool(text)
+            if shown or last or lps or (first and self.echo):
                 d: dict[str, Any] = {"index": c.index}
-                if self.chat:
-                    d["delta"] = self._chat_delta(c, text, last)
+                if chat is not None:
+                    d["delta"] = chat
                 else:
                     d["text"] = text
                 d["logprobs"] = logprobs

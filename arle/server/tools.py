@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -152,6 +153,8 @@ class ToolCallParser:
     content: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
     _held: str = ""
+    #: required: where the next call of the array starts in `_held` (0: before the "[")
+    _next: int = 0
     _in_call: bool = False
     _json_answer: bool | None = None  # auto: does the answer start like a JSON call?
 
@@ -161,7 +164,7 @@ class ToolCallParser:
             return "", self._named(text)
         self._held += text
         if mode == "required":
-            return "", []
+            return "", self._array(final=False)
         if self._json_answer is None and self._held.strip():
             self._json_answer = self._held.lstrip().startswith("{")
         if self._json_answer is not False:
@@ -172,12 +175,9 @@ class ToolCallParser:
         mode = self.plan.mode
         if mode == "named":
             return "", []
-        held, self._held = self._held, ""
         if mode == "required":
-            calls = _parse_json(held)
-            items = calls if isinstance(calls, list) else []
-            return "", self._add([(c.get("name"), c.get("arguments")) for c in items
-                                  if isinstance(c, dict)])
+            return "", self._array(final=True)
+        held, self._held = self._held, ""
         if self._json_answer:
             obj = _parse_json(held)
             if isinstance(obj, dict) and obj.get("name") in self.plan.names:
@@ -198,6 +198,33 @@ class ToolCallParser:
             self.calls[0]["function"]["arguments"] += text
             deltas.append({"index": 0, "function": {"arguments": text}})
         return deltas
+
+    def _array(self, final: bool) -> list[dict[str, Any]]:
+        """required: the answer is a JSON array of calls; each call is taken as soon as it is
+        whole. At the end, a call cut off (max_tokens) is given as OpenAI gives one: its name
+        and the arguments' text so far."""
+        held, i = self._held, self._next
+        if i == 0:
+            i = len(held) - len(held.lstrip())
+            if held[i:i + 1] != "[":
+                return []
+            i += 1
+        calls: list[tuple[Any, Any]] = []
+        while True:
+            j = i + len(held[i:]) - len(held[i:].lstrip(" \t\n\r,"))
+            try:
+                call, end = _DECODER.raw_decode(held, j)
+            except json.JSONDecodeError:
+                break
+            if isinstance(call, dict):
+                calls.append((call.get("name"), call.get("arguments")))
+            i = end
+        self._next = i
+        cut = _CUT_CALL.match(held, i) if final else None
+        name = json.loads(f'"{cut[1]}"') if cut is not None else None
+        if cut is not None and name in self.plan.names:
+            calls.append((name, cut[2].rstrip()))
+        return self._add(calls)
 
     def _scan(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """Qwen / Hermes blocks: text outside them is content; a partial `<tool_call>` at the
@@ -243,13 +270,25 @@ class ToolCallParser:
         for name, args in calls:
             if self.calls and not self.plan.parallel:
                 break
-            text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            text = args if isinstance(args, str) else compact_json(args)
             call = {"id": call_id(), "type": "function",
                     "function": {"name": str(name), "arguments": text}}
             index = len(self.calls)
             self.calls.append(call)
             deltas += [_header(index, call), {"index": index, "function": {"arguments": text}}]
         return deltas
+
+
+_DECODER = json.JSONDecoder()
+#: a call of the required array cut off: its name and the start of its arguments
+_CUT_CALL = re.compile(
+    r'[\s,]*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(.*)\Z', re.DOTALL)
+
+
+def compact_json(value: Any) -> str:
+    """A call's arguments as every mode gives them: JSON with no spaces between tokens (as
+    OpenAI writes them, and as the constrained modes generate them), non-ASCII as is."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _header(index: int, call: dict[str, Any]) -> dict[str, Any]:
