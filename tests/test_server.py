@@ -370,7 +370,24 @@ def test_traces_carry_route_and_error(server: ServerProcess, client: openai.Open
     chat = [t for t in traces if t.get("route") == "/v1/chat/completions"]
     assert chat and chat[-1]["error"] is None and chat[-1]["completion_tokens"] >= 1
     bad = [t for t in traces if t.get("status") == 400]
-    assert bad[-1]["route"] == "/v1/completions" and "top_p" in bad[-1]["error"]
+    assert bad[-1]["route"] == "/v1/completions" and bad[-1]["param"] == "top_p"
+    assert bad[-1]["error"] == "invalid_request_error"
+
+
+def test_info_logs_hold_no_text_a_client_chose(server: ServerProcess) -> None:
+    """A refused request's trace names the route, status, error type and a known field; what
+    the client wrote (an unknown field's name, a path, a schema) stays out of info logs."""
+    marks = ["zzfieldmark", "zzpathmark", "zzschemamark"]
+    httpx.post(server.url + "/v1/completions", json={"prompt": "x", marks[0]: 1})
+    httpx.get(server.url + "/" + marks[1])
+    httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "$ref": "#/$defs/" + marks[2]}}}})
+    wait_for(lambda: sum(e.get("event") == "request_trace" and e.get("status") in (400, 404)
+                         for e in server.events()) >= 3, 5, "three refusal traces")
+    text = server.log_path.read_text(errors="replace")
+    assert not [m for m in marks if m in text], text[-3000:]
 
 
 def test_metrics_and_stats(server: ServerProcess, client: openai.OpenAI) -> None:
@@ -597,3 +614,11 @@ def test_sigterm_finishes_running_requests_and_exits_0(small: ServerProcess) -> 
     assert small.stop(None, timeout_s=30) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(small.url + "/health", timeout=5)
+
+
+def test_a_body_that_is_not_utf8_is_named_so(server: ServerProcess) -> None:
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "\xff\xfe"}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "not valid UTF-8: byte 12 (0xff)" in message and "surrogate" not in message, message

@@ -184,3 +184,35 @@ def test_console_tracebacks_show_no_locals(capsys: pytest.CaptureFixture[str]) -
         assert "boom" in err
         assert (secret in err) == shown, err[-2000:]
     configure_logging("console", "info")
+
+
+def test_console_logs_of_serve_show_each_request_trace(tiny_dir: Path, tmp_path: Path) -> None:
+    """`arle serve` with its default console logs prints one request_trace line per request,
+    as docs/server.md says (the answer-printing commands keep theirs to warnings)."""
+    import re
+
+    from served import ServerProcess
+
+    server = ServerProcess(["--model", str(tiny_dir), "--kv-cache-tokens", "4096",
+                            "--log-format", "console"], tmp_path / "serve.log")
+    try:
+        deadline = time.monotonic() + 120
+        url = None
+        while url is None and time.monotonic() < deadline and server.proc.poll() is None:
+            found = re.search(r"listening on (http://\S+)", server.log_path.read_text())
+            url = found[1] if found else None
+            time.sleep(0.05)
+        assert url is not None, server.log_path.read_text()[-2000:]
+
+        def traces() -> list[str]:
+            return [ln for ln in server.log_path.read_text().splitlines()
+                    if "request_trace" in ln]
+
+        before = len(traces())  # the start-up warm-up's own requests
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+        time.sleep(0.3)
+        lines = traces()[before:]
+        assert len(lines) == 1 and "completion_tokens=2" in lines[0], lines
+    finally:
+        server.stop()

@@ -230,6 +230,7 @@ def test_bad_tool_requests(smol: ServerProcess) -> None:
         ({"response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "strict": True, "schema": {"$ref": "#"}}}},
          "response_format.json_schema.schema"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "loop", "parameters": {
             "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}],
           "tool_choice": {"type": "function", "function": {"name": "loop"}}}, "tools"),
@@ -532,3 +533,14 @@ def test_arguments_are_compact_json_in_every_mode() -> None:
                        (ToolPlan("named", [WEATHER], "get_weather"), want)]:
         msg = tool_message(ToolCallParser(plan), text)
         assert msg["tool_calls"][0]["function"]["arguments"] == want, (plan.mode, text)
+
+
+def test_responses_errors_name_the_responses_parameters(smol: ServerProcess) -> None:
+    """A bad `text.format` schema on /v1/responses is named as the client wrote it."""
+    body = {"input": "x", "max_output_tokens": 2, "text": {"format": {
+        "type": "json_schema", "name": "x", "strict": True, "schema": {"$ref": "#"}}}}
+    r = httpx.post(smol.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "text.format.schema", err
+    assert "response_format" not in err["message"], err

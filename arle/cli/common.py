@@ -164,14 +164,16 @@ def report_errors(debug: bool) -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
-def arle_command(*, engine: bool = False, resolve_model: bool = True, one_request: bool = False
-                 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def arle_command(*, engine: bool = False, resolve_model: bool = True, one_request: bool = False,
+                 info_logs: bool = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Decorate a command: add `--log-format`/`--debug` (and the engine options when `engine`),
     configure logging, report errors. With `engine`, the command takes `config: EngineConfig`;
     `resolve_model=False` leaves the model path to be resolved when an engine is built (for a
     command that may not build one, like `chat --url`). `one_request`: the command runs one
     request at a time, so its engine takes one running request unless the flag says otherwise
-    (on CUDA: one decode graph to capture and no extend graphs, so it starts sooner)."""
+    (on CUDA: one decode graph to capture and no extend graphs, so it starts sooner).
+    `info_logs`: console logs keep info events too (a server's start-up and its one
+    `request_trace` per request); other commands' console logs show warnings only."""
 
     def decorate(fn: Callable[..., None]) -> Callable[..., None]:
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
@@ -191,9 +193,11 @@ def arle_command(*, engine: bool = False, resolve_model: bool = True, one_reques
             with report_errors(debug):
                 fmt = resolve_log_format(log_format.value if log_format else None)
                 # NOTE: console logs are for a person reading the answer: warnings only (info
-                # lines would interleave with the streamed text). JSON logs are for machines
-                # and keep the info events (`request_trace`).
-                level = "debug" if debug else "info" if fmt == "json" else "warning"
+                # lines would interleave with the streamed text), but a server's, which
+                # prints no answer. JSON logs are for machines and keep the info events
+                # (`request_trace`).
+                level = ("debug" if debug else "info" if fmt == "json" or info_logs
+                         else "warning")
                 configure_logging(fmt, level)
                 if engine:
                     if one_request and engine_flags["max_running_requests"] is None:

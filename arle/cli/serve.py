@@ -49,7 +49,7 @@ def _server_opt(*decls: str, help: str, **kw: Any) -> Any:
     return typer.Option(*decls, help=help, rich_help_panel=SERVER_PANEL, **kw)
 
 
-@arle_command(engine=True)
+@arle_command(engine=True, info_logs=True)
 def serve(
     host: Annotated[str, _server_opt(
         "--host", help="Address to bind; 0.0.0.0 exposes the server to the network.")

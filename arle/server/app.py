@@ -42,7 +42,7 @@ from arle.server import DEFAULT_MAX_BODY_BYTES, protocol, tokenizer_api
 from arle.server.guards import Guards, Refusal
 from arle.server.metrics import CONTENT_TYPE, ServerMetrics
 from arle.server.protocol import ChatCompletionRequest, CompletionRequest, Decoder
-from arle.server.responses import ResponseShape, chat_body, renamed
+from arle.server.responses import RESPONSES_FIELDS, ResponseShape, chat_body, renamed
 from arle.server.structured import response_format_grammar
 from arle.server.tools import (
     ToolCallParser,
@@ -136,6 +136,40 @@ def error_response(exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
+
+def _json_error(body: bytearray, e: orjson.JSONDecodeError) -> str:
+    """What is wrong with a body orjson refused: its first byte that is not UTF-8 (orjson
+    calls every such byte a surrogate), else the JSON error."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as u:
+        return (f"the request body is not valid UTF-8: byte {u.start} "
+                f"(0x{body[u.start]:02x}): {u.reason}")
+    return f"malformed JSON body: {e}"
+
+
+#: Request fields a trace may name: what the routes define (a client's unknown field stays out).
+_FIELDS = frozenset({*protocol.CompletionRequest.model_fields,
+                     *protocol.ChatCompletionRequest.model_fields,
+                     *tokenizer_api.TokenizeRequest.model_fields, *RESPONSES_FIELDS})
+
+
+def _trace_fields(route: str, status: int, exc: BaseException) -> dict[str, Any]:
+    """A refused request's trace: its route, status, error type, code and the field it names.
+    NOTE: a client's mistake (4xx) is told in the client's words (an unknown field, a schema
+    pointer, a Host header): its message is logged at debug only, so an info log holds no
+    text a client chose."""
+    error_type = getattr(exc, "error_type", "internal_error")
+    param = getattr(exc, "param", None)
+    fields: dict[str, Any] = {"route": route, "status": status, "error": error_type,
+                              "code": getattr(exc, "code", None),
+                              "param": param if str(param).split(".")[0] in _FIELDS else None}
+    if status >= 500:
+        fields["message"] = str(exc)
+    else:
+        log.debug("request_refused", route=route, message=str(exc))
+    return fields
 
 
 #: A request body this large leaves the heap trimmed after it (`HeapTrim`).
@@ -282,7 +316,7 @@ class _Handlers:
         try:
             return orjson.loads(bytes(body))
         except orjson.JSONDecodeError as e:
-            raise InvalidRequestError(f"malformed JSON body: {e}") from None
+            raise InvalidRequestError(_json_error(body, e)) from None
 
     # -- plain routes --
     async def health(self, request: Request) -> Response:
@@ -796,7 +830,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> S
         path = request.url.path
         state.metrics.observe_http_error(path if path in known else "unmatched", resp.status_code)
         # NOTE: a request refused before the engine saw it still leaves one trace line.
-        fields = {"route": request.url.path, "status": resp.status_code, "error": str(exc)}
+        fields = _trace_fields(path if path in known else "unmatched", resp.status_code, exc)
         # NOTE: a client's mistake (4xx) and an overload (503) are the server working as
         # meant: below error level.
         if isinstance(exc, EndedByServer):
@@ -810,8 +844,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> S
         return resp
 
     def refused(path: str, refusal: Refusal) -> None:
-        state.metrics.observe_http_error(path if path in known else "unmatched", refusal.status)
-        log.info("request_trace", route=path, status=refusal.status, error=refusal.message)
+        route = path if path in known else "unmatched"
+        state.metrics.observe_http_error(route, refusal.status)
+        log.info("request_trace", route=route, status=refusal.status, error=refusal.error_type,
+                 code=refusal.code, param=None)
+        log.debug("request_refused", route=route, message=refusal.message)
 
     async def http_exception(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

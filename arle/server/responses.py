@@ -24,8 +24,9 @@ _IGNORED = ("store", "metadata", "user", "service_tier", "truncation", "include"
 _REFUSED = ("previous_response_id", "background", "conversation", "prompt")
 _SAMPLING = ("temperature", "top_p", "parallel_tool_calls", "seed", "stop", "top_k", "min_p",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "model")
-_KNOWN = {"input", "instructions", "tools", "tool_choice", "text", "max_output_tokens",
-          "stream", *_IGNORED, *_REFUSED, *_SAMPLING}
+#: the Responses request fields arle reads, ignores or refuses by name
+RESPONSES_FIELDS = frozenset({"input", "instructions", "tools", "tool_choice", "text",
+                              "max_output_tokens", "stream", *_IGNORED, *_REFUSED, *_SAMPLING})
 
 
 def chat_body(body: object) -> dict[str, Any]:
@@ -34,7 +35,7 @@ def chat_body(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     for key in body:
-        if key not in _KNOWN:
+        if key not in RESPONSES_FIELDS:
             raise InvalidRequestError(f"unknown or unsupported parameter: {key}", param=key)
     for key in _REFUSED:
         if body.get(key) is not None:
@@ -122,17 +123,20 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-#: chat parameter -> the Responses parameter it came from, for errors
-_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text",
-           "tool_choice.function": "tool_choice"}
+#: chat parameter -> the Responses parameter it came from, for errors (longest first)
+_PARAMS = {"response_format.json_schema.schema": "text.format.schema",
+           "response_format.json_schema": "text.format", "response_format.type":
+           "text.format.type", "response_format": "text.format", "max_tokens":
+           "max_output_tokens", "messages": "input", "tool_choice.function": "tool_choice"}
 
 
 def renamed(e: InvalidRequestError) -> InvalidRequestError:
-    """A chat route error, naming the Responses parameter the client wrote."""
+    """A chat route error, naming the Responses parameter the client wrote, in its `param`
+    and in its message."""
     param = e.param or ""
     for chat, ours in _PARAMS.items():
         if param == chat or param.startswith(chat + "."):
-            out = InvalidRequestError(str(e), param=ours)
+            out = InvalidRequestError(str(e).replace(chat, ours), param=ours + param[len(chat):])
             out.http_status = e.http_status
             return out
     return e

@@ -57,6 +57,11 @@ class ToolPlan:
             if choice not in (None, "none"):
                 raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
             return None
+        names = [t.function.name for t in req.tools]
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise InvalidRequestError(f"two tools are named {twice!r}: a call could not say "
+                                      "which it means", param="tools")
         if choice == "none":
             return None
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
