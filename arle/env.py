@@ -25,6 +25,7 @@ CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
 LOCAL_RANK = "LOCAL_RANK"
+NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
 
 #: Name -> what it does.
 VARIABLES: dict[str, str] = {
@@ -46,6 +47,8 @@ VARIABLES: dict[str, str] = {
           "starting its own ranks.",
     WORLD_SIZE: "Set by torchrun: the number of ranks (must equal --tensor-parallel-size).",
     LOCAL_RANK: "Set by torchrun: the rank on this host (its GPU's index).",
+    NCCL_SOCKET_IFNAME: "The interface of NCCL's bootstrap sockets (NCCL reads it); unset, a "
+                        "one-host tensor-parallel group sets it to lo (loopback).",
 }
 
 
@@ -82,3 +85,9 @@ def torchrun_rank() -> tuple[int, int, int] | None:
     if not rank or not world:
         return None
     return int(rank), int(world), int(get(LOCAL_RANK) or rank)
+
+
+def nccl_on_loopback() -> None:
+    """NCCL_SOCKET_IFNAME=lo for the processes of a one-host group, unless the user set it."""
+    if get(NCCL_SOCKET_IFNAME) is None:
+        os.environ[NCCL_SOCKET_IFNAME] = "lo"

@@ -101,12 +101,13 @@ def resolve_log_format(fmt: str | None) -> LogFormat:
     return cast(LogFormat, value)
 
 
-def _traceback_formatter(level_no: int) -> Any:
+def _traceback_formatter(level_no: int, colors: bool) -> Any:
     """Tracebacks without the frames' local variables, which hold what clients sent (a request
-    body, a prompt); with them only at debug level."""
+    body, a prompt); with them only at debug level. In color only where the log is."""
     if structlog.dev.rich is None:
         return structlog.dev.plain_traceback
-    return structlog.dev.RichTracebackFormatter(show_locals=level_no <= logging.DEBUG)
+    return structlog.dev.RichTracebackFormatter(
+        show_locals=level_no <= logging.DEBUG, color_system="truecolor" if colors else None)
 
 
 def configure_logging(fmt: LogFormat | None = None, level: str | int = "info") -> None:
@@ -123,8 +124,9 @@ def configure_logging(fmt: LogFormat | None = None, level: str | int = "info") -
         exc_processors: list[Processor] = [structlog.processors.format_exc_info]
     else:
         timestamper = structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False)
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(),
-                                                 exception_formatter=_traceback_formatter(level_no))
+        colors = sys.stderr.isatty()
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=colors, exception_formatter=_traceback_formatter(level_no, colors))
         exc_processors = []  # the console renderer prints tracebacks itself
 
     shared: list[Processor] = [

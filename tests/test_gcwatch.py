@@ -44,7 +44,9 @@ def test_freeze_start_up_takes_objects_out_of_full_passes() -> None:
     walked = len(gc.get_objects(generation=2))  # what a full pass walks now
     try:
         frozen = freeze_start_up()
-        assert frozen == gc.get_freeze_count() >= walked > 1000
+        # NOTE: >=, not ==: a thread an earlier test left running may add to the permanent
+        # generation between the two reads
+        assert gc.get_freeze_count() >= frozen >= walked > 1000
         assert len(gc.get_objects(generation=2)) < walked // 10
     finally:
         gc.unfreeze()

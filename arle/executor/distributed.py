@@ -316,7 +316,7 @@ def start_ranks(size: int, device_type: str, build: Build) -> TPRanks | None:
         return _join(0, size, None, backend)
     # NOTE: one host: every port of the group on loopback (NCCL's bootstrap too, unless the
     # user named its interface)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    env.nccl_on_loopback()
     listener = _listen("127.0.0.1", 0)
     address = ("127.0.0.1", int(listener.getsockname()[1]))
     procs = []
