@@ -212,6 +212,7 @@ def check_fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
     got = _launch_fp8_linear(x, w, ws, block, bias, cfg)
     what = f"{cfg} M={x.shape[0]} N={w.shape[0]} K={x.shape[1]} {x.dtype} bias={bias is not None}"
     assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0]), what
+    assert torch.isfinite(got).all(), (what, got)
     tol = 1e-6 if x.dtype == torch.float32 else 2e-3
     if kind_of(cfg) == "w8a8":
         # against the kernel's own quantised activations: the interpreter rounds to e4m3
