@@ -105,3 +105,23 @@ def test_level_filters_and_bad_values(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(ValueError, match="log level"):
         configure_logging("json", level="loud")
     configure_logging("console")
+
+
+def test_console_tracebacks_show_no_locals(capsys: pytest.CaptureFixture[str]) -> None:
+    """What a frame held (a request body) stays out of a logged traceback unless --debug."""
+    from arle.logging import configure_logging, get_logger
+
+    def fail(body: bytes) -> None:
+        raise ValueError("boom")
+
+    secret = "-".join(["LOCAL", "SECRET", "BODY"])  # the joined text is in no source line
+    for level, shown in (("info", False), ("debug", True)):
+        configure_logging("console", level)
+        try:
+            fail(secret.encode())
+        except ValueError:
+            get_logger("test").error("failed", exc_info=True)
+        err = capsys.readouterr().err
+        assert "boom" in err
+        assert (secret in err) == shown, err[-2000:]
+    configure_logging("console", "info")

@@ -177,7 +177,11 @@ LARGE_BODY_BYTES = 1 << 20
 
 
 def _large_body(request: Request) -> bool:
-    length = request.headers.get("content-length", "")
+    """A body of LARGE_BODY_BYTES or more, or of a length not given ahead (chunked); a request
+    with no body (GET /health) is not one."""
+    length = request.headers.get("content-length")
+    if length is None:
+        return "chunked" in request.headers.get("transfer-encoding", "")
     return not length.isdigit() or int(length) >= LARGE_BODY_BYTES
 
 
