@@ -11,6 +11,7 @@ from typing import Literal
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3"]
+Speculative = Literal["off", "ngram"]
 
 #: Defaults that depend on the device: (CPU, CUDA). A GPU wants wide steps and many rows.
 DEVICE_DEFAULTS = {
@@ -59,6 +60,12 @@ class EngineConfig:
     #: Ranks (one per device) the model is split over; rank 0 runs the engine (docs/parallel.md).
     tensor_parallel_size: int = 1
     seed: int = 0
+    #: Speculative decoding: draft tokens and verify them in one forward (docs/speculative.md).
+    #: ngram: drafts from the request's own prompt and output.
+    speculative: Speculative = "off"
+    #: Most draft tokens a request verifies per step (None: the device's, 8 on CPU, 4 on
+    #: CUDA: arle.engine.speculative.DEVICE_RULES).
+    num_speculative_tokens: int | None = None
     # ---- CUDA only ----
     #: Share of GPU memory for weights, activations and the KV pool; the pool takes what the
     #: weights and a profile run at the largest step leave (as SGLang's flag).
@@ -80,6 +87,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 8:
+            raise ValueError("num_speculative_tokens must be in [1, 8], "
+                             f"got {self.num_speculative_tokens}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.state_snapshots is not None and self.state_snapshots < 0:
@@ -158,6 +168,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("tensor_parallel_size", "--tensor-parallel-size", aliases=("--tp",), min=1,
                  help="Split the model over this many devices, one process each "
                       "(docs/parallel.md)."),
+    EngineOption("speculative", "--speculative",
+                 help="Speculative decoding: ngram drafts from the request's own prompt and "
+                      "output, verified in one forward (docs/speculative.md)."),
+    EngineOption("num_speculative_tokens", "--num-speculative-tokens", min=1, max=8,
+                 help="Most draft tokens a request verifies per step (default: 8 on CPU, 4 on "
+                      "CUDA)."),
     EngineOption("mem_fraction_static", "--mem-fraction-static", min=0.05, max=0.99,
                  help="CUDA: share of GPU memory for weights, activations and the KV pool."),
     EngineOption("kv_cache_dtype", "--kv-cache-dtype",

@@ -11,7 +11,7 @@ import inspect
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TypeVar
@@ -19,6 +19,8 @@ from typing import TypeVar
 import pytest
 import torch
 
+from arle.engine.async_engine import AsyncEngine
+from arle.engine.speculative import Drafter, RequestSpec, SpecConfig
 from arle.model.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -134,3 +136,29 @@ def assert_within_bf16(ours: torch.Tensor, ref: torch.Tensor, hf_bf16: dict[str,
     assert m["rel"] <= 1.5 * hf_bf16["rel"] + 1e-3, (where, m, hf_bf16)
     assert m["kl_mean"] <= 2 * hf_bf16["kl_mean"] + 1e-4, (where, m, hf_bf16)
     assert m["top1"] >= top1_floor, (where, m, hf_bf16)
+
+
+class Oracle(Drafter):
+    """Drafts the reference run's next tokens for the request (found by its prompt), every
+    `wrong`-th one off by one: verify rows reject at varying positions."""
+
+    def __init__(self, config: SpecConfig, truth: dict[tuple[int, ...], list[int]],
+                 wrong: int = 3) -> None:
+        super().__init__(config)
+        self.truth, self.wrong = truth, wrong
+
+    def lookup(self, spec: RequestSpec, tokens: Sequence[int], num_output: int,
+               k: int) -> list[int]:
+        drafts = self.truth[tuple(tokens[:len(tokens) - num_output])][num_output:num_output + k]
+        w = self.wrong
+        return [(t + 1) % 256 if w and (num_output + i) % w == w - 1 else t
+                for i, t in enumerate(drafts)]
+
+
+def with_oracle(engine: AsyncEngine, prompts: list[list[int]], outputs: list[list[int]],
+                wrong: int = 3) -> AsyncEngine:
+    drafter = engine.scheduler.drafter
+    assert drafter is not None
+    engine.scheduler.drafter = Oracle(
+        drafter.config, {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}, wrong)
+    return engine

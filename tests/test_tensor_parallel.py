@@ -27,7 +27,7 @@ import pytest
 import torch
 import tp_rank
 from conftest import assert_all_pages_back, cancel_mid_stream, run, run_many, tokens_of
-from helpers import require_smollm2_gguf
+from helpers import require_smollm2_gguf, with_oracle
 from model_dirs import hf_config, write_model_dir, write_qwen3_5_dir
 from served import ROOT, ServerProcess
 
@@ -262,6 +262,30 @@ async def test_cancellation_and_preemption_under_tp(model_dirs: dict[str, Path])
         finally:
             await engine.close()
     assert results[2] == results[1]
+
+
+async def test_speculative_decoding_under_tp(model_dirs: dict[str, Path]) -> None:
+    """Qwen3.5 at TP=2 with verify rows (drafts right and wrong, each rank keeping its heads'
+    states per position): the greedy tokens one rank gives without speculation."""
+    base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, kv_cache_tokens=1024,
+                        max_running_requests=4)
+    prompts = [[(7 * i + 5 * j) % 250 for j in range(18 + 5 * i)] for i in range(3)]
+    off = await create_engine(base)
+    try:
+        want = [tokens_of(d) for d in await run_many(off, prompts, max_tokens=20,
+                                                     temperature=0.0, ignore_eos=True)]
+    finally:
+        await off.close()
+    engine = await create_engine(replace(base, tensor_parallel_size=2, speculative="ngram",
+                                         num_speculative_tokens=3))
+    try:
+        with_oracle(engine, prompts, want)
+        got = await run_many(engine, prompts, max_tokens=20, temperature=0.0, ignore_eos=True)
+        assert [tokens_of(d) for d in got] == want
+        assert engine.stats["spec_accepted_tokens"] > 0
+        assert_all_pages_back(engine)
+    finally:
+        await engine.close()
 
 
 async def test_a_prefix_hit_restores_every_ranks_state(model_dirs: dict[str, Path]) -> None:

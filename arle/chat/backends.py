@@ -41,6 +41,17 @@ class TurnStats:
     ttft_ms: float | None = None
     total_ms: float = 0.0
     finish_reason: str | None = None
+    #: speculative decoding: drafts the answer kept (None: it drafted nothing)
+    accepted_drafts: int | None = None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens per decode step (speculative decoding: a verify step keeps its accepted
+        drafts and one token more); None without speculation."""
+        steps = self.completion_tokens - 1 - (self.accepted_drafts or 0)
+        if self.accepted_drafts is None or steps < 1:
+            return None
+        return (self.completion_tokens - 1) / steps
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -52,6 +63,7 @@ class TurnStats:
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["tokens_per_s"] = self.tokens_per_s
+        out["tokens_per_step"] = self.tokens_per_step
         return out
 
 
@@ -115,6 +127,8 @@ class EngineBackend:
                 trace = delta.trace or {}
                 if trace.get("ttft_ms") is not None:
                     stats.ttft_ms = trace["ttft_ms"]
+                if trace.get("spec"):
+                    stats.accepted_drafts = trace["spec"]["accepted"]
                 if delta.error or delta.finish_reason == "error":
                     raise EngineStepError(delta.error or "generation failed")
 

@@ -362,6 +362,8 @@ def status_line(s: TurnStats) -> str:
     parts = [f"{s.completion_tokens} tokens"]
     if s.tokens_per_s is not None:
         parts.append(f"{s.tokens_per_s:.1f} tok/s")
+    if s.tokens_per_step is not None:
+        parts.append(f"{s.tokens_per_step:.2f} tok/step")
     if s.ttft_ms is not None:
         parts.append(f"TTFT {s.ttft_ms:.0f} ms")
     if s.prompt_tokens:

@@ -24,10 +24,11 @@ from arle.engine.output import IncrementalDetokenizer, StopStringMatcher
 from arle.engine.request import Delta, GenerateRequest, SamplingParams, TokenLogprob, Usage
 from arle.engine.scheduler import Scheduler, SchedulerConfig
 from arle.engine.sequence import Sequence, Status
+from arle.engine.speculative import Drafter, accepted_drafts, spec_config
 from arle.engine.trace import build_trace
 from arle.errors import ArleError, InvalidRequestError, OverloadedError
 from arle.executor.base import Executor, KVPoolInfo, StepOutput
-from arle.executor.plan import StepPlan
+from arle.executor.plan import Row, StepPlan
 from arle.logging import get_logger
 from arle.model.tokenizer import Tokenizer
 
@@ -132,7 +133,8 @@ class AsyncEngine:
             max_running_requests=min(config.max_running_requests, executor.num_slots),
             max_batched_tokens=config.max_batched_tokens,
             chunked_prefill_size=min(config.chunked_prefill_size, config.max_batched_tokens),
-            max_waiting_requests=config.max_waiting_requests), self.cache)
+            max_waiting_requests=config.max_waiting_requests), self.cache,
+            drafter=Drafter(spec) if (spec := spec_config(config)) is not None else None)
         self._requests: dict[str, Sequence] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -147,7 +149,9 @@ class AsyncEngine:
                  chunked_prefill_size=self.scheduler.config.chunked_prefill_size,
                  max_waiting_requests=config.max_waiting_requests,
                  max_model_len=self.max_model_len, page_size=pool.page_size,
-                 prefix_cache=config.enable_prefix_cache, overlap=config.overlap)
+                 prefix_cache=config.enable_prefix_cache, overlap=config.overlap,
+                 speculative=config.speculative if spec is not None else None,
+                 num_speculative_tokens=spec.num_tokens if spec is not None else None)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation_config, then the caller's non-None values."""
@@ -245,6 +249,11 @@ class AsyncEngine:
                                 else self.tokenizer.eos_token_ids),
                        route=request.route, stream=request.stream, prompt_bytes=nbytes,
                        grammar=matcher)
+        drafter = self.scheduler.drafter
+        # NOTE: penalties count every sampled token and a grammar advances on each: their
+        # rows never verify drafts
+        if drafter is not None and matcher is None and not params.has_penalties:
+            seq.spec = drafter.start()
         seq.timeline.queue_depth = len(self.scheduler.waiting)
         seq.output_state = _OutputState(
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
@@ -368,8 +377,12 @@ class AsyncEngine:
         """
         inflight: collections.deque[tuple[StepPlan, asyncio.Future[StepOutput]]] = (
             collections.deque())
-        depth = 2 if self.config.overlap else 1
+        overlap = 2 if self.config.overlap else 1
         while not self._closed:
+            # NOTE: a request about to draft needs its last token: the next step waits for
+            # the one in flight (and a verify step's kept states are restored before any
+            # later step writes them)
+            depth = 1 if inflight and self.scheduler.wants_step_back() else overlap
             plan = self.scheduler.schedule() if len(inflight) < depth else None
             if plan is not None:
                 try:
@@ -409,9 +422,9 @@ class AsyncEngine:
             seq.num_inflight -= 1
             tl = seq.timeline
             tl.batch_width = max(tl.batch_width, width)
-            if row.is_decode:
+            if not row.is_prefill:
                 tl.decode_us += exec_us
-                tl.decode_tokens += 1
+                tl.decode_tokens += row.num_tokens
             else:
                 tl.prefill_us += exec_us
                 tl.prefill_tokens += row.num_tokens
@@ -421,22 +434,43 @@ class AsyncEngine:
                 if seq.prompt_scores is not None:
                     seq.prompt_scores.extend(out.prompt_scores[scored])
                 scored += 1
-            if not row.sample:
+            n = row.num_samples
+            if not n:
                 continue
-            token = out.token_ids[k]
-            lp = out.logprobs[k] if out.logprobs else None
-            k += 1
+            tokens = out.token_ids[k:k + n]
+            lps = out.logprobs[k:k + n] if out.logprobs else [None] * n
+            k += n
             if seq.finished:
                 continue  # the extra step of a request that finished one step earlier
+            if row.spec:
+                tokens = tokens[:self._verified(seq, row, tokens) + 1]
             t1 = time.perf_counter()
-            try:
-                self._on_token(seq, token, lp)
-            except Exception as e:  # NOTE: one request's output that cannot be processed (an
-                # id its detokenizer rejects) fails that request only; raised here it would
-                # end the loop, and every request would wait forever
-                if not seq.finished:
-                    self._finish(seq, "error", None, error=f"token {token}: {e!r}")
+            for token, lp in zip(tokens, lps, strict=False):
+                try:
+                    self._on_token(seq, token, lp)
+                except Exception as e:  # NOTE: one request's output that cannot be processed
+                    # (an id its detokenizer rejects) fails that request only; raised here it
+                    # would end the loop, and every request would wait forever
+                    if not seq.finished:
+                        self._finish(seq, "error", None, error=f"token {token}: {e!r}")
+                if seq.finished:
+                    break
             tl.emit_us += (time.perf_counter() - t1) * 1e6
+
+    def _verified(self, seq: Sequence, row: Row, sampled: list[int]) -> int:
+        """A verify row's outcome: how many of its drafts it keeps (the positions past them go
+        back before any token is emitted: a request that ends in the run releases only K/V
+        of accepted tokens)."""
+        assert row.input_ids is not None and seq.spec is not None
+        accepted = accepted_drafts(row.input_ids[-row.spec:], sampled)
+        self.scheduler.verified(seq, row, accepted)
+        drafter = self.scheduler.drafter
+        assert drafter is not None
+        drafter.verified(seq.spec, row.spec, accepted, seq.num_output + accepted + 1)
+        self.stats["spec_verify_steps"] += 1
+        self.stats["spec_draft_tokens"] += row.spec
+        self.stats["spec_accepted_tokens"] += accepted
+        return accepted
 
     def _on_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         seq.tokens.append(token)

@@ -15,6 +15,7 @@ import torch
 
 from arle.config import EngineConfig
 from arle.engine.async_engine import AsyncEngine, state_pool_info
+from arle.engine.speculative import spec_config
 from arle.errors import ArleError
 from arle.executor.base import Executor
 from arle.logging import get_logger
@@ -161,7 +162,8 @@ def _cpu_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
     tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 / bytes_per_token)
     return CPUExecutor(loaded.model, max(tokens // config.page_size, 2), config.page_size,
                        num_slots=num_slots, kv_dtype=loaded.dtype, max_positions=max_len + 1,
-                       seed=config.seed, num_snapshots=_num_snapshots(config))
+                       seed=config.seed, num_snapshots=_num_snapshots(config),
+                       spec=_spec_states(config))
 
 
 def _cuda_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
@@ -184,7 +186,7 @@ def _cuda_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
         kv_dtype=kv_dtype, mem_fraction_static=config.mem_fraction_static,
         kv_cache_tokens=config.kv_cache_tokens, cuda_graph_max_bs=graph_bs,
         extend_graph_max_tokens=extend_tokens, seed=config.seed,
-        num_snapshots=_num_snapshots(config)))
+        num_snapshots=_num_snapshots(config), spec=_spec_states(config)))
 
 
 def _num_snapshots(config: EngineConfig) -> int:
@@ -193,6 +195,13 @@ def _num_snapshots(config: EngineConfig) -> int:
         return config.state_snapshots
     assert config.max_running_requests is not None
     return config.max_running_requests
+
+
+def _spec_states(config: EngineConfig) -> tuple[int, int]:
+    """The verify rows, and positions each, whose recurrent states a step keeps (a hybrid
+    model's speculative decoding; `StatePool.for_model`)."""
+    spec = spec_config(config)
+    return (spec.max_rows, spec.num_tokens + 1) if spec is not None else (0, 0)
 
 
 def _dtype_name(dtype: object) -> str:

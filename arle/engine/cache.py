@@ -257,6 +257,13 @@ class CacheManager:
         rc.pages.extend(new)
         return True
 
+    def shrink(self, rc: RequestCache, num_tokens: int) -> None:
+        """Give back the private pages past the first `num_tokens` tokens (a verify step's
+        rejected drafts)."""
+        keep = max(self.pages_for(num_tokens), len(rc.shared))
+        self.pages.free(rc.pages[keep:])
+        del rc.pages[keep:]
+
     def publish(self, rc: RequestCache, tokens: list[int], num_valid: int) -> None:
         """Share the full pages among the first `num_valid` tokens (KV computed or queued on
         the device before any later reader). Stops at the first page someone else published."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from arle.engine.cache import CacheManager
 from arle.engine.sequence import Sequence, Status
+from arle.engine.speculative import Drafter
 from arle.executor.plan import NewSlot, Row, StepPlan
 
 
@@ -25,9 +26,14 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager,
+                 drafter: Drafter | None = None) -> None:
         self.config = config
         self.cache = cache
+        #: speculative decoding's drafts (None: off)
+        self.drafter = drafter
+        #: (slot, entry, index) a verify step kept, owed to the next step (`verified`)
+        self._restores: dict[Sequence, tuple[int, int, int]] = {}
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self._step_ids = 0
@@ -49,6 +55,7 @@ class Scheduler:
         return bool(self.waiting) or any(s.wants_more_samples() for s in self.running)
 
     def _release(self, seq: Sequence) -> None:
+        self._restores.pop(seq, None)
         if seq.cache is not None:
             # NOTE: pages may still be read or written by a launched step. That is safe: any new
             # owner of these pages runs in a later step, which the device runs after it.
@@ -82,34 +89,109 @@ class Scheduler:
         saves_after = self._commit(rows)
         self._step_ids += 1
         plan = StepPlan(self._step_ids, rows, new_slots, saves_before=self.cache.take_saves(),
-                        saves_after=saves_after)
+                        saves_after=saves_after, state_restores=list(self._restores.values()))
+        self._restores.clear()
         plan.schedule_us = (time.perf_counter() - t0) * 1e6
         return plan
 
     def _decode_rows(self, budget: int) -> list[Row]:
-        """A row for each running request past its prefill, oldest first; when pages run out
-        the newest running request is preempted."""
+        """A row for each running request past its prefill, oldest first (with drafts to
+        verify, where it has them); when pages run out the newest running request is
+        preempted."""
         rows: list[Row] = []
-        for seq in list(self.running):
+        tokens = verifies = 0
+        ready = [s for s in self.running if not s.in_prefill and s.wants_more_samples()]
+        room = self.drafter.config.step_tokens - len(ready) if self.drafter else 0
+        for seq in ready:
             # NOTE: a request preempted earlier in this loop is WAITING now (victims are the
-            # newest, so never one that already has a row).
-            if seq.status is not Status.RUNNING or seq.in_prefill or not seq.wants_more_samples():
-                continue
-            if len(rows) >= budget:
+            # newest, so never one that already has a row)
+            if seq.status is not Status.RUNNING or seq.verifying:
+                continue  # verifying: its next input is not known until its step is back
+            if tokens >= budget:
                 break
-            rc = seq.cache
-            assert rc is not None
-            while not self.cache.grow(rc, seq.num_scheduled + 1):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status is not Status.RUNNING:
+            if not self._grow(seq):
                 continue
-            rows.append(Row(slot=rc.slot, start=seq.num_scheduled, num_tokens=1, input_ids=None,
-                            sample=True, sample_offset=seq.num_sampled, pages=rc.pages,
-                            params=seq.params, owner=seq, grammar=seq.grammar))
-        return rows
+            drafts = self._drafts(seq, min(room, budget - tokens - 1), verifies)
+            rows.append(self._decode_row(seq, drafts, verifies))
+            tokens += rows[-1].num_tokens
+            room -= len(drafts)
+            verifies += bool(drafts)
+        # NOTE: a step's decode rows come first (`StepPlan.rows`); verify rows are extend rows
+        return [r for r in rows if r.is_decode] + [r for r in rows if not r.is_decode]
+
+    def _grow(self, seq: Sequence) -> bool:
+        """Pages for the request's next token, preempting the newest requests until they
+        fit; False if the request itself was preempted."""
+        rc = seq.cache
+        assert rc is not None
+        while not self.cache.grow(rc, seq.num_scheduled + 1):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _drafts(self, seq: Sequence, room: int, verifies: int) -> list[int]:
+        """The drafts the request verifies in its next row (at most `room`; [] where it does
+        not draft, or the step has its most verify rows), the pages for them taken."""
+        if (self.drafter is None or seq.spec is None or seq.num_inflight
+                or verifies >= self.drafter.config.max_rows):
+            return []
+        room = min(room, seq.sample_limit - seq.num_sampled - 1)
+        drafts = self.drafter.propose(seq.spec, seq.tokens, seq.num_output, room)
+        assert seq.cache is not None
+        if drafts and not self.cache.grow(seq.cache, seq.num_scheduled + 1 + len(drafts)):
+            return []
+        return drafts
+
+    def _decode_row(self, seq: Sequence, drafts: list[int], entry: int) -> Row:
+        """A decode row (its input on the device), or, with drafts or after a verify step, a
+        verify row: its input id and the drafts (a hybrid model keeps its states at `entry`)."""
+        rc = seq.cache
+        assert rc is not None
+        row = Row(slot=rc.slot, start=seq.num_scheduled, num_tokens=1, input_ids=None,
+                  sample=True, sample_offset=seq.num_sampled, pages=rc.pages, params=seq.params,
+                  owner=seq, grammar=seq.grammar)
+        if drafts or seq.needs_input:
+            # NOTE: no step of the request is in flight: its last token is the one past its
+            # scheduled positions
+            assert len(seq.tokens) == seq.num_scheduled + 1
+            row.input_ids = [seq.tokens[-1], *drafts]
+            row.num_tokens, row.verify, row.spec = len(row.input_ids), True, len(drafts)
+            if drafts and self.cache.hybrid:
+                row.spec_entry = entry
+        return row
+
+    def wants_step_back(self) -> bool:
+        """Whether a request would draft once its step in flight is back (the engine then
+        waits for it before the next step: drafts need the request's last token)."""
+        d = self.drafter
+        if d is None:
+            return False
+        if any(s.verifying for s in self.running):
+            return True
+        if len(self.running) >= d.config.step_tokens:
+            return False  # NOTE: no step has room for drafts: keep the overlap
+        return any(s.spec is not None and s.num_inflight and not s.in_prefill
+                   and d.propose(s.spec, s.tokens, s.num_output, 1) for s in self.running)
+
+    def verified(self, seq: Sequence, row: Row, accepted: int) -> None:
+        """A verify row kept its first `accepted` drafts: the positions past them go back (their
+        pages, the samples counted; a hybrid model's state comes back, in the next step, from
+        where the step kept it)."""
+        seq.verifying = False
+        seq.num_sampled -= row.spec - accepted
+        rc = seq.cache
+        if rc is None or seq.status is not Status.RUNNING:
+            return  # preempted meanwhile: recomputed from its tokens
+        seq.needs_input = True
+        end = row.seq_len - row.spec + accepted  # positions before it hold accepted K/V
+        seq.num_scheduled = end
+        self.cache.shrink(rc, end + 1)
+        if rc.boundary > end:  # its state there saw a rejected draft: take no snapshot of it
+            rc.boundary = rc.saved
+        if row.spec_entry >= 0 and accepted < row.spec:
+            self._restores[seq] = (rc.slot, row.spec_entry, accepted)
 
     def _running_prefill_rows(self, budget: int) -> list[Row]:
         """The next prefill chunk of each running request whose prompt is not done yet."""
@@ -146,6 +228,7 @@ class Scheduler:
             seq.num_scheduled = len(rc.shared) * self.cache.page_size
             seq.prefill_target = len(seq.tokens)
             seq.num_sampled = seq.num_output
+            seq.needs_input = False  # the prefill's sample goes to the token buffer
             if seq.matched_tokens < 0:
                 seq.matched_tokens = seq.num_scheduled
                 seq.state_restored = rc.restore is not None
@@ -166,11 +249,13 @@ class Scheduler:
             rc = seq.cache
             seq.num_scheduled += row.num_tokens
             seq.num_inflight += 1
-            seq.num_sampled += row.sample
+            seq.num_sampled += row.num_samples
+            if row.verify:
+                seq.verifying, seq.needs_input = row.spec > 0, False
             if rc is None:
                 continue
             self.cache.reached(rc, row.start, row.num_tokens)
-            if not row.is_decode:
+            if row.is_prefill:
                 # Share finished prompt pages at once (their K/V is queued before any reader's),
                 # and a hybrid model's state at the last page boundary the chunk reached.
                 self.cache.publish(rc, seq.tokens, seq.num_scheduled)

@@ -10,6 +10,7 @@ from typing import Any
 
 from arle.engine.cache import RequestCache
 from arle.engine.request import Delta, FinishReason, SamplingParams, TokenLogprob
+from arle.engine.speculative import RequestSpec
 
 
 class Status(enum.Enum):
@@ -87,6 +88,12 @@ class Sequence:
     #: of prompt tokens 1.. known so far; handed out with the first delta (`None` after).
     score_next: int = 0
     prompt_scores: list[TokenLogprob] | None = None
+    #: speculative decoding (arle.engine.speculative): the request's drafting (None: it never
+    #: drafts); a verify row of it is in flight (its next input is not known yet); its next
+    #: row carries its input id (after a verify step the device's token buffer may not).
+    spec: RequestSpec | None = None
+    verifying: bool = False
+    needs_input: bool = False
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -115,9 +122,11 @@ class Sequence:
     def in_prefill(self) -> bool:
         return self.num_scheduled < self.prefill_target
 
+    @property
+    def sample_limit(self) -> int:
+        """The most output tokens the request may have (max_tokens, the context)."""
+        return min(self.params.max_tokens, self.max_total_tokens - self.num_prompt)
+
     def wants_more_samples(self) -> bool:
         """Whether scheduling another sampling step can still produce a token we keep."""
-        if self.finished:
-            return False
-        limit = min(self.params.max_tokens, self.max_total_tokens - self.num_prompt)
-        return self.num_sampled < limit
+        return not self.finished and self.num_sampled < self.sample_limit

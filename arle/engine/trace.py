@@ -39,6 +39,9 @@ def build_trace(seq: Sequence, *, active: int, waiting: int) -> dict[str, Any]:
         "preprocess": _preprocess(seq),
         "prefix": _prefix(seq),
         "scheduler": _scheduler(seq, active, waiting),
+        # speculative decoding: drafts verified, drafts kept, verify steps (None: it drafted
+        # nothing, as with --speculative off)
+        "spec": seq.spec.trace() if seq.spec is not None else None,
     }
 
 

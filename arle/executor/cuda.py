@@ -130,11 +130,11 @@ class CUDAExecutor:
         nd = plan.num_decode_rows
         graph_bs = extend_t = 0
         # NOTE: a step that scores prompt tokens runs eagerly: the graphs keep the logits of
-        # the sampling rows only
-        scoring = any(r.score_targets for r in rows)
+        # the sampling rows only (one each: a verify step's runs eagerly too)
+        eager = plan.has_spec or any(r.score_targets for r in rows)
         if self.graphs is not None and nd == len(rows) and nd <= self.graphs.max_bs:
             graph_bs = self.graphs.size_for(nd)
-        elif self.extend_graphs is not None and not scoring:
+        elif self.extend_graphs is not None and not eager:
             extend_t = self.extend_graphs.size_for(plan.num_tokens, len(rows))
         shape = self.extend_graphs.shapes[extend_t] if self.extend_graphs and extend_t else None
         inputs = StepInputs.of(plan, self.config.page_size, graph_bs, self.dev.pad_slot, shape)

@@ -73,6 +73,9 @@ class CUDAExecutorConfig:
     seed: int = 0
     #: A hybrid model's state snapshots for the prefix cache.
     num_snapshots: int = 0
+    #: Speculative decoding: the verify rows, and positions each, whose recurrent states a
+    #: step keeps (`StatePool.for_model`)
+    spec: tuple[int, int] = (0, 0)
 
     @property
     def max_pages(self) -> int:
@@ -139,7 +142,7 @@ def start_up(model: DecoderLM, config: CUDAExecutorConfig, stream: torch.cuda.St
     with torch.cuda.stream(stream):
         scratch = StepState.build(model, scratch_cache(model, config, device), config.num_slots,
                                   config.num_snapshots, config.max_model_len + 1, config.seed,
-                                  next(model.parameters()).dtype)
+                                  next(model.parameters()).dtype, config.spec)
         graphs, extend_graphs = graph_buffers(scratch, config)
         splits = DecodeSplits(model.rank_config.num_kv_heads, config.max_model_len,
                               torch.cuda.get_device_properties(device).multi_processor_count,

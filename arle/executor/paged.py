@@ -91,11 +91,15 @@ class StatePool:
     boundary_ssm: torch.Tensor
     snap_conv: torch.Tensor  # [linear layers, snapshots, ...]
     snap_ssm: torch.Tensor
+    #: speculative decoding: a verify row's state after each of its sampled positions
+    spec_conv: torch.Tensor | None = None  # [linear layers, entries, K + 1, ...]
+    spec_ssm: torch.Tensor | None = None
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, slots: int, snapshots: int, dtype: torch.dtype,
-                  device: torch.device) -> StatePool | None:
-        """None for a model without Gated DeltaNet layers."""
+                  device: torch.device, spec: tuple[int, int] = (0, 0)) -> StatePool | None:
+        """None for a model without Gated DeltaNet layers. spec: (verify rows, positions
+        each) whose states a step keeps (speculative decoding)."""
         la = cfg.linear_attention
         if la is None or not cfg.linear_layers:
             return None
@@ -106,16 +110,27 @@ class StatePool:
         def zeros(entries: int, shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             return torch.zeros(n, entries, *shape, dtype=dt, device=device)
 
+        rows, positions = spec
+        kept = ((zeros(rows * positions, conv, dtype).unflatten(1, spec),
+                 zeros(rows * positions, ssm, torch.float32).unflatten(1, spec))
+                if rows else (None, None))
         return cls(zeros(slots, conv, dtype), zeros(slots, ssm, torch.float32),
                    zeros(slots, conv, dtype), zeros(slots, ssm, torch.float32),
                    zeros(max(snapshots, 1), conv, dtype),
-                   zeros(max(snapshots, 1), ssm, torch.float32))
+                   zeros(max(snapshots, 1), ssm, torch.float32), *kept)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (
             self.conv, self.ssm, self.boundary_conv, self.boundary_ssm, self.snap_conv,
-            self.snap_ssm))
+            self.snap_ssm, self.spec_conv, self.spec_ssm) if t is not None)
+
+    def restore(self, slot: int, entry: int, index: int) -> None:
+        """A verify row's outcome: the slot's state as it was after its sampled position
+        `index` (the last accepted draft)."""
+        assert self.spec_conv is not None and self.spec_ssm is not None
+        self.conv[:, slot].copy_(self.spec_conv[:, entry, index])
+        self.ssm[:, slot].copy_(self.spec_ssm[:, entry, index])
 
     @property
     def slot_bytes(self) -> int:
@@ -156,10 +171,24 @@ class DeviceStep:
     extend_blocks: torch.Tensor | None = None
     #: Each row's request slot [R] (a hybrid model's state entry)
     slots: torch.Tensor | None = None
+    #: Verify rows (speculative decoding) on a hybrid model: each of their tokens runs the
+    #: recurrence on its own, its state kept (`SpecTokens`); `slots` with theirs -1
+    spec: SpecTokens | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+
+@dataclass
+class SpecTokens:
+    """A step's verify-row tokens, for a hybrid model's recurrence: per token, on the host, its
+    index in the step, its slot and where its state is kept (`StatePool.spec_*`: entry, index);
+    on the device, its [slot, seq_len] (a one-token row's)."""
+
+    host: list[tuple[int, int, int, int]]  # (token, slot, entry, index)
+    rows: torch.Tensor  # [n, 2] int32
+    cu: torch.Tensor  # [1] int32: 0, a one-token row's cu_q_lens
 
 
 class PagedAttention:
@@ -199,11 +228,32 @@ class PagedAttention:
                     ) -> torch.Tensor:
         s, st = self.step, self.state
         assert st is not None and s.slots is not None, "a hybrid model's step needs its state"
+        weights = (conv_weight, a_log, dt_bias)
         out = self.ops.gated_delta(
-            mixed_qkv, a, b, conv_weight, a_log, dt_bias, st.conv[layer], st.ssm[layer],
+            mixed_qkv, a, b, *weights, st.conv[layer], st.ssm[layer],
             s.slots, s.seq_lens, s.cu_q_lens, s.num_decode, s.max_q_len, self.num_k_heads,
             self.page_size, st.boundary_conv[layer], st.boundary_ssm[layer])
+        if s.spec is not None:
+            self._spec_tokens(layer, s.spec, out, mixed_qkv, a, b, weights)
         return out.reshape(out.shape[0], -1)
+
+    def _spec_tokens(self, layer: int, spec: SpecTokens, out: torch.Tensor,
+                     mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """The verify rows' tokens (left out of the step's call: slot -1), each as a one-token
+        row in order, the state after each kept for the verify's outcome
+        (`StatePool.restore`)."""
+        st, ops = self.state, self.ops
+        assert st is not None and st.spec_conv is not None and st.spec_ssm is not None
+        conv, ssm = st.conv[layer], st.ssm[layer]
+        for j, (t, slot, entry, index) in enumerate(spec.host):
+            row = spec.rows[j]
+            out[t:t + 1] = ops.gated_delta(
+                mixed_qkv[t:t + 1], a[t:t + 1], b[t:t + 1], *weights, conv, ssm, row[:1],
+                row[1:], spec.cu, 1, 1, self.num_k_heads, self.page_size,
+                st.boundary_conv[layer], st.boundary_ssm[layer])
+            st.spec_conv[layer, entry, index].copy_(conv[slot])
+            st.spec_ssm[layer, entry, index].copy_(ssm[slot])
 
 
 #: Segments of the packed step array start at multiples of 4 int32s (16 bytes): Triton
@@ -269,6 +319,8 @@ class PackedStep:
     max_seq_len: int
     sample_rows: list[int]
     num_scores: int = 0
+    #: a hybrid model's verify-row tokens (`spec_tokens`)
+    spec_tokens: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def segment(self, name: str) -> list[int]:
         start, n = self.offsets[name]
@@ -316,7 +368,7 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
     else:
         sample_at = _put_eager(seg, rows, nd, page_size, table)
     seg.put("sample_index", sample_at)
-    seg.put("sample_slots", [r.slot for r in rows if r.sample])
+    seg.put("sample_slots", [r.slot for r in rows for _ in range(r.num_samples)])
     score_at, targets = _score_segments(rows)
     if score_at:
         # NOTE: scored positions need every token's hidden state: only eager steps have them
@@ -326,7 +378,8 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
     return PackedStep(seg.meta, seg.offsets, num_tokens=plan.num_tokens, num_rows=len(rows),
                       num_decode=nd, max_pages=max_pages,
                       max_q_len=max((r.num_tokens for r in rows[nd:]), default=1),
-                      max_seq_len=max_seq, sample_rows=sample_at, num_scores=len(score_at))
+                      max_seq_len=max_seq, sample_rows=sample_at, num_scores=len(score_at),
+                      spec_tokens=spec_tokens(rows) if not graph_bs and extend is None else [])
 
 
 def _put_decode_graph(seg: _Segments, rows: list[Row], ps: int, table: list[int],
@@ -357,7 +410,24 @@ def _put_eager(seg: _Segments, rows: list[Row], nd: int, ps: int, table: list[in
     seg.put("cu_q_lens", cu)
     seg.put("row_slots", [r.slot for r in rows])
     seg.put("page_table", table)
+    if any(r.spec_entry >= 0 for r in rows):
+        # a hybrid model's verify rows leave the step's recurrence (slot -1) for their own
+        seg.put("gd_slots", [-1 if r.spec_entry >= 0 else r.slot for r in rows])
+        seg.put("spec_rows", [x for r in rows if r.spec_entry >= 0
+                              for p in range(r.start + 1, r.seq_len + 1) for x in (r.slot, p)]
+                + [0])
     return sample_at
+
+
+def spec_tokens(rows: list[Row]) -> list[tuple[int, int, int, int]]:
+    """(token index, slot, entry, index) of each token of a hybrid model's verify rows."""
+    out: list[tuple[int, int, int, int]] = []
+    first = 0
+    for r in rows:
+        if r.spec_entry >= 0:
+            out += [(first + i, r.slot, r.spec_entry, i) for i in range(r.num_tokens)]
+        first += r.num_tokens
+    return out
 
 
 def _score_segments(rows: list[Row]) -> tuple[list[int], list[int]]:
@@ -386,8 +456,7 @@ def _token_segments(rows: list[Row], ps: int
         pos = range(r.start, r.seq_len)
         positions += pos
         kv_slots += [r.pages[p // ps] * ps + p % ps for p in pos]
-        if r.sample:
-            sample_at.append(len(ids) - 1)
+        sample_at += range(len(ids) - r.num_samples, len(ids))
     return ids, positions, kv_slots, sample_at
 
 
@@ -434,9 +503,14 @@ def step_views(packed: PackedStep, meta: torch.Tensor, num_splits: int
 
     table = seg("page_table").view(packed.num_rows, packed.max_pages)
     slots = seg("row_slots")
+    spec = None
+    if packed.spec_tokens:
+        rows = seg("spec_rows")
+        spec = SpecTokens(packed.spec_tokens, rows[:-1].view(-1, 2), rows[-1:])
     return DeviceStep(seg("input_ids"), seg("positions"), seg("kv_slots"), seg("seq_lens"),
                       seg("cu_q_lens"), table, packed.num_decode, packed.max_q_len,
-                      num_splits, slots=slots), slots[:packed.num_decode]
+                      num_splits, slots=seg("gd_slots") if spec else slots,
+                      spec=spec), slots[:packed.num_decode]
 
 
 @dataclass
@@ -458,6 +532,8 @@ class StepInputs:
     grammars: list[tuple[int, Any]] = field(default_factory=list)
     #: (positions scored, top-N asked) of each row that scores prompt tokens, in row order
     score_rows: list[tuple[int, int]] = field(default_factory=list)
+    #: (slot, entry, index) of each state a verify step kept to restore (`StepPlan`)
+    state_restores: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def score_top(self) -> int:
@@ -467,26 +543,32 @@ class StepInputs:
     @classmethod
     def of(cls, plan: StepPlan, page_size: int, graph_bs: int = 0,
            pad_slot: int = 0, extend: ExtendGraphShape | None = None) -> StepInputs:
-        rows = [r for r in plan.rows if r.sample]
-        sampling = (SamplingBatch.build([r.params for r in rows],
-                                        [r.sample_offset for r in rows]) if rows else None)
+        # NOTE: one sample per sampled position (a verify row has several: consecutive
+        # output offsets)
+        rows = [(r, i) for r in plan.rows for i in range(r.num_samples)]
+        sampling = (SamplingBatch.build([r.params for r, _ in rows],
+                                        [r.sample_offset + i for r, i in rows])
+                    if rows else None)
         return cls(pack_step(plan, page_size, graph_bs, pad_slot, extend), sampling,
-                   [r.params.logprobs for r in rows],
+                   [r.params.logprobs for r, _ in rows],
                    [(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
                     for n in plan.new_slots],
                    [(n.slot, n.restore) for n in plan.new_slots],
                    list(plan.saves_before), list(plan.saves_after),
-                   [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None],
+                   [(i, r.grammar) for i, (r, _) in enumerate(rows) if r.grammar is not None],
                    [(len(r.score_targets), r.params.prompt_logprobs or 0)
-                    for r in plan.rows if r.score_targets])
+                    for r in plan.rows if r.score_targets],
+                   list(plan.state_restores))
 
     def start_states(self, state: StatePool | None) -> None:
-        """Before the step: the snapshots of requests released since the last step, then the
-        new requests' states (zero, or restored from a snapshot). NOTE: in this order: a new
+        """Before the step: the states the last verify step kept (speculative decoding), the
+        snapshots of requests released since the last step, then the new requests' states (zero, or restored from a snapshot). NOTE: in this order: a new
         request may restore the snapshot a release just took (a save never targets a
         snapshot a later restore reads: taking one detaches it from the radix tree first)."""
         if state is None:
             return
+        for slot, entry, index in self.state_restores:
+            state.restore(slot, entry, index)
         for slot, snapshot in self.saves_before:
             state.save(slot, snapshot)
         for slot, restore in self.state_starts:

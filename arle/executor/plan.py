@@ -30,6 +30,14 @@ class Row:
     #: after them, these ids (their logits give its logprob); None: nothing to score.
     score_targets: list[int] | None = None
     score_from: int = 0
+    #: A decoding request's row with its input ids given (speculative decoding: its last
+    #: token, then the drafts): it shares no page, as a decode row.
+    verify: bool = False
+    #: Drafts: the row's last `spec` input ids; it samples at its last spec + 1 tokens.
+    spec: int = 0
+    #: Hybrid models: the entry of the state pool's `spec_*` buffers where a verify row's
+    #: recurrent state after each of its sampled positions is kept (-1: none).
+    spec_entry: int = -1
 
     @property
     def is_decode(self) -> bool:
@@ -38,6 +46,16 @@ class Row:
     @property
     def seq_len(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """A prompt chunk (not a decoding request's row)."""
+        return self.input_ids is not None and not self.verify
+
+    @property
+    def num_samples(self) -> int:
+        """The tokens the row samples at."""
+        return self.spec + 1 if self.sample else 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +82,9 @@ class StepPlan:
     #: reached).
     saves_before: list[tuple[int, int]] = field(default_factory=list)
     saves_after: list[tuple[int, int]] = field(default_factory=list)
+    #: (slot, entry, index): a hybrid model's state kept by the last verify step at its
+    #: sampled position `index` (`Row.spec_entry`) back into the slot, before anything else
+    state_restores: list[tuple[int, int, int]] = field(default_factory=list)
     schedule_us: float = 0.0
 
     @property
@@ -73,3 +94,7 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def has_spec(self) -> bool:
+        return any(r.spec for r in self.rows)

@@ -54,15 +54,17 @@ class StepState:
 
     @classmethod
     def build(cls, model: DecoderLM, kv: KVCache, num_slots: int, num_snapshots: int,
-              max_positions: int, seed: int, dtype: torch.dtype) -> StepState:
+              max_positions: int, seed: int, dtype: torch.dtype,
+              spec: tuple[int, int] = (0, 0)) -> StepState:
         """Zeroed per-slot state for `num_slots` requests beside `kv`, on its device
-        (`dtype`: the model's activations', which the recurrent states take)."""
+        (`dtype`: the model's activations', which the recurrent states take; spec: the verify
+        rows and positions whose recurrent states a step keeps, `StatePool.for_model`)."""
         device = kv.k.device
         cfg = model.config
         return cls(
             model=model, kv=kv,
             state=StatePool.for_model(model.rank_config, num_slots + 1, num_snapshots,
-                                      dtype, device),
+                                      dtype, device, spec),
             rotary=model.rotary_table(max_positions),
             token_buffer=torch.zeros(num_slots + 1, dtype=torch.int32, device=device),
             penalties=PenaltyState(num_slots, cfg.vocab_size, device),

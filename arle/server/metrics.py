@@ -36,7 +36,7 @@ class _EngineCollector(Collector):
         self._snapshot = snapshot
         self._hit_rate = prefix_hit_rate
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
         snap = self._snapshot()
         used = snap["kv_pages_total"] - snap["kv_pages_free"]
         for name, doc, value in (
@@ -52,6 +52,19 @@ class _EngineCollector(Collector):
              "prompt tokens, since start.", self._hit_rate()),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        drafted = snap.get("spec_draft_tokens", 0)
+        accepted = snap.get("spec_accepted_tokens", 0)
+        for name, doc, value in (
+            ("arle_spec_draft_tokens", "Draft tokens verified since start (--speculative).",
+             drafted),
+            ("arle_spec_accepted_tokens", "Draft tokens accepted since start.", accepted),
+            ("arle_spec_verify_steps", "Verify rows run since start.",
+             snap.get("spec_verify_steps", 0)),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("arle_spec_acceptance_rate", "Accepted / verified draft tokens "
+                                "since start (0: none verified).",
+                                value=accepted / drafted if drafted else 0.0)
 
 
 class _GCCollector(Collector):

@@ -1,0 +1,171 @@
+"""Speculative decoding's host side: n-gram drafts (prompt lookup) from a request's own
+tokens, and the rule that decides when a request drafts (docs/speculative.md).
+
+A request drafts only when all its tokens are known on the host (no step of it in flight):
+its verify row carries its last token and the drafts as input ids. The forward samples at
+each of the row's last K + 1 positions exactly as a decode step would (the same parameters,
+the output offset of that position: a seeded request draws the same noise). The request
+keeps the drafts that equal the sample before them, and the first sample that differs (or the
+one after the last draft): `accepted`.
+
+NOTE (exactness): an n-gram draft is one token for certain (q = a point mass), and then this is
+the rejection sampling of Leviathan et al.: the sample at a position equals the draft with
+probability p(draft), and when it does not, it is a draw from p without the draft,
+renormalised. The output distribution is the target's exactly; greedy rows keep the argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from arle.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class DeviceRule:
+    """What drafting costs on a device, and so when it pays (docs/speculative.md)."""
+
+    #: drafts per verify row when --num-speculative-tokens is not given
+    num_tokens: int
+    #: one draft's share of a decode step's time: a verify row of k drafts pays when it keeps
+    #: more than draft_cost * k of them on average
+    draft_cost: float
+    #: a step's tokens (decode rows + drafts) up to which drafts are added
+    step_tokens: int
+
+
+#: CPU: scripts/bench_speculative.py on the default model, 2 cores: a verify step with 8
+#: drafts costs 1.99x a decode step at batch 1 (0.124 of a step per draft), 1.98x at batch 8
+#: with 8 each (72 tokens); K = 8 was the fastest of 2, 4, 8 on every task.
+#: CUDA: not yet measured on a GPU (the H200 run measures verify against decode steps).
+DEVICE_RULES = {"cpu": DeviceRule(num_tokens=8, draft_cost=0.125, step_tokens=72),
+                "cuda": DeviceRule(num_tokens=4, draft_cost=0.05, step_tokens=64)}
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """The drafting rule (`spec_config` fills it for a device)."""
+
+    #: most drafts per verify row
+    num_tokens: int = 4
+    #: one draft's cost in decode steps (`DeviceRule.draft_cost`)
+    draft_cost: float = 0.125
+    #: a step's tokens (decode rows + drafts) up to which drafts are added
+    step_tokens: int = 72
+    #: n-gram lengths looked up, longest first
+    min_n: int = 2
+    max_n: int = 4
+    #: most verify rows in one step (a hybrid model keeps K + 1 recurrent states for each)
+    max_rows: int = 8
+    #: output tokens a request stops drafting for when its drafts stop paying (doubled each
+    #: time it happens again, up to 64)
+    backoff: int = 8
+
+
+def spec_config(config: EngineConfig) -> SpecConfig | None:
+    """The drafting rule of an engine config (its device filled in); None: speculation off."""
+    if config.speculative == "off":
+        return None
+    rule = DEVICE_RULES.get(config.device, DEVICE_RULES["cpu"])
+    return SpecConfig(num_tokens=config.num_speculative_tokens or rule.num_tokens,
+                      draft_cost=rule.draft_cost, step_tokens=rule.step_tokens)
+
+
+class NgramIndex:
+    """Where each n-gram of a token list last occurred: the index of the token after it.
+    Grows with the list (`update` indexes only the new tokens)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._after: dict[tuple[int, ...], int] = {}
+        self._size = 0
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """Index the n-grams that end before each new token."""
+        for j in range(max(self._size, 1), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, j) + 1):
+                self._after[tuple(tokens[j - n:j])] = j
+        self._size = len(tokens)
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+        `tokens` (max_n down to min_n tokens) seen before; [] if none was."""
+        self.update(tokens)
+        end = len(tokens)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            j = self._after.get(tuple(tokens[end - n:]))
+            if j is not None:
+                return list(tokens[j:j + k])
+        return []
+
+
+@dataclass
+class RequestSpec:
+    """One request's drafting: its n-gram index, what it drafted and kept (the trace's `spec`
+    block), and the step-aside state."""
+
+    index: NgramIndex
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    #: mean accepted drafts per verify step, recent steps weighted most (None: no verify yet)
+    recent: float | None = None
+    #: no drafts until the request has this many output tokens
+    resume_at: int = 0
+    backoff: int = 0
+    #: the drafts of the verify row in flight ([]: none)
+    pending: list[int] = field(default_factory=list)
+
+    def trace(self) -> dict[str, int]:
+        return {"drafted": self.drafted, "accepted": self.accepted,
+                "verify_steps": self.verify_steps}
+
+
+class Drafter:
+    """Drafts for the scheduler's verify rows; learns from each verify step's result."""
+
+    def __init__(self, config: SpecConfig) -> None:
+        self.config = config
+
+    def start(self) -> RequestSpec:
+        return RequestSpec(NgramIndex(self.config.min_n, self.config.max_n))
+
+    def propose(self, spec: RequestSpec, tokens: Sequence[int], num_output: int,
+                room: int) -> list[int]:
+        """The drafts of the request's next verify row (at most `room`); [] while it steps
+        aside."""
+        k = min(self.config.num_tokens, room)
+        if k < 1 or num_output < spec.resume_at:
+            return []
+        return self.lookup(spec, tokens, num_output, k)
+
+    def lookup(self, spec: RequestSpec, tokens: Sequence[int], num_output: int,
+               k: int) -> list[int]:
+        """Up to k drafts after `tokens` (the prompt, then `num_output` outputs)."""
+        return spec.index.propose(tokens, k)
+
+    def verified(self, spec: RequestSpec, drafts: int, accepted: int, num_output: int) -> None:
+        """A verify row kept `accepted` of its `drafts`: count them, and step aside when the
+        recent mean falls below what the drafts cost (`draft_cost` each)."""
+        c = self.config
+        spec.drafted += drafts
+        spec.accepted += accepted
+        spec.verify_steps += 1
+        # NOTE: a request starts from the best case: its first rejection alone does not send
+        # it aside
+        before = c.num_tokens if spec.recent is None else spec.recent
+        spec.recent = 0.5 * before + 0.5 * accepted
+        if spec.recent < c.draft_cost * drafts:
+            spec.backoff = min(2 * spec.backoff or c.backoff, 64)
+            spec.resume_at = num_output + spec.backoff
+            spec.recent = None
+
+
+def accepted_drafts(drafts: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many drafts a verify row keeps: the leading ones equal to the sample at the
+    position before them (sampled[i] is the sample after the row's last token and i drafts)."""
+    n = 0
+    while n < len(drafts) and sampled[n] == drafts[n]:
+        n += 1
+    return n

@@ -1,0 +1,383 @@
+"""Speculative decoding on the CPU: verify rows give the tokens and logprobs of speculation off
+(dense, hybrid and MoE models; chunked prefill, prefix hits, preemption, cancellation, stops
+inside an accepted run), seeded sampling draws the same tokens, unseeded sampling keeps the
+target's distribution (a chi-square test), and every page, slot and state comes back.
+
+Drafts come from an oracle where a test needs them on random-weight models (whose outputs
+rarely repeat themselves): the spec-off run's tokens, with every few drafts made wrong, so that
+verify rows accept some drafts and reject others at every position. The n-gram lookup itself
+is tested on its own and on the default model's text."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import assert_all_pages_back, cancel_mid_stream, run, run_many, tokens_of
+from helpers import (
+    Oracle,
+    load_script,
+    require_smollm2_gguf,
+    run_interpreter_check,
+    with_oracle,
+)
+from model_dirs import hf_config, write_model_dir, write_qwen3_5_dir
+
+from arle.engine.async_engine import AsyncEngine
+from arle.engine.request import Delta, GenerateRequest, SamplingParams
+from arle.engine.speculative import (
+    Drafter,
+    NgramIndex,
+    SpecConfig,
+    accepted_drafts,
+)
+from arle.model.loader import LoadedModel, load_model
+from arle.server.metrics import ServerMetrics
+
+MODELS = ("dense", "hybrid", "moe")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
+    root = tmp_path_factory.mktemp("spec")
+    write_model_dir(root / "dense", hf_config("Qwen3ForCausalLM"), seed=1)
+    write_model_dir(root / "moe", hf_config("Qwen3MoeForCausalLM"), seed=2)
+    write_qwen3_5_dir(root / "hybrid", seed=3, vocab_size=259)
+    return {name: load_model(root / name, "float32") for name in MODELS}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [32 + (seed * 31 + i * 7) % 90 for i in range(n)]
+
+
+def logprobs(deltas: list[Delta]) -> list[float]:
+    return [x for d in deltas for lp in d.logprobs or []
+            for x in (lp.logprob, *(a[1] for a in lp.top))]
+
+
+def spec_of(deltas: list[Delta]) -> dict[str, int]:
+    trace = deltas[-1].trace
+    assert trace is not None and trace["spec"] is not None
+    return dict(trace["spec"])
+
+
+def assert_same(got: list[list[Delta]], want: list[list[Delta]]) -> None:
+    """Tokens equal; logprobs (the chosen token's and the top 2) within fp32 rounding: a
+    verify row's linears run over more rows than a decode step's."""
+    for g, w in zip(got, want, strict=True):
+        assert tokens_of(g) == tokens_of(w)
+        a, b = logprobs(g), logprobs(w)
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("name", MODELS)
+async def test_greedy_equals_off(models: dict[str, LoadedModel], make_engine: Any, name: str,
+                                 k: int) -> None:
+    """A batch of requests: chunked prefills (16-token chunks), two with a shared prefix, run
+    twice (the second time their prompts hit the prefix cache)."""
+    loaded = models[name]
+    shared = prompt(40, 9)
+    prompts = [prompt(23, 1), prompt(57, 2), shared + prompt(5, 3), shared + prompt(9, 4)]
+    params = {"max_tokens": 30, "ignore_eos": True, "logprobs": 2}
+    off = make_engine(loaded, chunked_prefill_size=16)
+    want = await run_many(off, prompts, **params)
+    on = with_oracle(make_engine(loaded, chunked_prefill_size=16, speculative="ngram",
+                                 num_speculative_tokens=k), prompts,
+                     [tokens_of(d) for d in want])
+    for _ in range(2):
+        got = await run_many(on, prompts, **params)
+        assert_same(got, want)
+    assert all(d[-1].trace and d[-1].trace["prefix"]["matched_tokens"] >= 32 for d in got[2:])
+    spec = [spec_of(d) for d in got]
+    assert all(0 < s["accepted"] < s["drafted"] for s in spec), spec
+    assert on.stats["spec_accepted_tokens"] > 0
+    on.cache.check([])
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid"])
+async def test_preemption_and_cancellation(models: dict[str, LoadedModel], make_engine: Any,
+                                           name: str) -> None:
+    """A pool too small for all requests at once: requests are preempted (some with a verify
+    row in flight) and recomputed; their tokens are speculation off's. A request cancelled
+    while it verifies gives everything back."""
+    loaded = models[name]
+    prompts = [prompt(40, 20 + i) for i in range(6)]
+    params = {"max_tokens": 50, "ignore_eos": True, "logprobs": 0}
+    want = await run_many(make_engine(loaded), prompts, **params)
+    tight = with_oracle(make_engine(loaded, kv_cache_tokens=320, max_model_len=160,
+                                    speculative="ngram", num_speculative_tokens=3),
+                        prompts, [tokens_of(d) for d in want])
+    got = await run_many(tight, prompts, **params)
+    assert tight.scheduler.num_preemptions > 0
+    assert_same(got, want)
+    assert_all_pages_back(tight)
+
+    engine = make_engine(loaded, speculative="ngram", num_speculative_tokens=4)
+    endless = prompt(30, 5)
+    engine.scheduler.drafter = Oracle(engine.scheduler.drafter.config,  # type: ignore[union-attr]
+                                      {tuple(endless): [7] * 100000}, wrong=0)
+    req = GenerateRequest(prompt=endless,
+                          params=SamplingParams(max_tokens=100000, ignore_eos=True,
+                                                temperature=0.0))
+    await cancel_mid_stream(engine, req, timeout=60)
+    assert engine.stats["spec_verify_steps"] > 0
+    assert_all_pages_back(engine)
+
+
+async def test_runs_end_inside_an_accepted_run(models: dict[str, LoadedModel],
+                                               make_engine: Any) -> None:
+    """Drafts all right, 8 a row: max_tokens and a stop token end a request in the middle of
+    what one verify row accepted; the tokens after are dropped, the pages come back."""
+    loaded = models["dense"]
+    ids = prompt(30, 6)
+    full = tokens_of(await run(make_engine(loaded), ids, max_tokens=40, ignore_eos=True))
+    engine = with_oracle(make_engine(loaded, speculative="ngram", num_speculative_tokens=8),
+                         [ids], [full], wrong=0)
+    got = await run(engine, ids, max_tokens=11, ignore_eos=True)
+    assert tokens_of(got) == full[:11] and got[-1].finish_reason == "length"
+    stop = full[13]
+    first = full.index(stop)
+    got = await run(engine, ids, max_tokens=40, stop_token_ids=(stop,), ignore_eos=True)
+    assert tokens_of(got) == full[:first + 1] and got[-1].stop_reason == stop
+    assert spec_of(got)["accepted"] >= first - 1
+    assert_all_pages_back(engine)
+
+
+async def test_seeded_sampling_draws_the_same_tokens(models: dict[str, LoadedModel],
+                                                      make_engine: Any) -> None:
+    """Each sampled position draws the noise of its output offset: a seeded request's tokens
+    are speculation off's, whatever the drafts."""
+    for name in ("dense", "hybrid"):
+        loaded = models[name]
+        prompts = [prompt(20, 30 + i) for i in range(3)]
+        params = {"max_tokens": 24, "ignore_eos": True, "temperature": 0.9, "seed": 5}
+        want = await run_many(make_engine(loaded), prompts, **params)
+        on = with_oracle(make_engine(loaded, speculative="ngram", num_speculative_tokens=4),
+                         prompts, [tokens_of(d) for d in want])
+        got = await run_many(on, prompts, **params)
+        assert [tokens_of(d) for d in got] == [tokens_of(d) for d in want]
+        assert on.stats["spec_accepted_tokens"] > 0
+
+
+#: chi-square's 0.999 quantiles by degrees of freedom: a correct sampler fails one run in a
+#: thousand
+CHI2_999 = (10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32)
+
+
+def chi_square_passes(counts: dict[int, int], probs: dict[int, float]) -> bool:
+    """Pearson's test of `counts` against `probs`, cells expecting fewer than 5 draws pooled."""
+    n = sum(counts.values())
+    assert set(counts) <= set(probs), "a token outside the target's support"
+    cells: list[tuple[int, float]] = []
+    pooled = (0, 0.0)
+    for t, p in probs.items():
+        if n * p < 5:
+            pooled = (pooled[0] + counts.get(t, 0), pooled[1] + n * p)
+        else:
+            cells.append((counts.get(t, 0), n * p))
+    if pooled[1] > 0:
+        cells.append(pooled)
+    stat = sum((c - e) ** 2 / e for c, e in cells)
+    assert len(cells) >= 3, "too few draws for a test"
+    return stat < CHI2_999[len(cells) - 2]
+
+
+async def target(engine: AsyncEngine, ids: list[int], temperature: float) -> dict[int, float]:
+    """The sampling distribution at the position after `ids`: top 8 (top_k) at `temperature`,
+    from the raw logprobs speculation off reports."""
+    deltas = await run(engine, ids, max_tokens=1, ignore_eos=True, logprobs=8)
+    lp = deltas[0].logprobs
+    assert lp is not None and lp[0] is not None
+    weights = {t: math.exp(x / temperature) for t, x in lp[0].top}
+    total = sum(weights.values())
+    return {t: w / total for t, w in weights.items()}
+
+
+async def test_sampling_keeps_the_target_distribution(models: dict[str, LoadedModel],
+                                                      make_engine: Any) -> None:
+    """Unseeded requests of three tokens. The first comes from the prefill; after the likeliest
+    first token d1, each request verifies the two likeliest next ones (d2, d3): the second token
+    (d2 accepted, or resampled without it) and the third after an accepted d2 (sampled in the
+    verify row itself) follow the target's distributions."""
+    loaded = models["dense"]
+    temperature = 0.8
+    ids = prompt(12, 40)
+    off = make_engine(loaded)
+    d1, d2, d3 = tokens_of(await run(off, ids, max_tokens=3, ignore_eos=True))
+    p2 = await target(off, [*ids, d1], temperature)
+    p3 = await target(off, [*ids, d1, d2], temperature)
+    on = make_engine(loaded, speculative="ngram", num_speculative_tokens=2,
+                     max_running_requests=6, max_waiting_requests=4000)
+    on.scheduler.drafter = Oracle(on.scheduler.drafter.config,  # type: ignore[union-attr]
+                                  {tuple(ids): [d1, d2, d3]}, wrong=0)
+    draws = await run_many(on, [ids] * 3000, max_tokens=3, ignore_eos=True,
+                           temperature=temperature, top_k=8)
+    seconds: dict[int, int] = {}
+    thirds: dict[int, int] = {}
+    for d in draws:
+        t = tokens_of(d)
+        if t[0] == d1:
+            seconds[t[1]] = seconds.get(t[1], 0) + 1
+            if t[1] == d2:
+                thirds[t[2]] = thirds.get(t[2], 0) + 1
+    assert chi_square_passes(seconds, p2)
+    assert chi_square_passes(thirds, p3)
+    accepted, drafted = on.stats["spec_accepted_tokens"], on.stats["spec_draft_tokens"]
+    assert 0 < accepted < drafted
+
+
+async def test_rows_that_never_draft(models: dict[str, LoadedModel], make_engine: Any) -> None:
+    """Penalties count every sampled token and a grammar advances on each: such requests
+    decode one token a step (their trace has no spec block); the others draft beside them."""
+    loaded = models["dense"]
+    ids = prompt(20, 50)
+    full = tokens_of(await run(make_engine(loaded), ids, max_tokens=20, ignore_eos=True))
+    engine = with_oracle(make_engine(loaded, speculative="ngram"), [ids], [full], wrong=0)
+    penalized, plain = await asyncio.gather(
+        run(engine, ids, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+        run(engine, ids, max_tokens=20, ignore_eos=True))
+    assert penalized[-1].trace and penalized[-1].trace["spec"] is None
+    assert tokens_of(plain) == full and spec_of(plain)["accepted"] > 0
+
+
+async def test_low_acceptance_steps_aside(models: dict[str, LoadedModel],
+                                          make_engine: Any) -> None:
+    """Drafts that are always wrong: the request stops drafting after a few verify rows, and
+    comes back to try again less and less often (8 drafts cost 1 decode step on the CPU: 4
+    verify rows each time, 8, 16, 32, 64 tokens apart)."""
+    loaded = models["dense"]
+    ids = prompt(20, 60)
+    engine = make_engine(loaded, speculative="ngram")
+    engine.scheduler.drafter = Oracle(engine.scheduler.drafter.config,  # type: ignore[union-attr]
+                                      {tuple(ids): [0] * 200}, wrong=0)
+    got = await run(engine, ids, max_tokens=120, ignore_eos=True)
+    spec = spec_of(got)
+    assert spec["accepted"] == 0 and 0 < spec["verify_steps"] <= 16, spec
+
+
+def test_ngram_lookup() -> None:
+    """The longest suffix (max_n down to min_n) seen before, its latest occurrence, the tokens
+    after it; never the suffix itself."""
+    index = NgramIndex(2, 3)
+    tokens = [1, 2, 3, 9, 1, 2, 4, 7, 2, 3, 5, 1, 2]
+    assert index.propose(tokens, 3) == [4, 7, 2]  # (1, 2) last followed by 4
+    assert index.propose([*tokens, 3], 3) == [9, 1, 2]  # (1, 2, 3): only at the start
+    assert index.propose([*tokens, 3, 8], 3) == []  # (3, 8) and (2, 3, 8) never seen
+    assert NgramIndex(2, 3).propose([5, 5, 5], 4) == [5]  # the run so far
+    assert NgramIndex(2, 3).propose([1, 2], 4) == []
+    grown = NgramIndex(2, 3)  # indexed token by token: as built at once
+    for n in range(1, len(tokens) + 1):
+        grown.propose(tokens[:n], 2)
+    assert grown.propose([*tokens, 3], 2) == NgramIndex(2, 3).propose([*tokens, 3], 2)
+
+
+def test_accepted_drafts_and_the_rule() -> None:
+    assert accepted_drafts([4, 5, 6], [4, 5, 9, 1]) == 2
+    assert accepted_drafts([4, 5, 6], [4, 5, 6, 1]) == 3
+    assert accepted_drafts([4], [3, 4]) == 0
+    drafter = Drafter(SpecConfig(num_tokens=4, draft_cost=0.25, backoff=8))
+    spec = drafter.start()
+    for accepted, num_output in ((4, 5), (0, 6), (0, 7)):  # recent mean 4, 2, 1: >= 4 * 0.25
+        drafter.verified(spec, 4, accepted, num_output)
+    assert spec.resume_at == 0
+    drafter.verified(spec, 4, 0, num_output=8)  # 0.5 < 1: aside for 8 tokens
+    assert spec.resume_at == 8 + 8
+    assert drafter.propose(spec, [1, 2, 1, 2], num_output=15, room=4) == []
+    assert drafter.propose(spec, [1, 2, 1, 2], num_output=16, room=4) == [1, 2]
+    for n in range(3):  # from the best case again: 2, 1, 0.5; aside for 16 tokens
+        drafter.verified(spec, 4, 0, num_output=20 + n)
+    assert spec.resume_at == 22 + 16
+
+
+def test_metrics_show_the_acceptance_rate() -> None:
+    snap = {"running": 0, "waiting": 0, "kv_pages_total": 4, "kv_pages_free": 4,
+            "kv_pages_cached": 0, "preemptions": 0, "spec_draft_tokens": 40,
+            "spec_accepted_tokens": 30, "spec_verify_steps": 10}
+    text = ServerMetrics(lambda: snap).prometheus_text().decode()
+    assert "arle_spec_acceptance_rate 0.75" in text
+    assert "arle_spec_draft_tokens_total 40.0" in text
+
+
+async def test_ngram_drafts_on_the_default_model(smol: LoadedModel, make_engine: Any) -> None:
+    """Real text: an edit task copies most of its prompt; n-gram drafts are accepted and the
+    answer is speculation off's."""
+    require_smollm2_gguf()
+    messages = [{"role": "user", "content": load_script("bench_speculative").TASKS["edit"]}]
+    want = await run(make_engine(smol), messages=messages, max_tokens=60, logprobs=0)
+    got = await run(make_engine(smol, speculative="ngram", num_speculative_tokens=4),
+                    messages=messages, max_tokens=60, logprobs=0)
+    assert_same([got], [want])
+    spec = spec_of(got)
+    assert spec["accepted"] > 10, spec
+
+
+def test_flags_on_every_command() -> None:
+    """--speculative and --num-speculative-tokens on complete, chat, serve and warmup; K out
+    of [1, 8] is refused before anything loads."""
+    from typer.testing import CliRunner
+
+    from arle.cli.app import app
+
+    for command in ("complete", "chat", "serve", "warmup"):
+        out = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+        assert "--speculative" in out and "--num-speculative-tokens" in out, command
+    bad = CliRunner().invoke(app, ["complete", "x", "--num-speculative-tokens", "9"])
+    assert bad.exit_code == 2 and "--num-speculative-tokens" in bad.output
+
+
+async def test_chat_status_line_shows_tokens_per_step(smol: LoadedModel,
+                                                      make_engine: Any) -> None:
+    from arle.chat.backends import EngineBackend
+    from arle.chat.session import ChatSession
+
+    out = io.StringIO()
+    engine = make_engine(smol, speculative="ngram")
+    session = ChatSession(EngineBackend(engine), out=out, color=False,
+                          settings={"temperature": 0.0, "max_tokens": 80})
+    await session.run_piped([load_script("bench_speculative").TASKS["quote"]])
+    stats = session.last_stats
+    assert stats is not None and stats.tokens_per_step is not None
+    assert stats.tokens_per_step > 1.5
+    assert f"{stats.tokens_per_step:.2f} tok/step" in out.getvalue()
+
+
+def interp_check_hybrid_verify() -> None:
+    """Under TRITON_INTERPRET=1: a hybrid model's verify rows through the Triton kernels (each
+    token's recurrence a one-token call on the slot's state, its state kept; the next step
+    restoring the last accepted one) give the greedy tokens of the torch references without
+    speculation."""
+    import tempfile
+
+    from arle.config import EngineConfig
+    from arle.engine.build import engine_from_loaded
+    from arle_kernels.ops import triton_ops
+
+    async def tokens(engine: AsyncEngine, ids: list[int]) -> list[int]:
+        try:
+            return tokens_of(await run(engine, ids, max_tokens=10, ignore_eos=True))
+        finally:
+            await engine.close()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_qwen3_5_dir(Path(tmp), seed=3, vocab_size=259)
+        loaded = load_model(tmp, "float32")
+    ids = prompt(21, 7)
+    config = EngineConfig(kv_cache_tokens=256, max_running_requests=2)
+    want = asyncio.run(tokens(engine_from_loaded(config, loaded), ids))
+    engine = engine_from_loaded(replace(config, speculative="ngram", num_speculative_tokens=3),
+                                loaded)
+    engine.executor.dev.model.ops = triton_ops()  # type: ignore[attr-defined]
+    with_oracle(engine, [ids], [want])
+    assert asyncio.run(tokens(engine, ids)) == want
+    assert 0 < engine.stats["spec_accepted_tokens"] < engine.stats["spec_draft_tokens"]
+
+
+@pytest.mark.slow
+def test_hybrid_verify_rows_through_the_triton_kernels() -> None:
+    run_interpreter_check("test_speculative", "interp_check_hybrid_verify")
