@@ -204,6 +204,8 @@ SOURCES = (
            "--out docs/results/h200/parity_qwen3-30b-a3b-fp8-L4.json"),
     Source("cpu/bench_cpu.json", "python3 scripts/bench_cpu.py --rounds 7 "
            "--out docs/results/cpu/bench_cpu.json"),
+    Source("cpu/speculative_smollm2.json", "python3 scripts/bench_speculative.py --rounds 2 "
+           "--out docs/results/cpu/speculative_smollm2.json"),
     Source("cpu/bench_cpu_qwen3.5.json",
            "python3 scripts/make_random_model.py tiny-qwen3.5 /tmp/models/tiny-qwen3.5 && "
            "python3 scripts/bench_cpu.py --model /tmp/models/tiny-qwen3.5 --rounds 5 "
@@ -220,6 +222,26 @@ _NO_GRAPH = "h200/serve_qwen3-4b_disable-cuda-graph.json"
 _HF = "h200/hf_qwen3-4b.json"
 _CPU = "cpu/bench_cpu.json"
 _CPU_Q35 = "cpu/bench_cpu_qwen3.5.json"
+_SPEC = "cpu/speculative_smollm2.json"
+_SPEC_OFF = "speculation off, the same requests in the same run"
+
+
+def _spec_task(task: str, what: str) -> Figure:
+    t = f"tasks.{task}"
+    return Figure("cpu", f"n-gram speculation (`--speculative ngram`, K = 8), batch 1, greedy, "
+                  f"{what}: decode tok/s, tokens per verify step", _SMOL,
+                  (Field(_SPEC, f"{t}.ngram.decode_tok_s", "{:.1f} tok/s"),
+                   Field(_SPEC, f"{t}.ngram.tokens_per_verify", "{:.2f} tokens/verify")),
+                  _SPEC_OFF, (Field(_SPEC, f"{t}.off.decode_tok_s", "{:.1f} tok/s"),))
+
+
+def _spec_cost(batch: int, k: int) -> Figure:
+    c = f"cost.{batch}"
+    return Figure("cpu", f"a verify step with {k} drafts, all rejected, batch {batch}: "
+                  "device time per step", _SMOL,
+                  (Field(_SPEC, f"{c}.k{k}_ms_per_step", "{:.2f} ms"),),
+                  "a decode step of the same requests",
+                  (Field(_SPEC, f"{c}.k0_ms_per_step", "{:.2f} ms"),))
 _TINY_Q35 = "tiny random Qwen3.5 (4 layers: 3 Gated DeltaNet, 1 gated attention; hidden 256)"
 _Q35, _MOE = "Qwen3.5-4B", "Qwen3-30B-A3B-FP8 (block FP8)"
 _MOE_L4 = "Qwen3-30B-A3B-FP8, its first 4 layers"
@@ -404,6 +426,10 @@ FIGURES = (
            (Field(_CPU, "summary.arle.decode_tok_s", "{:.1f} tok/s"),),
            "weight-read floor (weights / `x.sum()` bandwidth)",
            (Field(_CPU, "summary.decode_floor.floor_decode_tok_s", "{:.1f} tok/s"),)),
+    _spec_task("edit", "rewrite a 300-token code block with one change"),
+    _spec_task("quote", "quote the sentences of a document that give numbers"),
+    _spec_task("chat", "a short story (plain chat)"),
+    _spec_cost(1, 4), _spec_cost(1, 8), _spec_cost(8, 8),
     Figure("cpu", "decode, batch 1, 32-token prompt + 128 tokens: tok/s", _TINY_Q35,
            (Field(_CPU_Q35, "summary.arle.decode_tok_s", "{:.1f} tok/s"),),
            "transformers `generate`",
