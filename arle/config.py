@@ -11,7 +11,7 @@ from typing import Literal
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3"]
-Speculative = Literal["off", "ngram"]
+Speculative = Literal["off", "ngram", "mtp"]
 
 #: Defaults that depend on the device: (CPU, CUDA). A GPU wants wide steps and many rows.
 DEVICE_DEFAULTS = {
@@ -61,7 +61,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     #: Speculative decoding: draft tokens and verify them in one forward (docs/speculative.md).
-    #: ngram: drafts from the request's own prompt and output.
+    #: ngram: drafts from the request's own prompt and output; mtp: from the model's
+    #: multi-token prediction head (Qwen3.5).
     speculative: Speculative = "off"
     #: Most draft tokens a request verifies per step (None: the device's, 8 on CPU, 4 on
     #: CUDA: arle.engine.speculative.DEVICE_RULES).
@@ -169,8 +170,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  help="Split the model over this many devices, one process each "
                       "(docs/parallel.md)."),
     EngineOption("speculative", "--speculative",
-                 help="Speculative decoding: ngram drafts from the request's own prompt and "
-                      "output, verified in one forward (docs/speculative.md)."),
+                 help="Speculative decoding: drafts from the request's own prompt and output "
+                      "(ngram) or the model's multi-token prediction head (mtp: Qwen3.5), "
+                      "verified in one forward (docs/speculative.md)."),
     EngineOption("num_speculative_tokens", "--num-speculative-tokens", min=1, max=8,
                  help="Most draft tokens a request verifies per step (default: 8 on CPU, 4 on "
                       "CUDA)."),

@@ -21,9 +21,9 @@ Qwen3.5 (Gated DeltaNet + gated attention): the published layout, `Qwen3_5ForCon
 with the text config under `text_config` (the fields of the released config.json files: 3 linear
 layers then a full one, head dim 256 with a quarter rotating, rope theta 1e7, linear attention of
 16 key heads of 128 and 16 or 32 value heads) and the text weights under
-`model.language_model.*`. The vision tower's and the MTP head's weights are not written (a text
-engine does not read them; transformers' AutoModelForCausalLM loads the directory without them),
-only its `vision_config`. Qwen3.5's vocabulary (248320) and special ids (<|endoftext|> 248044,
+`model.language_model.*`, and the multi-token prediction head's under `mtp.*` as released
+(`--speculative mtp` drafts with it; transformers skips them). The vision tower's weights are not
+written (a text engine does not read them), only its `vision_config`. Qwen3.5's vocabulary (248320) and special ids (<|endoftext|> 248044,
 <|im_start|> 248045, <|im_end|> 248046). Its zero-centred norms (x * (1 + w)) get w =
 0.1*N(0,1); A_log and dt_bias transformers' initialisation (log U(0.01, 16), ones).
 
@@ -321,15 +321,41 @@ def tensor_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
 
 
 def _qwen3_5_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
-    """The text model's tensors of a Qwen3.5 release (`model.language_model.*`, lm_head when
-    untied), per layer its mixer's (Gated DeltaNet or gated attention), MLP and norms."""
+    """The tensors of a Qwen3.5 release: the text model's (`model.language_model.*`, lm_head
+    when untied; per layer its mixer's, MLP and norms), then the MTP head's (`mtp.*`)."""
     t = cfg["text_config"]
+    h = t["hidden_size"]
+    emb_std = LOGIT_STD / math.sqrt(h)
+    root = "model.language_model."
+    specs = [TensorSpec(root + "embed_tokens.weight", (t["vocab_size"], h), emb_std)]
+    for i, kind in enumerate(t["layer_types"]):
+        specs += _qwen3_5_layer(t, f"{root}layers.{i}.", kind)
+    specs.append(TensorSpec(root + "norm.weight", (h,), None, init="zero_centred"))
+    if not t["tie_word_embeddings"]:
+        specs.append(TensorSpec("lm_head.weight", (t["vocab_size"], h), emb_std))
+    return specs + qwen3_5_mtp_specs(t)
+
+
+def qwen3_5_mtp_specs(t: dict[str, Any]) -> list[TensorSpec]:
+    """The multi-token prediction head of a Qwen3.5 release (`mtp.*`, `mtp_num_hidden_layers`
+    layers): fc [hidden, 2 hidden] over [embedding | hidden state], its two input norms, a
+    gated-attention decoder layer as the text model's, its final norm."""
+    h = t["hidden_size"]
+    layers = [s for i in range(t.get("mtp_num_hidden_layers", 0))
+              for s in _qwen3_5_layer(t, f"mtp.layers.{i}.", "full_attention")]
+    if not layers:
+        return []
+    return [TensorSpec("mtp.fc.weight", (h, 2 * h), (2 * h) ** -0.5),
+            *(TensorSpec(f"mtp.{n}.weight", (h,), None, init="zero_centred")
+              for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden")),
+            *layers, TensorSpec("mtp.norm.weight", (h,), None, init="zero_centred")]
+
+
+def _qwen3_5_layer(t: dict[str, Any], p: str, kind: str) -> list[TensorSpec]:
+    """One Qwen3.5 decoder layer's tensors under prefix `p`: its mixer (Gated DeltaNet or gated
+    attention), its dense MLP and zero-centred norms."""
     h, hd = t["hidden_size"], t["head_dim"]
     nq, nkv = t["num_attention_heads"], t["num_key_value_heads"]
-    hk, hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
-    dk, dv, kernel = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]
-    conv = 2 * hk * dk + hv * dv
-    emb_std = LOGIT_STD / math.sqrt(h)
 
     def linear(name: str, out: int, inp: int) -> TensorSpec:
         return TensorSpec(name, (out, inp), inp ** -0.5)
@@ -337,40 +363,35 @@ def _qwen3_5_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
     def norm(name: str, n: int) -> TensorSpec:
         return TensorSpec(name, (n,), None, init="zero_centred")
 
-    root = "model.language_model."
-    specs = [TensorSpec(root + "embed_tokens.weight", (t["vocab_size"], h), emb_std)]
-    for i, kind in enumerate(t["layer_types"]):
-        p = f"{root}layers.{i}."
-        if kind == "linear_attention":
-            a = p + "linear_attn."
-            mixer = [
-                linear(a + "in_proj_qkv.weight", conv, h),
-                linear(a + "in_proj_z.weight", hv * dv, h),
-                linear(a + "in_proj_b.weight", hv, h),
-                linear(a + "in_proj_a.weight", hv, h),
-                TensorSpec(a + "conv1d.weight", (conv, 1, kernel), kernel ** -0.5),
-                TensorSpec(a + "dt_bias", (hv,), None, init="ones"),
-                TensorSpec(a + "A_log", (hv,), None, init="a_log"),
-                TensorSpec(a + "norm.weight", (dv,), None),  # gated: not zero-centred
-                linear(a + "out_proj.weight", h, hv * dv),
-            ]
-        else:
-            a = p + "self_attn."
-            mixer = [
-                linear(a + "q_proj.weight", 2 * nq * hd, h),  # query and gate per head
-                linear(a + "k_proj.weight", nkv * hd, h),
-                linear(a + "v_proj.weight", nkv * hd, h),
-                linear(a + "o_proj.weight", h, nq * hd),
-                norm(a + "q_norm.weight", hd),
-                norm(a + "k_norm.weight", hd),
-            ]
-        specs += [norm(p + "input_layernorm.weight", h), *mixer,
-                  norm(p + "post_attention_layernorm.weight", h),
-                  *_mlp_specs({**t, "num_experts": 0}, i, root)]
-    specs.append(norm(root + "norm.weight", h))
-    if not t["tie_word_embeddings"]:
-        specs.append(TensorSpec("lm_head.weight", (t["vocab_size"], h), emb_std))
-    return specs
+    if kind == "linear_attention":
+        hk, hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+        dk, dv, kernel = (t["linear_key_head_dim"], t["linear_value_head_dim"],
+                          t["linear_conv_kernel_dim"])
+        conv = 2 * hk * dk + hv * dv
+        a = p + "linear_attn."
+        mixer = [linear(a + "in_proj_qkv.weight", conv, h),
+                 linear(a + "in_proj_z.weight", hv * dv, h),
+                 linear(a + "in_proj_b.weight", hv, h),
+                 linear(a + "in_proj_a.weight", hv, h),
+                 TensorSpec(a + "conv1d.weight", (conv, 1, kernel), kernel ** -0.5),
+                 TensorSpec(a + "dt_bias", (hv,), None, init="ones"),
+                 TensorSpec(a + "A_log", (hv,), None, init="a_log"),
+                 TensorSpec(a + "norm.weight", (dv,), None),  # gated: not zero-centred
+                 linear(a + "out_proj.weight", h, hv * dv)]
+    else:
+        a = p + "self_attn."
+        mixer = [linear(a + "q_proj.weight", 2 * nq * hd, h),  # query and gate per head
+                 linear(a + "k_proj.weight", nkv * hd, h),
+                 linear(a + "v_proj.weight", nkv * hd, h),
+                 linear(a + "o_proj.weight", h, nq * hd),
+                 norm(a + "q_norm.weight", hd),
+                 norm(a + "k_norm.weight", hd)]
+    inter = t["intermediate_size"]
+    mlp = [linear(p + "mlp.gate_proj.weight", inter, h),
+           linear(p + "mlp.up_proj.weight", inter, h),
+           linear(p + "mlp.down_proj.weight", h, inter)]
+    return [norm(p + "input_layernorm.weight", h), *mixer,
+            norm(p + "post_attention_layernorm.weight", h), *mlp]
 
 
 def _mlp_specs(cfg: dict[str, Any], layer: int, root: str = "model.") -> list[TensorSpec]:

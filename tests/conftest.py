@@ -142,9 +142,9 @@ def assert_all_pages_back(engine: AsyncEngine) -> None:
 #: The modules that take longest on a 2-core CPU (20-60 s each), longest first. pytest-xdist
 #: hands out modules in the order they are collected: these go first, so that the processes
 #: end together instead of one waiting on the other's long module at the end.
-LONGEST_MODULES = ("test_clients", "test_tensor_parallel", "test_kernels_deltanet",
-                   "test_fp8_weights", "test_qwen3_5", "test_kernels_moe", "test_parity",
-                   "test_kernels_fp8")
+LONGEST_MODULES = ("test_clients", "test_speculative", "test_tensor_parallel",
+                   "test_kernels_deltanet", "test_fp8_weights", "test_qwen3_5",
+                   "test_kernels_moe", "test_parity", "test_kernels_fp8")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import load_script
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -251,9 +252,6 @@ QWEN3_5_VISION: dict[str, Any] = {"depth": 1, "hidden_size": 32, "num_heads": 2,
                                   "temporal_patch_size": 2, "spatial_merge_size": 2,
                                   "out_hidden_size": 128, "num_position_embeddings": 16}
 QWEN3_5_LAYOUTS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
-#: Tensors the published checkpoints carry beside the text model's: the multi-token
-#: prediction head (transformers and arle both skip them; only their names matter).
-QWEN3_5_MTP = ("mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.input_layernorm.weight")
 
 
 def qwen3_5_config(arch: str = "Qwen3_5ForConditionalGeneration", **overrides: Any) -> Any:
@@ -297,23 +295,34 @@ def random_qwen3_5_model(config: Any, seed: int = 0) -> Any:
 def write_qwen3_5_dir(path: Path, arch: str = "Qwen3_5ForConditionalGeneration", seed: int = 0,
                       **overrides: Any) -> Any:
     """A random tiny Qwen3.5 checkpoint as transformers saves it (sharded), in `arch`'s layout,
-    with tokenizer files; the multimodal layout also carries `QWEN3_5_MTP` tensors (a shard
-    of their own, in the index). Returns the in-memory transformers model."""
+    with tokenizer files; the multimodal layout also carries the MTP head's tensors (a shard
+    of their own, in the index: `write_mtp_head`). Returns the in-memory transformers model."""
     config = qwen3_5_config(arch, **overrides)
     model = random_qwen3_5_model(config, seed)
     save_checkpoint(model, path)
     if arch == "Qwen3_5ForConditionalGeneration":
-        from safetensors.torch import save_file
-
-        hidden = config.text_config.hidden_size
-        mtp = {name: torch.randn(hidden, 2 * hidden if name == "mtp.fc.weight" else 1
-                                 ).squeeze(-1).contiguous() for name in QWEN3_5_MTP}
-        save_file(mtp, str(path / "mtp.safetensors"), metadata={"format": "pt"})
-        index_path = path / "model.safetensors.index.json"
-        index = json.loads(index_path.read_text())
-        index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
-        index_path.write_text(json.dumps(index))
+        write_mtp_head(path, seed)
     return model
+
+
+def write_mtp_head(path: Path, seed: int) -> None:
+    """The multi-token prediction head a Qwen3.5 release carries (`mtp.*`, drawn as
+    scripts/make_random_model.py draws it), in a shard of its own, and `mtp_num_hidden_layers`
+    in config.json (transformers skips the head; arle runs it with `--speculative mtp`)."""
+    from safetensors.torch import save_file
+
+    make = load_script("make_random_model")
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    config_path.write_text(json.dumps(config, indent=2))
+    mtp = {spec.name: make.make_tensor(spec, seed, torch.float32, torch.device("cpu"))
+           for spec in make.qwen3_5_mtp_specs(config["text_config"])}
+    save_file(mtp, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
+    index_path.write_text(json.dumps(index))
 
 
 # ---- Qwen3.5-MoE (hybrid layers with expert MLPs and a shared expert) ----------------------

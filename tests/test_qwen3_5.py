@@ -149,7 +149,8 @@ def test_random_model_configs_are_the_real_ones(name: str) -> None:
 def test_random_model_layout_is_transformers(name: str) -> None:
     """The tensors make_random_model writes are transformers' `Qwen3_5ForConditionalGeneration`
     text model's (names and shapes, `model.language_model.*`), lm_head where untied; the vision
-    tower's are left out."""
+    tower's are left out. The MTP head's (`mtp.*`, which transformers has no module for) are a
+    full-attention layer's under `mtp.layers.0.`, fc [hidden, 2 hidden] and three norms."""
     raw = make_random_model.CONFIGS[name]
     config = transformers.Qwen3_5Config(**{k: v for k, v in raw.items() if k != "architectures"})
     with torch.device("meta"):
@@ -158,7 +159,17 @@ def test_random_model_layout_is_transformers(name: str) -> None:
                 if not k.startswith("model.visual.")}
     if raw["tie_word_embeddings"]:
         expected.pop("lm_head.weight")
-    assert {s.name: s.shape for s in make_random_model.tensor_specs(raw)} == expected
+    written = {s.name: s.shape for s in make_random_model.tensor_specs(raw)}
+    mtp = {k: written.pop(k) for k in list(written) if k.startswith("mtp.")}
+    assert written == expected
+    text = raw["text_config"]
+    full = f"model.language_model.layers.{text['layer_types'].index('full_attention')}."
+    h = text["hidden_size"]
+    assert mtp == {"mtp.fc.weight": (h, 2 * h),
+                   **{f"mtp.{n}.weight": (h,) for n in ("pre_fc_norm_embedding",
+                                                         "pre_fc_norm_hidden", "norm")},
+                   **{"mtp.layers.0." + k.removeprefix(full): v for k, v in expected.items()
+                      if k.startswith(full)}}
 
 
 @pytest.mark.slow
@@ -408,7 +419,11 @@ def test_checkpoint_loads_and_skips_the_unused_parts(q35_dirs: dict[str, Path], 
     multimodal = arch == "Qwen3_5ForConditionalGeneration"
     assert err.count("weights_not_used") == (1 if multimodal else 0)
     if multimodal:
-        assert "multi-token_prediction_head=3" in err and "vision_tower=" in err
+        from safetensors import safe_open
+
+        with safe_open(q35_dirs[arch] / "mtp.safetensors", "pt") as f:
+            heads = len(list(f.keys()))
+        assert f"multi-token_prediction_head={heads}" in err and "vision_tower=" in err
     hf = hf_from_dir(q35_dirs[arch])
     theirs = hf_text_model(hf)
     m = ours.model

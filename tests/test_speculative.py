@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import assert_all_pages_back, cancel_mid_stream, run, run_many, tokens_of
 from helpers import (
     Oracle,
@@ -32,7 +34,9 @@ from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import Delta, GenerateRequest, SamplingParams
 from arle.engine.speculative import (
     Drafter,
+    MTPDrafter,
     NgramIndex,
+    RequestSpec,
     SpecConfig,
     accepted_drafts,
 )
@@ -381,3 +385,167 @@ def interp_check_hybrid_verify() -> None:
 @pytest.mark.slow
 def test_hybrid_verify_rows_through_the_triton_kernels() -> None:
     run_interpreter_check("test_speculative", "interp_check_hybrid_verify")
+
+
+# ---- --speculative mtp: Qwen3.5's multi-token prediction head -------------------------------
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3.5 in the published layout, with its MTP head (`write_mtp_head`)."""
+    path = tmp_path_factory.mktemp("mtp") / "qwen3_5"
+    write_qwen3_5_dir(path, seed=3, vocab_size=259)
+    return path
+
+
+class Recorder(MTPDrafter):
+    """The MTP drafter, keeping each request's tokens and the drafts it verifies next, and
+    drafting whatever they cost (the random head's drafts are nearly all rejected)."""
+
+    def __init__(self, config: SpecConfig) -> None:
+        super().__init__(replace(config, draft_cost=0.0))
+        self.seen: list[tuple[list[int], list[int]]] = []
+
+    def lookup(self, spec: RequestSpec, tokens: Sequence[int], num_output: int,
+               k: int) -> list[int]:
+        drafts = super().lookup(spec, tokens, num_output, k)
+        if drafts:
+            self.seen.append((list(tokens), drafts))
+        return drafts
+
+
+def mtp_engine(loaded: LoadedModel, make_engine: Any, k: int, **config: Any) -> AsyncEngine:
+    engine: AsyncEngine = make_engine(loaded, speculative="mtp", num_speculative_tokens=k,
+                                      **config)
+    drafter = engine.scheduler.drafter
+    assert drafter is not None
+    engine.scheduler.drafter = Recorder(drafter.config)
+    return engine
+
+
+def hf_mtp_drafts(path: Path, tokens: list[int], k: int) -> list[int]:
+    """The head's k greedy drafts after `tokens` by transformers' own layers: the text model's
+    final hidden states, then per draft, over the whole sequence (positions 0 .. n - 2 read
+    the next token and the model's state; later ones the previous draft and the head's own
+    output): the norms, fc, a `Qwen3_5DecoderLayer` (full attention) loaded with
+    `mtp.layers.0.*`, the final norm, the model's lm_head."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
+
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    text = hf.model.language_model
+    cfg = text.config
+    weights = {n.removeprefix("mtp."): t for n, t in load_file(path / "mtp.safetensors").items()}
+    full = json.loads((path / "config.json").read_text())["text_config"]["layer_types"].index(
+        "full_attention")
+    layer = q.Qwen3_5DecoderLayer(cfg, full).eval()
+    layer.load_state_dict({n.removeprefix("layers.0."): t for n, t in weights.items()
+                           if n.startswith("layers.0.")})
+
+    def norm(name: str) -> Any:
+        m = q.Qwen3_5RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        m.weight.data.copy_(weights[f"{name}.weight"])
+        return m
+
+    norm_e, norm_h, norm_out = norm("pre_fc_norm_embedding"), norm("pre_fc_norm_hidden"), norm(
+        "norm")
+    with torch.no_grad():
+        hidden = text(input_ids=torch.tensor([tokens])).last_hidden_state[0, :-1]
+        nexts, drafts = list(tokens[1:]), []
+        for _ in range(k):
+            e = norm_e(text.embed_tokens(torch.tensor([nexts])))
+            x = torch.cat([e, norm_h(hidden[None])], dim=-1) @ weights["fc.weight"].T
+            positions = torch.arange(len(nexts))[None]
+            x = norm_out(layer(x, position_embeddings=text.rotary_emb(x, positions),
+                               position_ids=positions))[0, -1]
+            drafts.append(int(hf.lm_head(x).argmax()))
+            nexts.append(drafts[-1])
+            hidden = torch.cat([hidden, x[None]])
+    return drafts
+
+
+async def test_mtp_drafts_are_the_heads_by_transformers(mtp_dir: Path, make_engine: Any
+                                                        ) -> None:
+    """The drafts each verify row checks are the head's greedy chain after the request's
+    tokens, as transformers' layers compute it (after the prefill, and after verify steps
+    that rejected drafts: the head's cache written at accepted positions only)."""
+    engine = mtp_engine(load_model(mtp_dir, "float32", mtp=True), make_engine, k=3)
+    await run(engine, prompt(30, 8), max_tokens=10, ignore_eos=True)
+    recorder = engine.scheduler.drafter
+    assert isinstance(recorder, Recorder) and len(recorder.seen) >= 4
+    for tokens, drafts in recorder.seen[:4]:
+        assert drafts == hf_mtp_drafts(mtp_dir, tokens, len(drafts)), len(tokens)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+async def test_mtp_greedy_equals_off(mtp_dir: Path, make_engine: Any, k: int) -> None:
+    """The head drafting for a batch with chunked prefills, a prefix hit, a pool too small for
+    all (preemption) and a cancellation: speculation off's tokens and logprobs."""
+    plain, with_head = load_model(mtp_dir, "float32"), load_model(mtp_dir, "float32", mtp=True)
+    shared = prompt(40, 9)
+    prompts = [prompt(23, 1), prompt(57, 2), shared + prompt(5, 3), shared + prompt(9, 4)]
+    params = {"max_tokens": 30, "ignore_eos": True, "logprobs": 2}
+    config = {"chunked_prefill_size": 16, "kv_cache_tokens": 256, "max_model_len": 128}
+    want = await run_many(make_engine(plain, **config), prompts, **params)
+    engine = mtp_engine(with_head, make_engine, k, **config)
+    for _ in range(2):  # the second time, the shared prefix hits
+        assert_same(await run_many(engine, prompts, **params), want)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats["spec_verify_steps"] > 0
+    req = GenerateRequest(prompt=prompts[1], params=SamplingParams(
+        max_tokens=100, ignore_eos=True, temperature=0.0))
+    await cancel_mid_stream(engine, req, timeout=60)
+    assert_all_pages_back(engine)
+
+
+def test_mtp_needs_a_head(models: dict[str, LoadedModel]) -> None:
+    """A model without the head is refused by name, and an engine needs the head loaded."""
+    from arle.config import EngineConfig
+    from arle.engine.build import engine_from_loaded
+    from arle.errors import ArleError, ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="multi-token prediction head"):
+        load_model(models["dense"].path, "float32", mtp=True)
+    with pytest.raises(ArleError, match="MTP head"):
+        engine_from_loaded(EngineConfig(speculative="mtp"), models["hybrid"])
+
+
+def interp_check_mtp() -> None:
+    """Under TRITON_INTERPRET=1: the MTP head's pass and chained drafts through the Triton
+    kernels (attention over the head's KV entry, one-token chain steps over gathered page
+    tables) give the drafts and tokens of the torch references."""
+    import tempfile
+
+    from arle.config import EngineConfig
+    from arle.engine.build import engine_from_loaded
+    from arle_kernels.ops import triton_ops
+
+    async def drafted(engine: AsyncEngine, ids: list[int]) -> tuple[list[int], Any]:
+        drafter = engine.scheduler.drafter
+        assert drafter is not None
+        recorder = engine.scheduler.drafter = Recorder(drafter.config)
+        try:
+            return tokens_of(await run(engine, ids, max_tokens=5, ignore_eos=True)), \
+                recorder.seen
+        finally:
+            await engine.close()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_qwen3_5_dir(Path(tmp), seed=3, vocab_size=259)
+        loaded = load_model(tmp, "float32", mtp=True)
+    ids = prompt(12, 7)
+    config = EngineConfig(kv_cache_tokens=256, max_running_requests=2, speculative="mtp",
+                          num_speculative_tokens=2)
+    want = asyncio.run(drafted(engine_from_loaded(config, loaded), ids))
+    engine = engine_from_loaded(config, loaded)
+    engine.executor.dev.model.ops = triton_ops()  # type: ignore[attr-defined]
+    got = asyncio.run(drafted(engine, ids))
+    assert got == want and len(want[1]) >= 2
+
+
+@pytest.mark.slow
+def test_mtp_through_the_triton_kernels() -> None:
+    run_interpreter_check("test_speculative", "interp_check_mtp")

@@ -24,7 +24,7 @@ from arle.engine.output import IncrementalDetokenizer, StopStringMatcher
 from arle.engine.request import Delta, GenerateRequest, SamplingParams, TokenLogprob, Usage
 from arle.engine.scheduler import Scheduler, SchedulerConfig
 from arle.engine.sequence import Sequence, Status
-from arle.engine.speculative import Drafter, accepted_drafts, spec_config
+from arle.engine.speculative import accepted_drafts, make_drafter
 from arle.engine.trace import build_trace
 from arle.errors import ArleError, InvalidRequestError, OverloadedError
 from arle.executor.base import Executor, KVPoolInfo, StepOutput
@@ -134,7 +134,8 @@ class AsyncEngine:
             max_batched_tokens=config.max_batched_tokens,
             chunked_prefill_size=min(config.chunked_prefill_size, config.max_batched_tokens),
             max_waiting_requests=config.max_waiting_requests), self.cache,
-            drafter=Drafter(spec) if (spec := spec_config(config)) is not None else None)
+            drafter=make_drafter(config))
+        spec = self.scheduler.drafter.config if self.scheduler.drafter is not None else None
         self._requests: dict[str, Sequence] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -416,7 +417,7 @@ class AsyncEngine:
         self.stats["device_us"] += round(exec_us)
         width = len(plan.rows)
         admitted = {ns.slot for ns in plan.new_slots}
-        k = scored = 0
+        k = scored = chained = 0
         for row in plan.rows:
             seq: Sequence = row.owner
             seq.num_inflight -= 1
@@ -440,6 +441,10 @@ class AsyncEngine:
             tokens = out.token_ids[k:k + n]
             lps = out.logprobs[k:k + n] if out.logprobs else [None] * n
             k += n
+            if row.mtp_drafts:
+                chained += 1
+                if seq.spec is not None:
+                    seq.spec.next_drafts = out.drafts[chained - 1]
             if seq.finished:
                 continue  # the extra step of a request that finished one step earlier
             if row.spec:

@@ -45,8 +45,12 @@ def build_engine(config: EngineConfig) -> AsyncEngine:
 
         start_cache_key()  # beside the weights' load (see there)
     if config.tensor_parallel_size > 1:
+        if config.speculative == "mtp":
+            raise ArleError("--speculative mtp runs on one device for now; with "
+                            "--tensor-parallel-size, use --speculative ngram")
         return _build_group(config, device)
-    loaded = load_model(resolve_model_path(config.model), config.dtype, device)
+    loaded = load_model(resolve_model_path(config.model), config.dtype, device,
+                        mtp=config.speculative == "mtp")
     return engine_from_loaded(config, loaded)
 
 
@@ -55,6 +59,9 @@ def engine_from_loaded(config: EngineConfig, loaded: LoadedModel,
     """Size the KV pool, build the executor and the engine around a loaded model (rank 0's
     slice of it, with `ranks`: the other ranks of its TP group)."""
     config = config.for_device(loaded.device.type)
+    if (config.speculative == "mtp") != (loaded.model.mtp is not None):
+        raise ArleError("--speculative mtp needs the model loaded with its MTP head "
+                        "(load_model(..., mtp=True)), and only then")
     log.info("model_loaded", model=loaded.name, path=str(loaded.path),
              architecture=loaded.config.architecture, parameters=loaded.num_parameters,
              dtype=_dtype_name(loaded.dtype), bytes=loaded.num_bytes,

@@ -89,7 +89,8 @@ class Scheduler:
         saves_after = self._commit(rows)
         self._step_ids += 1
         plan = StepPlan(self._step_ids, rows, new_slots, saves_before=self.cache.take_saves(),
-                        saves_after=saves_after, state_restores=list(self._restores.values()))
+                        saves_after=saves_after, state_restores=list(self._restores.values()),
+                        mtp=self.drafter is not None and self.drafter.chains)
         self._restores.clear()
         plan.schedule_us = (time.perf_counter() - t0) * 1e6
         return plan
@@ -160,7 +161,19 @@ class Scheduler:
             row.num_tokens, row.verify, row.spec = len(row.input_ids), True, len(drafts)
             if drafts and self.cache.hybrid:
                 row.spec_entry = entry
+        self._chain(seq, row)
         return row
+
+    def _chain(self, seq: Sequence, row: Row) -> None:
+        """`--speculative mtp`: a drafting request's sampling row chains the MTP head's drafts
+        after it, where the pages for their positions can be had."""
+        d = self.drafter
+        if d is None or not d.chains or seq.spec is None:
+            return
+        assert seq.cache is not None
+        row.mtp_drafts = d.config.num_tokens
+        if not self.cache.grow(seq.cache, row.table_len):
+            row.mtp_drafts = 0
 
     def wants_step_back(self) -> bool:
         """Whether a request would draft once its step in flight is back (the engine then
@@ -173,7 +186,7 @@ class Scheduler:
         if len(self.running) >= d.config.step_tokens:
             return False  # NOTE: no step has room for drafts: keep the overlap
         return any(s.spec is not None and s.num_inflight and not s.in_prefill
-                   and d.propose(s.spec, s.tokens, s.num_output, 1) for s in self.running)
+                   and d.would_draft(s.spec, s.tokens, s.num_output) for s in self.running)
 
     def verified(self, seq: Sequence, row: Row, accepted: int) -> None:
         """A verify row kept its first `accepted` drafts: the positions past them go back (their
@@ -272,7 +285,10 @@ class Scheduler:
         row = Row(slot=seq.cache.slot, start=start, num_tokens=n,
                   input_ids=seq.tokens[start:start + n], sample=done,
                   sample_offset=seq.num_output, pages=seq.cache.pages, params=seq.params,
-                  owner=seq, grammar=seq.grammar)
+                  owner=seq, grammar=seq.grammar,
+                  next_id=-1 if done else seq.tokens[start + n])
+        if done:
+            self._chain(seq, row)
         if seq.scoring:
             # position p's logits score prompt token p + 1 (the last prompt position samples)
             lo, hi = max(start, seq.score_next), min(start + n, seq.num_prompt - 1)

@@ -114,8 +114,9 @@ class RequestSpec:
     #: no drafts until the request has this many output tokens
     resume_at: int = 0
     backoff: int = 0
-    #: the drafts of the verify row in flight ([]: none)
-    pending: list[int] = field(default_factory=list)
+    #: `--speculative mtp`: the MTP head's drafts from the request's last step (valid for
+    #: its next step only)
+    next_drafts: list[int] = field(default_factory=list)
 
     def trace(self) -> dict[str, int]:
         return {"drafted": self.drafted, "accepted": self.accepted,
@@ -123,7 +124,11 @@ class RequestSpec:
 
 
 class Drafter:
-    """Drafts for the scheduler's verify rows; learns from each verify step's result."""
+    """Drafts for the scheduler's verify rows (n-gram lookup); learns from each verify step's
+    result."""
+
+    #: the model's MTP head runs over every step (`MTPDrafter`)
+    chains = False
 
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
@@ -145,6 +150,10 @@ class Drafter:
         """Up to k drafts after `tokens` (the prompt, then `num_output` outputs)."""
         return spec.index.propose(tokens, k)
 
+    def would_draft(self, spec: RequestSpec, tokens: Sequence[int], num_output: int) -> bool:
+        """Whether the request is likely to draft at its next step (its tokens so far)."""
+        return bool(self.propose(spec, tokens, num_output, 1))
+
     def verified(self, spec: RequestSpec, drafts: int, accepted: int, num_output: int) -> None:
         """A verify row kept `accepted` of its `drafts`: count them, and step aside when the
         recent mean falls below what the drafts cost (`draft_cost` each)."""
@@ -160,6 +169,31 @@ class Drafter:
             spec.backoff = min(2 * spec.backoff or c.backoff, 64)
             spec.resume_at = num_output + spec.backoff
             spec.recent = None
+
+
+class MTPDrafter(Drafter):
+    """Drafts from the model's multi-token prediction head: each step of a drafting request
+    chains `num_tokens` of them on the device after its last accepted token (arle.executor.
+    step.mtp_drafts), which its next verify row checks."""
+
+    #: the head runs over every step, and each drafting row chains this many drafts
+    chains = True
+
+    def lookup(self, spec: RequestSpec, tokens: Sequence[int], num_output: int,
+               k: int) -> list[int]:
+        drafts, spec.next_drafts = spec.next_drafts[:k], []  # NOTE: good for one step
+        return drafts
+
+    def would_draft(self, spec: RequestSpec, tokens: Sequence[int], num_output: int) -> bool:
+        return num_output >= spec.resume_at  # its step in flight brings new drafts
+
+
+def make_drafter(config: EngineConfig) -> Drafter | None:
+    """The drafter of an engine config (its device filled in); None: speculation off."""
+    spec = spec_config(config)
+    if spec is None:
+        return None
+    return MTPDrafter(spec) if config.speculative == "mtp" else Drafter(spec)
 
 
 def accepted_drafts(drafts: Sequence[int], sampled: Sequence[int]) -> int:

@@ -28,6 +28,8 @@ class StepOutput:
     exec_s: float = 0.0
     #: per row that scores prompt tokens (`Row.score_targets`), in row order: their logprobs
     prompt_scores: list[list[TokenLogprob]] = field(default_factory=list)
+    #: per row that chains MTP drafts (`Row.mtp_drafts`), in row order: the drafts
+    drafts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,8 @@ class CPUExecutor:
         if inputs.grammars:
             self.dev.grammar_masks.sampled(inputs.grammars, out.token_ids)
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
-                          time.perf_counter() - t0, scores)
+                          time.perf_counter() - t0, scores,
+                          out.drafts.tolist() if out.drafts is not None else [])
 
     def rank_info(self) -> dict[str, Any]:
         """This rank's memory: weights, KV pool, recurrent state pool (`arle warmup`)."""

@@ -130,9 +130,11 @@ class CUDAExecutor:
         nd = plan.num_decode_rows
         graph_bs = extend_t = 0
         # NOTE: a step that scores prompt tokens runs eagerly: the graphs keep the logits of
-        # the sampling rows only (one each: a verify step's runs eagerly too)
-        eager = plan.has_spec or any(r.score_targets for r in rows)
-        if self.graphs is not None and nd == len(rows) and nd <= self.graphs.max_bs:
+        # the sampling rows only (one each: a verify step's runs eagerly too), and the MTP
+        # head reads every token's hidden state
+        eager = plan.has_spec or plan.mtp or any(r.score_targets for r in rows)
+        if self.graphs is not None and nd == len(rows) and nd <= self.graphs.max_bs \
+                and not plan.mtp:
             graph_bs = self.graphs.size_for(nd)
         elif self.extend_graphs is not None and not eager:
             extend_t = self.extend_graphs.size_for(plan.num_tokens, len(rows))
@@ -252,7 +254,8 @@ class CUDAExecutor:
             return StepOutput([], [], exec_s, scores)
         out = pending.out.host()
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, pending.want_logprobs),
-                          exec_s, scores)
+                          exec_s, scores,
+                          out.drafts.tolist() if out.drafts is not None else [])
 
     def close(self) -> None:
         self._launcher.submit(lambda: None).result()
@@ -269,6 +272,7 @@ class _Copied:
     logprobs: torch.Tensor | None
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    drafts: torch.Tensor | None
 
     @classmethod
     def of(cls, out: SampleOutput, stream: torch.cuda.Stream) -> _Copied:
@@ -276,10 +280,11 @@ class _Copied:
         ids = _to_host(out.token_ids, stream)
         assert ids is not None
         return cls(ids, _to_host(out.logprobs, stream), _to_host(out.top_ids, stream),
-                   _to_host(out.top_logprobs, stream))
+                   _to_host(out.top_logprobs, stream), _to_host(out.drafts, stream))
 
     def host(self) -> SampleOutput:
-        return SampleOutput(self.token_ids, self.logprobs, self.top_ids, self.top_logprobs)
+        return SampleOutput(self.token_ids, self.logprobs, self.top_ids, self.top_logprobs,
+                            self.drafts)
 
 
 def _to_host(t: torch.Tensor | None, stream: torch.cuda.Stream) -> torch.Tensor | None:

@@ -57,8 +57,9 @@ class KVCache:
     @classmethod
     def for_model(cls, cfg: ModelConfig, pages: int, page_size: int, dtype: torch.dtype,
                   device: torch.device) -> KVCache:
-        """A cache of `pages` pages for the model's full-attention layers."""
-        return cls.allocate(len(cfg.attention_layers), pages, page_size, cfg.num_kv_heads,
+        """A cache of `pages` pages for the model's full-attention layers (and its MTP
+        head's)."""
+        return cls.allocate(cfg.kv_layers, pages, page_size, cfg.num_kv_heads,
                             cfg.head_dim, dtype, device)
 
     @property
@@ -321,6 +322,15 @@ class PackedStep:
     num_scores: int = 0
     #: a hybrid model's verify-row tokens (`spec_tokens`)
     spec_tokens: list[tuple[int, int, int, int]] = field(default_factory=list)
+    #: the MTP head's drafts per chaining row, and the most drafts a verify row has (0: no
+    #: MTP head in the step)
+    mtp_drafts: int = 0
+    max_spec: int = 0
+
+    @property
+    def has_mtp(self) -> bool:
+        """The MTP head runs over the step (`StepPlan.mtp`)."""
+        return "mtp_ids" in self.offsets
 
     def segment(self, name: str) -> list[int]:
         start, n = self.offsets[name]
@@ -352,10 +362,10 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
     graph_bs: a decode graph's layout; extend: an extend graph's (see `extend_graph_block`)."""
     rows, nd = plan.rows, plan.num_decode_rows
     max_seq = max(r.seq_len for r in rows)
-    max_pages = -(-max_seq // page_size)
+    max_pages = -(-max(r.table_len for r in rows) // page_size)
     table: list[int] = []
     for r in rows:
-        n = -(-r.seq_len // page_size)
+        n = -(-r.table_len // page_size)
         table += r.pages[:n] + [0] * (max_pages - n)
     seg = _Segments()
     if extend is not None:
@@ -369,6 +379,10 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
         sample_at = _put_eager(seg, rows, nd, page_size, table)
     seg.put("sample_index", sample_at)
     seg.put("sample_slots", [r.slot for r in rows for _ in range(r.num_samples)])
+    if plan.mtp:
+        # NOTE: an eager step (its hidden states): the CUDA executor runs these eagerly
+        assert not graph_bs and extend is None, "the MTP head needs an eager step"
+        _put_mtp(seg, rows)
     score_at, targets = _score_segments(rows)
     if score_at:
         # NOTE: scored positions need every token's hidden state: only eager steps have them
@@ -379,7 +393,9 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
                       num_decode=nd, max_pages=max_pages,
                       max_q_len=max((r.num_tokens for r in rows[nd:]), default=1),
                       max_seq_len=max_seq, sample_rows=sample_at, num_scores=len(score_at),
-                      spec_tokens=spec_tokens(rows) if not graph_bs and extend is None else [])
+                      spec_tokens=spec_tokens(rows) if not graph_bs and extend is None else [],
+                      mtp_drafts=max((r.mtp_drafts for r in rows), default=0) if plan.mtp else 0,
+                      max_spec=max((r.spec for r in rows), default=0))
 
 
 def _put_decode_graph(seg: _Segments, rows: list[Row], ps: int, table: list[int],
@@ -417,6 +433,21 @@ def _put_eager(seg: _Segments, rows: list[Row], nd: int, ps: int, table: list[in
                               for p in range(r.start + 1, r.seq_len + 1) for x in (r.slot, p)]
                 + [0])
     return sample_at
+
+
+def _put_mtp(seg: _Segments, rows: list[Row]) -> None:
+    """The MTP head's inputs: per token the id after it (-1 where the step samples it), and per
+    row that chains drafts (row, its first sample's index among the samples, its drafts)."""
+    ids: list[int] = []
+    chains: list[int] = []
+    first = 0
+    for i, r in enumerate(rows):
+        ids += (r.input_ids or [0])[1:] + [r.next_id if not r.sample else -1]
+        if r.mtp_drafts:
+            chains += [i, first, r.spec]
+        first += r.num_samples
+    seg.put("mtp_ids", ids)
+    seg.put("mtp_rows", chains)
 
 
 def spec_tokens(rows: list[Row]) -> list[tuple[int, int, int, int]]:

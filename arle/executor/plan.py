@@ -38,6 +38,11 @@ class Row:
     #: Hybrid models: the entry of the state pool's `spec_*` buffers where a verify row's
     #: recurrent state after each of its sampled positions is kept (-1: none).
     spec_entry: int = -1
+    #: `--speculative mtp`: the drafts the MTP head chains after the row's last accepted
+    #: position (0: none; its page table covers the positions they take), and the token after
+    #: a prefill chunk that does not sample (the head reads it at the chunk's last position)
+    mtp_drafts: int = 0
+    next_id: int = -1
 
     @property
     def is_decode(self) -> bool:
@@ -46,6 +51,11 @@ class Row:
     @property
     def seq_len(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def table_len(self) -> int:
+        """Positions the row's page table covers: its own, and the MTP chain's after them."""
+        return self.seq_len + max(self.mtp_drafts - 1, 0)
 
     @property
     def is_prefill(self) -> bool:
@@ -85,6 +95,8 @@ class StepPlan:
     #: (slot, entry, index): a hybrid model's state kept by the last verify step at its
     #: sampled position `index` (`Row.spec_entry`) back into the slot, before anything else
     state_restores: list[tuple[int, int, int]] = field(default_factory=list)
+    #: the model's MTP head runs over the step's tokens (`--speculative mtp`)
+    mtp: bool = False
     schedule_us: float = 0.0
 
     @property

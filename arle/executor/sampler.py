@@ -140,6 +140,9 @@ class SampleOutput:
     logprobs: Tensor | None = None
     top_ids: Tensor | None = None  # [B, N] int64, best first; None when N == 0
     top_logprobs: Tensor | None = None  # [B, N] float32
+    #: `--speculative mtp`: the MTP head's drafts [C, K] for each row that chains them, after
+    #: the row's last accepted position (arle.executor.step.mtp_drafts)
+    drafts: Tensor | None = None
 
 
 def sample(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,6 +20,7 @@ from arle.executor.grammar import GrammarMasks
 from arle.executor.paged import (
     DeviceStep,
     KVCache,
+    PackedStep,
     PagedAttention,
     StatePool,
     StepInputs,
@@ -88,10 +90,14 @@ class StepState:
 
 @dataclass
 class Forward:
-    """A forward's result: the sampling rows' logits, and the prompt scores (None: none)."""
+    """A forward's result: the sampling rows' logits, and the prompt scores (None: none); an
+    eager forward's also every token's final hidden state and the step (the MTP head reads
+    them)."""
 
     logits: Tensor
     scored: ScoreOutput | None = None
+    hidden: Tensor | None = None
+    step: DeviceStep | None = None
 
 
 def attention_backend(dev: StepState, step: DeviceStep) -> PagedAttention:
@@ -113,7 +119,61 @@ def eager_forward(dev: StepState, inputs: StepInputs, meta: Tensor, num_splits: 
                                  layout.view(meta, "score_targets"), inputs.score_top,
                                  dev.model.logits)
     index = layout.view(meta, "sample_index")
-    return Forward(dev.model.logits(hidden[index]) if index.numel() else hidden[:0], scored)
+    return Forward(dev.model.logits(hidden[index]) if index.numel() else hidden[:0], scored,
+                   hidden, step)
+
+
+def mtp_drafts(dev: StepState, packed: PackedStep, meta: Tensor, fwd: Forward,
+               sampled: Tensor) -> Tensor | None:
+    """The MTP head over the step's tokens (each with the id after it: the sample where the
+    step samples it), writing its KV entry; then, for each row that chains drafts, from its
+    last accepted position (its verify row's outcome, found here as the engine finds it)
+    `packed.mtp_drafts` greedy drafts, each chained from the head's own output one position
+    further. -> [rows, K] on the device (None: no row chains)."""
+    head, model = dev.model.mtp, dev.model
+    assert head is not None and fwd.hidden is not None and fwd.step is not None
+    step, sample_at = fwd.step, packed.view(meta, "sample_index").long()
+    ids = packed.view(meta, "mtp_ids").long()
+    ids[sample_at] = sampled
+    x = head(model.embed(ids), fwd.hidden, attention_backend(dev, step), model.ops)
+    chains = packed.view(meta, "mtp_rows").long().view(-1, 3)
+    if not chains.numel():
+        return None
+    rows, first, spec = chains.unbind(1)
+    pick = sample_at[first + _accepted(step.input_ids.long(), sampled, sample_at, first, spec,
+                                       packed.max_spec)]
+    h, draft = x[pick], model.logits(x[pick]).argmax(-1)
+    drafts = [draft]
+    table, positions = step.page_table[rows], step.positions[pick].long()
+    for j in range(1, packed.mtp_drafts):
+        h = head(model.embed(draft), h, attention_backend(dev, _chain_step(
+            table, positions + j, dev.page_size)), model.ops)
+        draft = model.logits(h).argmax(-1)
+        drafts.append(draft)
+    return torch.stack(drafts, dim=1)
+
+
+def _accepted(ids: Tensor, sampled: Tensor, sample_at: Tensor, first: Tensor, spec: Tensor,
+              width: int) -> Tensor:
+    """Per row, the drafts its verify row keeps (`arle.engine.speculative.accepted_drafts`
+    on the device): the leading drafts (the input id after a sampled position) equal to the
+    sample there. Rows without drafts keep 0."""
+    if not width:
+        return torch.zeros_like(first)
+    j = torch.arange(width, device=first.device)
+    at = (first[:, None] + j).clamp(max=sampled.shape[0] - 1)
+    after = ids[(sample_at[at] + 1).clamp(max=ids.shape[0] - 1)]
+    kept = (sampled[at] == after) & (j < spec[:, None])
+    return kept.long().cumprod(dim=1).sum(dim=1)
+
+
+def _chain_step(table: Tensor, positions: Tensor, page_size: int) -> DeviceStep:
+    """One token a row at `positions` (decode rows over the rows' page tables `table`): the
+    MTP head's chained drafts."""
+    page = table.gather(1, (positions // page_size)[:, None]).squeeze(1).long()
+    n = positions.shape[0]
+    return DeviceStep(positions, positions.int(), (page * page_size + positions % page_size).int(),
+                      (positions + 1).int(), table.new_zeros(1), table, n, 1, 1)
 
 
 def run_step_body(dev: StepState, inputs: StepInputs, meta: Tensor,
@@ -131,9 +191,22 @@ def run_step_body(dev: StepState, inputs: StepInputs, meta: Tensor,
     inputs.start_states(dev.state)
     fwd = forward()
     inputs.save_states(dev.state)
+    out = _sample(dev, inputs, meta, batch, fwd, masks)
+    if inputs.packed.has_mtp:  # NOTE: one device (`load_model` refuses the head with TP)
+        sampled = out.token_ids if out is not None else meta.new_zeros(0, dtype=torch.long)
+        drafts = mtp_drafts(dev, inputs.packed, meta, fwd, sampled)
+        if out is not None:
+            out.drafts = drafts
+    return out, fwd.scored
+
+
+def _sample(dev: StepState, inputs: StepInputs, meta: Tensor, batch: SamplingBatch | None,
+            fwd: Forward, masks: Any) -> SampleOutput | None:
+    """The sampling rows' tokens, into the token buffer (None: no row samples, or a TP rank
+    > 0)."""
     layout = inputs.packed
     if not layout.sample_rows:
-        return None, fwd.scored
+        return None
     slots = layout.view(meta, "sample_slots")
 
     def sample(full: Tensor) -> SampleOutput:
@@ -146,7 +219,7 @@ def run_step_body(dev: StepState, inputs: StepInputs, meta: Tensor,
 
     tp = dev.model.tp
     if tp.size == 1:
-        return sample(fwd.logits), fwd.scored
+        return sample(fwd.logits)
     # NOTE: TP: rank 0 samples the gathered logits; the others learn the ids (None here)
     return sample_on_first_rank(tp, fwd.logits, dev.model.config.vocab_size, slots,
-                                dev.token_buffer, sample), fwd.scored
+                                dev.token_buffer, sample)

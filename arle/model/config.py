@@ -110,6 +110,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    #: the checkpoint's multi-token prediction layers (Qwen3.5's `mtp.*`), and whether the
+    #: model runs its head (`--speculative mtp`: its layer takes a KV cache entry)
+    mtp_layers: int = 0
+    with_mtp: bool = False
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -175,6 +179,8 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+                mtp_layers=int(cfg.get("mtp_num_hidden_layers")
+                               or cfg.get("num_nextn_predict_layers") or 0),
                 raw=cfg,
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -189,6 +195,11 @@ class ModelConfig:
     def attention_layers(self) -> tuple[int, ...]:
         """The full-attention layers, in order: the KV cache holds one entry per such layer."""
         return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+
+    @property
+    def kv_layers(self) -> int:
+        """KV cache entries: the full-attention layers, and the MTP head's where it runs."""
+        return len(self.attention_layers) + self.with_mtp
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
@@ -224,7 +235,7 @@ class ModelConfig:
         """Bytes of K and V per token, all full-attention layers, at `element_bytes` per
         element (plus `scale_bytes` per token and KV head: FP8 caches keep an fp32 scale)."""
         per_head = self.head_dim * element_bytes + scale_bytes
-        return 2 * len(self.attention_layers) * self.num_kv_heads * per_head
+        return 2 * self.kv_layers * self.num_kv_heads * per_head
 
     def state_bytes_per_slot(self, conv_bytes: int) -> int:
         """Bytes of one request's recurrent state, all Gated DeltaNet layers (0: none)."""

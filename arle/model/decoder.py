@@ -16,7 +16,7 @@ from arle.model.config import ModelConfig
 from arle.model.deltanet import GatedDeltaNet
 from arle.model.layers import MLP, Attention, AttentionBackend, RMSNorm
 from arle.model.moe import SparseMoE
-from arle.model.parallel import SINGLE, TPGroup, VocabParallelEmbedding
+from arle.model.parallel import SINGLE, ReplicatedLinear, TPGroup, VocabParallelEmbedding
 from arle.model.rope import RotaryEmbedding
 from arle_kernels.ops import REFERENCE, Ops
 from arle_kernels.split_sums import SplitSums
@@ -94,6 +94,39 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, ops), residual
 
 
+class MTPHead(nn.Module):
+    """Qwen3.5's multi-token prediction head (checkpoint `mtp.*`), the drafter of
+    `--speculative mtp`. At position p it reads the model's final hidden state h_p and the
+    embedding of the token at p + 1, and gives the hidden state whose logits (the model's
+    lm_head) predict the token at p + 2:
+        x = fc([norm_e(embed(t_{p+1})) | norm_h(h_p)]); x = layer(x); out = norm(x)
+    `layer` is a full-attention decoder layer with its own KV cache entry (the last). Chained,
+    its output stands for h and its prediction for the token, one position further."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        h, eps, zc = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_zero_centered
+        self.fc = ReplicatedLinear(2 * h, h)
+        self.pre_fc_norm_embedding = RMSNorm(h, eps, zc)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps, zc)
+        # NOTE: built as the last full-attention layer (its MLP's kind), writing KV entry
+        # `len(attention_layers)`, past the model's
+        layer = DecoderLayer(cfg, cfg.attention_layers[-1], tp)
+        assert isinstance(layer.mixer, Attention)
+        layer.mixer.layer = len(cfg.attention_layers)
+        self.layers = nn.ModuleList([layer])
+        self.norm = RMSNorm(h, eps, zc)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, backend: AttentionBackend,
+                ops: Ops) -> torch.Tensor:
+        """The next tokens' embeddings [T, H] and the hidden states [T, H] at their positions
+        (the backend's) -> the head's hidden states [T, H], after its norm."""
+        e = ops.rms_norm(embeds, self.pre_fc_norm_embedding.weight, self.pre_fc_norm_embedding.eps)
+        h = ops.rms_norm(hidden, self.pre_fc_norm_hidden.weight, self.pre_fc_norm_hidden.eps)
+        x, residual = self.layers[0](self.fc(torch.cat([e, h], dim=-1)), None, backend, ops)
+        return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+
 class DecoderLM(nn.Module):
     """Token ids at positions -> hidden states; `logits()` projects only the rows that sample."""
 
@@ -111,6 +144,8 @@ class DecoderLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+        #: Qwen3.5's multi-token prediction head, where it runs (`ModelConfig.with_mtp`)
+        self.mtp = MTPHead(cfg, tp) if cfg.with_mtp else None
         #: The kernels (`ops_for` its device: set on loading and by the executor).
         self.ops: Ops = REFERENCE
 
@@ -120,13 +155,17 @@ class DecoderLM(nn.Module):
         """Hidden states after the final norm, [T, hidden]. Positions live in the backend.
         id_source: the ids are id_source[input_ids] (the CUDA decode graphs pass their rows'
         slots and the token buffer: the embedding kernel reads the ids there itself)."""
-        x: torch.Tensor | SplitSums = self.embed_tokens.lookup(self.ops.embed, input_ids,
-                                                               id_source)
+        x: torch.Tensor | SplitSums = self.embed(input_ids, id_source)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, backend, self.ops)
         assert residual is not None
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def embed(self, input_ids: torch.Tensor, id_source: torch.Tensor | None = None
+              ) -> torch.Tensor | SplitSums:
+        """The tokens' embeddings (with TP, this rank's part to be summed: SplitSums)."""
+        return self.embed_tokens.lookup(self.ops.embed, input_ids, id_source)
 
     def rotary_table(self, max_positions: int) -> torch.Tensor:
         """cos | sin for positions [0, max_positions): [max_positions, rotary_dim] float32 (the
@@ -155,7 +194,7 @@ class DecoderLM(nn.Module):
         claimed: set[int] = set()
 
         def hf(name: str) -> str:
-            return name if name.startswith("lm_head") else f"model.{name}"
+            return name if name.startswith(("lm_head", "mtp.")) else f"model.{name}"
 
         for mod_name, module in self.named_modules():
             prefix = f"{mod_name}." if mod_name else ""

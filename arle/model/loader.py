@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: str = "auto",
-               device: str | torch.device = "cpu", tp: TPGroup = SINGLE) -> LoadedModel:
-    """The model at `path` on `device`; with `tp` of size > 1, this rank's slice of it."""
+               device: str | torch.device = "cpu", tp: TPGroup = SINGLE,
+               mtp: bool = False) -> LoadedModel:
+    """The model at `path` on `device`; with `tp` of size > 1, this rank's slice of it; with
+    `mtp`, its multi-token prediction head too (`--speculative mtp`)."""
     t0 = time.perf_counter()
     path = Path(path).expanduser()
     dev = torch.device(device)
@@ -99,6 +101,8 @@ def load_model(path: str | Path, dtype: str = "auto",
     if problems:
         raise ModelLoadError(path, f"does not split over --tensor-parallel-size {tp.size}: "
                                    + "; ".join(problems))
+    if mtp:
+        config = _with_mtp(config, path, tp)
     kept = _kept_fp8(config, dev)
     fp8: AbstractContextManager[None] = (nullcontext() if kept is None
                                          else fp8_weights(kept.block))
@@ -118,6 +122,18 @@ def load_model(path: str | Path, dtype: str = "auto",
                        device=dev, num_bytes=num_bytes,
                        load_ms=(time.perf_counter() - t0) * 1e3,
                        generation_defaults=gen_defaults)
+
+
+def _with_mtp(config: ModelConfig, path: Path, tp: TPGroup) -> ModelConfig:
+    """The config with its multi-token prediction head run; refused where there is none."""
+    if not config.mtp_layers:
+        raise ModelLoadError(path, "--speculative mtp needs a multi-token prediction head "
+                                   "(config: mtp_num_hidden_layers), and this model has none; "
+                                   "--speculative ngram works with any model")
+    if tp.size > 1:
+        raise ModelLoadError(path, "--speculative mtp runs on one device for now; with "
+                                   "--tensor-parallel-size, use --speculative ngram")
+    return replace(config, with_mtp=True)
 
 
 def check_tensor_parallel(path: str | Path, tp: int) -> None:
@@ -297,11 +313,13 @@ def _settle_fp8(model: DecoderLM, checkpoint: set[str], quant: QuantConfig,
 
 
 def _checkpoint_tensors(tensors: Iterator[tuple[str, torch.Tensor, Path]],
-                        skipped: dict[str, int]) -> Iterator[tuple[str, torch.Tensor, Path]]:
+                        skipped: dict[str, int], mtp: bool = False
+                        ) -> Iterator[tuple[str, torch.Tensor, Path]]:
     """The tensors the text model loads, named as its weight targets: unused parts counted in
-    `skipped`, experts stacked in one tensor split into one tensor per expert."""
+    `skipped` (the MTP head is used with `mtp`), experts stacked in one tensor split into one
+    tensor per expert."""
     for name, tensor, source in tensors:
-        part = _unused_part(name)
+        part = None if mtp and name.startswith("mtp.") else _unused_part(name)
         if part is not None:
             skipped[part] = skipped.get(part, 0) + 1
             continue
@@ -364,7 +382,7 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, torch.Tensor, P
     targets = model.weight_targets()
     loaded: set[str] = set()
     skipped: dict[str, int] = {}
-    tensors = _checkpoint_tensors(tensors, skipped)
+    tensors = _checkpoint_tensors(tensors, skipped, model.config.with_mtp)
     quant = model.config.quant
     if quant is not None:
         tensors = _dequantize_fp8(tensors, targets, quant.block, origin)
