@@ -341,6 +341,7 @@ def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
             "max_running_requests": engine.limits.max_running_requests,
             "max_batched_tokens": engine.config.max_batched_tokens,
             "chunked_prefill_size": engine.limits.chunked_prefill_size,
+            "speculative": engine.speculation(),
             # NOTE: `arle warmup` takes `arle serve`'s settings unless --engine-defaults
             "serving": engine.config.serving}
 

@@ -299,6 +299,15 @@ def test_accepted_drafts_and_the_rule() -> None:
     assert spec.resume_at == 22 + 16
 
 
+def test_warmup_reports_the_rule(models: dict[str, LoadedModel], make_engine: Any) -> None:
+    from arle.diagnostics import memory_plan
+
+    plan = memory_plan(make_engine(models["dense"], speculative="ngram"))
+    assert plan["speculative"]["method"] == "ngram"
+    assert plan["speculative"]["num_tokens"] == 8  # the CPU's default
+    assert memory_plan(make_engine(models["dense"]))["speculative"] is None
+
+
 def test_metrics_show_the_acceptance_rate() -> None:
     snap = {"running": 0, "waiting": 0, "kv_pages_total": 4, "kv_pages_free": 4,
             "kv_pages_cached": 0, "preemptions": 0, "spec_draft_tokens": 40,

@@ -14,7 +14,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from arle.config import EngineConfig
@@ -332,6 +332,13 @@ class AsyncEngine:
     def limits(self) -> SchedulerConfig:
         """The scheduling limits in force (the config's, resolved for the device)."""
         return self.scheduler.config
+
+    def speculation(self) -> dict[str, Any] | None:
+        """The drafter and its rule in force (None: speculation off)."""
+        d = self.scheduler.drafter
+        if d is None:
+            return None
+        return {"method": self.config.speculative, **asdict(d.config)}
 
     def state_pool(self) -> dict[str, Any] | None:
         """A hybrid model's recurrent-state pool (None: no Gated DeltaNet layers)."""
