@@ -558,3 +558,33 @@ def interp_check_mtp() -> None:
 @pytest.mark.slow
 def test_mtp_through_the_triton_kernels() -> None:
     run_interpreter_check("test_speculative", "interp_check_mtp")
+
+
+async def test_serve_with_ngram_speculation(smol: LoadedModel, make_engine: Any,
+                                            tmp_path: Path) -> None:
+    """`arle serve --speculative ngram`: an OpenAI client's streamed answers (n = 2) are
+    speculation off's; the request trace has its spec block and /metrics the acceptance."""
+    import httpx
+    import openai
+    from served import arle_server
+
+    text = load_script("bench_speculative").TASKS["quote"]
+    messages = [{"role": "user", "content": text}]
+    want = await run(make_engine(smol), messages=messages, max_tokens=60)
+    with arle_server(["--speculative", "ngram", "--served-model-name", "m"],
+                     tmp_path / "serve.log", timeout_s=300) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
+        stream = client.chat.completions.create(
+            model="m", messages=messages, max_tokens=60, temperature=0.0, n=2, stream=True)
+        answers = ["", ""]
+        for chunk in stream:
+            for choice in chunk.choices:
+                answers[choice.index] += choice.delta.content or ""
+        metrics = httpx.get(f"{server.url}/metrics").text
+        traces = [e for e in server.events() if e.get("event") == "request_trace"
+                  and e.get("route") == "/v1/chat/completions"]
+    assert answers == ["".join(d.text for d in want)] * 2
+    assert all(t["spec"]["accepted"] > 0 for t in traces) and len(traces) == 2
+    rate = next(line for line in metrics.splitlines()
+                if line.startswith("arle_spec_acceptance_rate "))
+    assert 0 < float(rate.split()[1]) <= 1
