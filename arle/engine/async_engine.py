@@ -23,7 +23,7 @@ from arle.engine.grammar import GrammarCompiler
 from arle.engine.output import IncrementalDetokenizer, StopStringMatcher
 from arle.engine.request import Delta, GenerateRequest, SamplingParams, TokenLogprob, Usage
 from arle.engine.scheduler import Scheduler, SchedulerConfig
-from arle.engine.sequence import Sequence, Status
+from arle.engine.sequence import Sequence, Status, Timeline
 from arle.engine.speculative import accepted_drafts, make_drafter
 from arle.engine.trace import build_trace
 from arle.errors import ArleError, InvalidRequestError, OverloadedError
@@ -105,6 +105,18 @@ def _text_and_end(seq: Sequence, token: int) -> tuple[str, _End | None]:
     if matched is not None:
         return text + more, ("stop", matched)
     return text + more + state.stops.flush(), end
+
+
+def _account(tl: Timeline, row: Row, exec_us: float, width: int, admission_us: float) -> None:
+    """A step's time and tokens into its request's timeline, by phase."""
+    tl.batch_width = max(tl.batch_width, width)
+    if row.is_prefill:
+        tl.prefill_us += exec_us
+        tl.prefill_tokens += row.num_tokens
+    else:
+        tl.decode_us += exec_us
+        tl.decode_tokens += row.num_tokens
+    tl.admission_us += admission_us
 
 
 class AsyncEngine:
@@ -422,22 +434,13 @@ class AsyncEngine:
         # the host (scheduling, HTTP, the client) left the device idle (`arle bench` reports it)
         self.stats["steps"] += 1
         self.stats["device_us"] += round(exec_us)
-        width = len(plan.rows)
         admitted = {ns.slot for ns in plan.new_slots}
         k = scored = chained = 0
         for row in plan.rows:
             seq: Sequence = row.owner
             seq.num_inflight -= 1
-            tl = seq.timeline
-            tl.batch_width = max(tl.batch_width, width)
-            if not row.is_prefill:
-                tl.decode_us += exec_us
-                tl.decode_tokens += row.num_tokens
-            else:
-                tl.prefill_us += exec_us
-                tl.prefill_tokens += row.num_tokens
-            if row.slot in admitted:
-                tl.admission_us += plan.schedule_us
+            _account(seq.timeline, row, exec_us, len(plan.rows),
+                     plan.schedule_us if row.slot in admitted else 0.0)
             if row.score_targets:
                 if seq.prompt_scores is not None:
                     seq.prompt_scores.extend(out.prompt_scores[scored])
@@ -446,7 +449,8 @@ class AsyncEngine:
             if not n:
                 continue
             tokens = out.token_ids[k:k + n]
-            lps = out.logprobs[k:k + n] if out.logprobs else [None] * n
+            lps: list[TokenLogprob | None] = (out.logprobs[k:k + n] if out.logprobs
+                                              else [None] * n)
             k += n
             if row.mtp_drafts:
                 chained += 1
@@ -456,18 +460,22 @@ class AsyncEngine:
                 continue  # the extra step of a request that finished one step earlier
             if row.spec:
                 tokens = tokens[:self._verified(seq, row, tokens) + 1]
-            t1 = time.perf_counter()
-            for token, lp in zip(tokens, lps, strict=False):
-                try:
-                    self._on_token(seq, token, lp)
-                except Exception as e:  # NOTE: one request's output that cannot be processed
-                    # (an id its detokenizer rejects) fails that request only; raised here it
-                    # would end the loop, and every request would wait forever
-                    if not seq.finished:
-                        self._finish(seq, "error", None, error=f"token {token}: {e!r}")
-                if seq.finished:
-                    break
-            tl.emit_us += (time.perf_counter() - t1) * 1e6
+            self._emit(seq, tokens, lps)
+
+    def _emit(self, seq: Sequence, tokens: list[int], lps: list[TokenLogprob | None]) -> None:
+        """A row's new tokens, in order, until one ends the request."""
+        t1 = time.perf_counter()
+        for token, lp in zip(tokens, lps, strict=False):
+            try:
+                self._on_token(seq, token, lp)
+            except Exception as e:  # NOTE: one request's output that cannot be processed (an
+                # id its detokenizer rejects) fails that request only; raised here it would end
+                # the loop, and every request would wait forever
+                if not seq.finished:
+                    self._finish(seq, "error", None, error=f"token {token}: {e!r}")
+            if seq.finished:
+                break
+        seq.timeline.emit_us += (time.perf_counter() - t1) * 1e6
 
     def _verified(self, seq: Sequence, row: Row, sampled: list[int]) -> int:
         """A verify row's outcome: how many of its drafts it keeps (the positions past them go
