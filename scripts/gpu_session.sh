@@ -15,6 +15,8 @@
 #     moe30base   moe30d's decode and kernbench on the tree in .base (a baseline in the same call)
 #     structured   constrained decoding's per-step cost (Qwen3-4B, random weights)
 #     gdnsweep   the Gated DeltaNet decode kernel's launches at batch 1 and 8
+#     spec      speculative decoding: a verify step's cost against a decode step (K = 1..4,
+#               batch 1 and 8) on Qwen3-4B and Qwen3.5-4B; n-gram on the default model
 # transformers with fla (flash-linear-attention): carry its wheels in .fla (q35hf uses them).
 # For a machine without network: `bash scripts/device_wheels.sh` here fills .whl with what it
 # lacks; copy .whl along and this script installs it first. Set ARLE_COMMIT where the copy has
@@ -152,6 +154,12 @@ for p in "$@"; do
            phase kernels_moe 120 python3 scripts/bench_kernels.py moe --out $RES/kernels_moe.json ;;
     gdnsweep) phase kernels_deltanet 150 python3 scripts/bench_kernels.py deltanet --batches 1 8 \
               --sweep --prefill 512 --out $RES/kernels_deltanet.json ;;
+    spec) for m in qwen3-4b qwen3.5-4b; do d=$(model $m)
+            phase "spec_$m" 200 python3 scripts/bench_speculative.py --model "$d" --device cuda \
+              --parts cost --cost-k 1 2 3 4 --batch 1 8 --out $RES/speculative_cost_$m.json
+          done
+          phase spec_smol 200 python3 scripts/bench_speculative.py --device cuda --parts tasks \
+            --out $RES/speculative_smollm2.json ;;
     structured) d=$(model qwen3-4b); phase structured 150 python3 scripts/bench_structured.py \
               --model "$d" --device cuda --batch 1 8 --rounds 2 --out $RES/structured_qwen3-4b.json ;;
     failing) say failing; timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \

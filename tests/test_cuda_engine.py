@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import assert_all_pages_back, run, tokens_of
 from gpu_checks import assert_same_up_to_near_ties, greedy_with_margins
-from helpers import load_script
+from helpers import load_script, with_oracle
 from model_dirs import (
     MOE_GPU_SHAPE,
     QWEN3_5_GPU_SHAPE,
@@ -169,6 +169,39 @@ def _engine_stats(url: str) -> dict[str, Any]:
 def _pages_back(e: dict[str, Any]) -> bool:
     return (e["running"] == 0 and e["waiting"] == 0
             and e["kv_pages_free"] + e["kv_pages_evictable"] == e["kv_pages_total"])
+
+
+async def test_speculation_matches_off(loaded: LoadedModel, tie: float,
+                                       make_engine: Any) -> None:
+    """Verify rows on the GPU (eager steps; a hybrid model's per-position states through the
+    Triton recurrence, restored at the next step), drafts right and wrong (an oracle: the off
+    run's tokens, every third one off): speculation off's tokens up to bf16 near-ties, every
+    page back."""
+    prompts = PROMPTS[:4]
+    want = await greedy_with_margins(make_engine(loaded, max_running_requests=8), prompts, 24)
+    on = with_oracle(make_engine(loaded, max_running_requests=8, speculative="ngram",
+                                 num_speculative_tokens=3),
+                     prompts, [[t for t, _ in w] for w in want])
+    for a, b in zip(want, await greedy_with_margins(on, prompts, 24), strict=True):
+        assert_same_up_to_near_ties(a, b, tie)
+    assert on.stats["spec_accepted_tokens"] > 0
+    assert_all_pages_back(on)
+
+
+async def test_mtp_head_matches_off(model_dir: Path, loaded: LoadedModel, tie: float,
+                                    make_engine: Any) -> None:
+    """Qwen3.5's MTP head drafting on the GPU (its pass and chain through the Triton kernels,
+    every step eager): speculation off's tokens up to bf16 near-ties, every page back."""
+    if loaded.model.config.mtp_layers == 0:
+        pytest.skip("the model has no MTP head")
+    head = load_model(model_dir, "bfloat16", "cuda", mtp=True)
+    prompts = PROMPTS[:4]
+    want = await greedy_with_margins(make_engine(loaded, max_running_requests=8), prompts, 24)
+    on = make_engine(head, max_running_requests=8, speculative="mtp", num_speculative_tokens=3)
+    for a, b in zip(want, await greedy_with_margins(on, prompts, 24), strict=True):
+        assert_same_up_to_near_ties(a, b, tie)
+    assert on.stats["spec_verify_steps"] > 0
+    assert_all_pages_back(on)
 
 
 def test_served_with_fp8_kv_survives_a_disconnect(model_dir: Path, tmp_path: Path) -> None:
