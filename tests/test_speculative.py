@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import io
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -275,10 +276,32 @@ def test_ngram_lookup() -> None:
     assert index.propose([*tokens, 3, 8], 3) == []  # (3, 8) and (2, 3, 8) never seen
     assert NgramIndex(2, 3).propose([5, 5, 5], 4) == [5]  # the run so far
     assert NgramIndex(2, 3).propose([1, 2], 4) == []
-    grown = NgramIndex(2, 3)  # indexed token by token: as built at once
+    grown = NgramIndex(2, 3)  # grown token by token: as built at once
     for n in range(1, len(tokens) + 1):
         grown.propose(tokens[:n], 2)
     assert grown.propose([*tokens, 3], 2) == NgramIndex(2, 3).propose([*tokens, 3], 2)
+
+
+def brute_force_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The lookup's definition, searched position by position."""
+    end = len(tokens)
+    for n in range(min(max_n, end - 1), min_n - 1, -1):
+        for j in range(end - n - 1, -1, -1):
+            if tokens[j:j + n] == tokens[end - n:]:
+                return tokens[j + n:j + n + k]
+    return []
+
+
+def test_ngram_lookup_is_its_definition() -> None:
+    """On random token streams of a small vocabulary (many repeats), grown as a request
+    grows (past the array's first 256 entries): every step's drafts are the brute-force
+    search's."""
+    rng = random.Random(0)
+    for vocab in (3, 8, 40):
+        index, tokens = NgramIndex(2, 4), []
+        for _ in range(400):
+            tokens.append(rng.randrange(vocab))
+            assert index.propose(tokens, 5) == brute_force_lookup(tokens, 5, 2, 4)
 
 
 def test_accepted_drafts_and_the_rule() -> None:
