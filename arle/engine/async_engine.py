@@ -147,7 +147,6 @@ class AsyncEngine:
             chunked_prefill_size=min(config.chunked_prefill_size, config.max_batched_tokens),
             max_waiting_requests=config.max_waiting_requests), self.cache,
             drafter=make_drafter(config))
-        spec = self.scheduler.drafter.config if self.scheduler.drafter is not None else None
         self._requests: dict[str, Sequence] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -163,8 +162,7 @@ class AsyncEngine:
                  max_waiting_requests=config.max_waiting_requests,
                  max_model_len=self.max_model_len, page_size=pool.page_size,
                  prefix_cache=config.enable_prefix_cache, overlap=config.overlap,
-                 speculative=config.speculative if spec is not None else None,
-                 num_speculative_tokens=spec.num_tokens if spec is not None else None)
+                 speculative=self.speculation())
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation_config, then the caller's non-None values."""
@@ -481,12 +479,9 @@ class AsyncEngine:
         """A verify row's outcome: how many of its drafts it keeps (the positions past them go
         back before any token is emitted: a request that ends in the run releases only K/V
         of accepted tokens)."""
-        assert row.input_ids is not None and seq.spec is not None
+        assert row.input_ids is not None
         accepted = accepted_drafts(row.input_ids[-row.spec:], sampled)
         self.scheduler.verified(seq, row, accepted)
-        drafter = self.scheduler.drafter
-        assert drafter is not None
-        drafter.verified(seq.spec, row.spec, accepted, seq.num_output + accepted + 1)
         self.stats["spec_verify_steps"] += 1
         self.stats["spec_draft_tokens"] += row.spec
         self.stats["spec_accepted_tokens"] += accepted

@@ -189,9 +189,11 @@ class Scheduler:
                    and d.would_draft(s.spec, s.tokens, s.num_output) for s in self.running)
 
     def verified(self, seq: Sequence, row: Row, accepted: int) -> None:
-        """A verify row kept its first `accepted` drafts: the positions past them go back (their
-        pages, the samples counted; a hybrid model's state comes back, in the next step, from
-        where the step kept it)."""
+        """A verify row kept its first `accepted` drafts: the drafter learns it, and the
+        positions past them go back (their pages, the samples counted; a hybrid model's state
+        comes back, in the next step, from where the step kept it)."""
+        assert self.drafter is not None and seq.spec is not None
+        self.drafter.verified(seq.spec, row.spec, accepted, seq.num_output + accepted + 1)
         seq.verifying = False
         seq.num_sampled -= row.spec - accepted
         rc = seq.cache

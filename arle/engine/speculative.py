@@ -17,7 +17,7 @@ renormalised. The output distribution is the target's exactly; greedy rows keep 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -25,33 +25,13 @@ from arle.config import EngineConfig
 
 
 @dataclass(frozen=True)
-class DeviceRule:
-    """What drafting costs on a device, and so when it pays (docs/speculative.md)."""
+class SpecConfig:
+    """The drafting rule; `DEVICE_RULES` holds each device's (docs/speculative.md)."""
 
-    #: drafts per verify row when --num-speculative-tokens is not given
-    num_tokens: int
+    #: most drafts per verify row (--num-speculative-tokens; the device's when not given)
+    num_tokens: int = 4
     #: one draft's share of a decode step's time: a verify row of k drafts pays when it keeps
     #: more than draft_cost * k of them on average
-    draft_cost: float
-    #: a step's tokens (decode rows + drafts) up to which drafts are added
-    step_tokens: int
-
-
-#: CPU: scripts/bench_speculative.py on the default model, 2 cores: a verify step with 8
-#: drafts costs 1.99x a decode step at batch 1 (0.124 of a step per draft), 1.98x at batch 8
-#: with 8 each (72 tokens); K = 8 was the fastest of 2, 4, 8 on every task.
-#: CUDA: not yet measured on a GPU (the H200 run measures verify against decode steps).
-DEVICE_RULES = {"cpu": DeviceRule(num_tokens=8, draft_cost=0.125, step_tokens=72),
-                "cuda": DeviceRule(num_tokens=4, draft_cost=0.05, step_tokens=64)}
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """The drafting rule (`spec_config` fills it for a device)."""
-
-    #: most drafts per verify row
-    num_tokens: int = 4
-    #: one draft's cost in decode steps (`DeviceRule.draft_cost`)
     draft_cost: float = 0.125
     #: a step's tokens (decode rows + drafts) up to which drafts are added
     step_tokens: int = 72
@@ -65,13 +45,20 @@ class SpecConfig:
     backoff: int = 8
 
 
+#: CPU: scripts/bench_speculative.py on the default model, 2 cores: a verify step with 8
+#: drafts costs 1.99x a decode step at batch 1 (0.124 of a step per draft), 1.98x at batch 8
+#: with 8 each (72 tokens); K = 8 was the fastest of 2, 4, 8 on every task.
+#: CUDA: not yet measured on a GPU (the H200 run measures verify against decode steps).
+DEVICE_RULES = {"cpu": SpecConfig(num_tokens=8, draft_cost=0.125, step_tokens=72),
+                "cuda": SpecConfig(num_tokens=4, draft_cost=0.05, step_tokens=64)}
+
+
 def spec_config(config: EngineConfig) -> SpecConfig | None:
     """The drafting rule of an engine config (its device filled in); None: speculation off."""
     if config.speculative == "off":
         return None
     rule = DEVICE_RULES.get(config.device, DEVICE_RULES["cpu"])
-    return SpecConfig(num_tokens=config.num_speculative_tokens or rule.num_tokens,
-                      draft_cost=rule.draft_cost, step_tokens=rule.step_tokens)
+    return replace(rule, num_tokens=config.num_speculative_tokens or rule.num_tokens)
 
 
 class NgramIndex:
@@ -85,6 +72,9 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self._tokens = np.empty(256, dtype=np.int32)
         self._size = 0
+        #: (tokens searched, where the continuation starts; -1: none): one search per length,
+        #: however often the engine asks (it asks before and at each step)
+        self._found = (-1, -1)
 
     def update(self, tokens: Sequence[int]) -> None:
         """Append the tokens past the ones it has (the list only grows)."""
@@ -100,6 +90,15 @@ class NgramIndex:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
         `tokens` (max_n down to min_n tokens) seen before; [] if none was."""
         self.update(tokens)
+        end = self._size
+        if self._found[0] != end:
+            self._found = (end, self._search())
+        j = self._found[1]
+        return self._tokens[j:min(j + k, end)].tolist() if j >= 0 else []
+
+    def _search(self) -> int:
+        """Where the continuation of the latest earlier occurrence of the longest suffix
+        starts (-1: no suffix of min_n tokens or more occurred before)."""
         a, end = self._tokens, self._size
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
             suffix = a[end - n:end]
@@ -108,9 +107,8 @@ class NgramIndex:
             for i in range(1, n):
                 starts = starts[a[starts + i] == suffix[i]]
             if starts.size:
-                j = int(starts[-1]) + n
-                return a[j:min(j + k, end)].tolist()
-        return []
+                return int(starts[-1]) + n
+        return -1
 
 
 @dataclass
