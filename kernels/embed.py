@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from arle_kernels.jit import gdc_launch_dependents, gdc_wait, jit_varying, pdl_enabled, pdl_launch
+from arle_kernels.quant import int_format, int_rows
 
 #: hidden-size columns a program copies (16-byte loads: 8 bf16 x 32 lanes x 4 warps)
 _BLOCK = 1024
@@ -70,8 +71,12 @@ def embed(weight: Tensor, ids: Tensor, source: Tensor | None = None) -> Tensor:
 
 
 def embed_ref(weight: Tensor, ids: Tensor, source: Tensor | None = None) -> Tensor:
-    """The reference: `F.embedding` of ids, or of source[ids]."""
-    return F.embedding(ids if source is None else source[ids.long()], weight)
+    """The reference: `F.embedding` of ids, or of source[ids] (an integer weight's rows
+    dequantized)."""
+    ids = ids if source is None else source[ids.long()]
+    if (fmt := int_format(weight)) is not None:
+        return int_rows(weight, fmt, ids)
+    return F.embedding(ids, weight)
 
 
 __all__ = ["embed", "embed_ref"]

@@ -1,6 +1,7 @@
 """A linear layer's product y = x W^T (+ b), by the weight's format: the torch references, and
 the CUDA path (our GEMV where it streams the weights faster than cuBLAS, `use_gemv`; cuBLAS
-otherwise; block-scaled FP8 weights through the FP8 kernels). `ops_for` picks one family.
+otherwise; block-scaled FP8 weights through the FP8 kernels; the CPU's integer weights through
+torch's packed kernels, kernels/quant.py). `ops_for` picks one family.
 
 A block-scaled FP8 weight carries its scales (`attach_fp8_scale`): the products see only the
 weight.
@@ -14,6 +15,7 @@ from torch import Tensor
 from arle_kernels.fp8 import FP8, fp8_linear, fp8_linear_ref, fp8_linear_unreduced
 from arle_kernels.fused import silu_and_mul, silu_and_mul_ref
 from arle_kernels.gemv import gemv, gemv_silu_mul, gemv_split_sums, use_gemv
+from arle_kernels.quant import int_format, int_linear
 from arle_kernels.split_sums import SplitSums
 
 
@@ -29,6 +31,8 @@ def attach_fp8_scale(weight: Tensor, scale: Tensor, block: tuple[int, int]) -> N
 
 
 def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if (fmt := int_format(weight)) is not None:
+        return int_linear(x, weight, fmt, bias)
     if weight.dtype == FP8:
         return fp8_linear_ref(x, weight, *fp8_scale_of(weight), bias)
     return F.linear(x, weight, bias)

@@ -74,7 +74,7 @@ def teacher_forced_logits(model: DecoderLM, token_ids: list[int], page_size: int
     checks against other implementations."""
     cfg = model.config
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    dtype = model.dtype
     n = len(token_ids)
     num_pages = -(-n // page_size)
     kv = KVCache.for_model(cfg, num_pages, page_size, kv_dtype or dtype, device)

@@ -19,6 +19,7 @@ from helpers import load_script, require_smollm2_gguf
 from model_dirs import GENERATION_CONFIG, VOCAB_SIZE, hf_config, write_model_dir
 
 from arle.model.loader import LoadedModel, load_model
+from arle_kernels.quant import int_format
 
 teacher_forced_logits = load_script("check_gpu_parity").teacher_forced_logits
 
@@ -98,6 +99,44 @@ def test_smollm2_logits_match_transformers(smol, hf_smol, smol_prompts):
             assert got["kl_mean"] < 1e-9 and got["kl_max"] < 1e-8, where
             assert got["top1"] == 1.0, where
             assert got["top5"] >= 0.98, where
+
+
+@pytest.fixture(scope="module")
+def smol_int4() -> LoadedModel:
+    """The default model as `arle` runs it on the CPU: Q4_1 as int4, the Q8_0 embedding as
+    int8 per row."""
+    return load_model(require_smollm2_gguf(), "auto", "cpu")
+
+
+def test_default_model_stays_integer_unless_a_dtype_is_asked(smol, smol_int4):
+    """`--dtype auto` on the CPU keeps the file's bits (every linear int4, the tied embedding
+    int8); `--dtype float32` dequantizes everything (the `smol` fixture)."""
+    formats = [type(int_format(p)).__name__ for p in smol_int4.model.parameters()]
+    assert formats.count("Int4Format") == 4 * smol_int4.config.num_layers
+    assert formats.count("Int8Format") == 1
+    assert smol_int4.num_parameters == smol.num_parameters
+    assert smol_int4.num_bytes < smol.num_bytes / 5
+    assert all(int_format(p) is None for p in smol.model.parameters())
+
+
+@pytest.mark.slow
+def test_default_model_int4_logits_near_transformers(smol, smol_int4, hf_smol, smol_prompts):
+    """The integer path against the same weights dequantized to fp32, in transformers (its
+    GGUF loader) and in arle, over the 4 prompts x 3 chunkings. What it rounds: activations
+    and every linear's output to bf16, the file's fp16 scales and zeros to bf16 (2e-3 of each
+    weight), the Q8_0 embedding and head to int8 per row (1.2e-2); whole-prompt chunks also
+    expand the int4 weights to bf16. Measured: KL mean <= 5.0e-3, max 4.3e-2, top-1 >= 0.92,
+    top-5 >= 0.95; the bounds sit 2x above. A wrong zero point, group or nibble order gives KL
+    over 1."""
+    for name, ids in smol_prompts.items():
+        ref_hf, ref_ours = hf_logits(hf_smol, ids), teacher_forced_logits(smol.model, ids)
+        for chunk in CHUNKS:
+            ours = teacher_forced_logits(smol_int4.model, ids, chunk_size=chunk)
+            for ref_name, ref in (("transformers", ref_hf), ("arle fp32", ref_ours)):
+                got = compare(ours, ref)
+                where = f"{name} chunk={chunk} vs {ref_name}: {got}"
+                assert got["kl_mean"] < 1e-2 and got["kl_max"] < 0.1, where
+                assert got["top1"] >= 0.85 and got["top5"] >= 0.9, where
 
 
 @pytest.mark.slow

@@ -134,6 +134,9 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
+        #: the activations' dtype (the default dtype it is built under: integer or FP8 weights
+        #: may hold another)
+        self.dtype = torch.get_default_dtype()
         #: the config as this rank holds it: its share of the heads (the KV cache, the state
         #: pool and the attention backend are sized by it)
         self.rank_config = cfg.shard(tp.size)

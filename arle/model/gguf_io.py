@@ -20,7 +20,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -28,7 +28,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from arle.errors import ModelLoadError
+from arle.model.int_weights import Kind
 from arle.model.tokenizer import Tokenizer
+from arle_kernels.quant import Int4Groups
 
 #: general.architecture -> (HF architecture, model_type).
 ARCHITECTURES = {
@@ -89,8 +91,14 @@ class GGUFModel:
     def tensor_names(self) -> list[str]:
         return list(self._names.values())
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor in HF shape), one at a time: peak memory is one tensor."""
+    def kinds(self) -> dict[str, Kind]:
+        """HF name -> what its tensor stays as where integer weights are kept."""
+        return {self._names[t.name]: _KINDS.get(t.qtype, Kind.FLOAT) for t in self._tensors}
+
+    def iter_tensors(self, int4: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor | Int4Groups]]:
+        """(HF name, float32 tensor in HF shape), one at a time: peak memory is one tensor.
+        With `int4`, the 4-bit formats come as their `Int4Groups` (group 32) instead."""
         permute_heads = {}
         if self.config["model_type"] == "llama":
             # NOTE: only llama GGUFs are permuted; llama.cpp's qwen converters keep HF's order.
@@ -98,18 +106,24 @@ class GGUFModel:
                              "self_attn.k_proj": self.config["num_key_value_heads"]}
         for t in self._tensors:
             hf_name = self._names[t.name]
-            w = self._dequantize(t)
+            groups = _INT4_GROUPS.get(t.qtype) if int4 else None
+            w: torch.Tensor | Int4Groups
+            w = self._dequantize(t) if groups is None else groups(self._raw(t), t.shape)
             heads = next((n for k, n in permute_heads.items() if f".{k}." in hf_name), None)
             if heads is not None:
                 w = _unpermute_rope_rows(w, heads)
             yield hf_name, w
 
+    def _raw(self, t: _Tensor) -> torch.Tensor:
+        """The tensor's bytes (a copy: the tensor owns its memory, the mapping stays
+        read-only)."""
+        return torch.from_numpy(np.frombuffer(self._data, np.uint8, t.n_bytes, t.offset).copy())
+
     def _dequantize(self, t: _Tensor) -> torch.Tensor:
-        # NOTE: a copy of the bytes: the tensor owns its memory, the mapping stays read-only
-        raw = np.frombuffer(self._data, np.uint8, t.n_bytes, t.offset)
         fast = _TORCH_DEQUANT.get(t.qtype)
         if fast is not None:
-            return fast(torch.from_numpy(raw.copy())).reshape(t.shape).contiguous()
+            return fast(self._raw(t)).reshape(t.shape).contiguous()
+        raw = np.frombuffer(self._data, np.uint8, t.n_bytes, t.offset)
         try:
             arr = dequantize(raw.reshape(quant_shape_to_byte_shape(t.shape, t.qtype)), t.qtype)
         except NotImplementedError:
@@ -157,6 +171,62 @@ _TORCH_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor
     GGMLQuantizationType.Q4_0: _q4_0,
     GGMLQuantizationType.Q4_1: _q4_1,
 }
+
+
+def _int4_q4_0(b: torch.Tensor, shape: tuple[int, ...]) -> Int4Groups:
+    """Q4_0 as group-32 int4: scale d, zero 0 (exact)."""
+    blocks = b.view(-1, 18)
+    d = blocks[:, :2].view(torch.float16).float()[:, 0]
+    return _groups(_nibbles(blocks[:, 2:]), d, torch.zeros_like(d), shape)
+
+
+def _int4_q4_1(b: torch.Tensor, shape: tuple[int, ...]) -> Int4Groups:
+    """Q4_1 (x = d q + m) as group-32 int4: scale d, zero m + 8 d (exact in fp32, which holds
+    the sum of two fp16 values whose exponents differ by 13 or less)."""
+    blocks = b.view(-1, 20)
+    d = blocks[:, :2].view(torch.float16).float()[:, 0]
+    m = blocks[:, 2:4].view(torch.float16).float()[:, 0]
+    return _groups(_nibbles(blocks[:, 4:]), d, m + 8 * d, shape)
+
+
+def _int4_q4_k(b: torch.Tensor, shape: tuple[int, ...]) -> Int4Groups:
+    """Q4_K as group-32 int4. A 256-weight super-block: fp16 d and dmin, 12 bytes of 6-bit
+    (scale, min) pairs for its 8 sub-blocks, 128 bytes of nibbles (32-byte chunk c: low
+    nibbles are sub-block 2c, high ones 2c + 1); x = d sc q - dmin mn, so scale d sc, zero
+    8 d sc - dmin mn."""
+    blocks = b.view(-1, 144)
+    d = blocks[:, 0:2].view(torch.float16).float()
+    dmin = blocks[:, 2:4].view(torch.float16).float()
+    s = blocks[:, 4:16].long()
+    sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], dim=1)
+    mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
+    qs = blocks[:, 16:].reshape(-1, 4, 32)
+    q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(-1, 32)  # sub-blocks in order
+    scale = (d * sc.float()).reshape(-1)
+    return _groups(q, scale, 8 * scale - (dmin * mn.float()).reshape(-1), shape)
+
+
+def _groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+            shape: tuple[int, ...]) -> Int4Groups:
+    """Blocks of 32 (q [B, 32] uint8 or float, scale and zero [B]) as an [N, K] weight's."""
+    n, k = shape
+    return Int4Groups(q.to(torch.uint8).reshape(n, k), scale.reshape(n, k // 32),
+                      zero.reshape(n, k // 32), 32)
+
+
+#: The 4-bit formats kept as group-32 int4 (`GGUFModel.iter_tensors(int4=True)`).
+_INT4_GROUPS: dict[GGMLQuantizationType,
+                   Callable[[torch.Tensor, tuple[int, ...]], Int4Groups]] = {
+    GGMLQuantizationType.Q4_0: _int4_q4_0,
+    GGMLQuantizationType.Q4_1: _int4_q4_1,
+    GGMLQuantizationType.Q4_K: _int4_q4_k,
+}
+#: What each quantized format stays as where integer weights are kept: 4-bit as int4, 5-8
+#: bit as int8 per row (requantized: not exact), the rest (floats, 2-3 bit) as floats.
+_KINDS = {**dict.fromkeys(_INT4_GROUPS, Kind.INT4),
+          **dict.fromkeys([GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+                           GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+                           GGMLQuantizationType.Q8_0], Kind.INT8)}
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
@@ -340,13 +410,20 @@ def _hf_config(fields: dict[str, Any], arch: str, tensors: list[_Tensor],
     return config
 
 
-def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+@overload
+def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor: ...
+@overload
+def _unpermute_rope_rows(w: Int4Groups, heads: int) -> Int4Groups: ...
+def _unpermute_rope_rows(w: torch.Tensor | Int4Groups, heads: int) -> torch.Tensor | Int4Groups:
     """Undo llama.cpp's q/k row permutation.
 
     HF keeps each head's rotary dims as [first half | second half]; llama.cpp's converter
     interleaves them as pairs (x0, x(d/2), x1, x(d/2+1), ...) for ggml's RoPE. Rows of head h:
     GGUF order [h, j, s] (j < d/2, s in {0, 1}) -> HF order [h, s, j].
     """
+    if isinstance(w, Int4Groups):
+        return Int4Groups(_unpermute_rope_rows(w.q, heads), _unpermute_rope_rows(w.scale, heads),
+                          _unpermute_rope_rows(w.zero, heads), w.group)
     rows = w.shape[0]
     half = rows // heads // 2
     return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()

@@ -11,6 +11,8 @@ linears whose checkpoint weights all have scales stay FP8 (`fp8_weights`; the re
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import re
 import time
@@ -24,12 +26,14 @@ import torch
 
 from arle.errors import ModelLoadError
 from arle.logging import get_logger
+from arle.model import int_weights
 from arle.model.config import ModelConfig, QuantConfig
 from arle.model.decoder import DecoderLM, tp_problems
 from arle.model.moe import unfuse_experts
 from arle.model.parallel import FP8, SINGLE, HoldsFp8, TPGroup, fp8_weights, load_whole
 from arle.model.tokenizer import Tokenizer
 from arle_kernels.fp8 import fp8_dequant_ref
+from arle_kernels.quant import Int4Groups
 from arle_kernels.ops import ops_for
 
 log = get_logger("arle.model.loader")
@@ -53,7 +57,7 @@ class LoadedModel:
 
     @property
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return int_weights.weight_stats(self.model)[0]
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -78,6 +82,9 @@ def load_model(path: str | Path, dtype: str = "auto",
         raise ModelLoadError(path, "no such file or directory")
     gen_defaults: dict[str, Any] = {}
     names: set[str] = set()
+    tensors: Iterator[tuple[str, torch.Tensor | Int4Groups, Path]]
+    #: checkpoint name -> what it stays as, where integer weights are kept (`_keeps_int`)
+    kinds: dict[str, int_weights.Kind] = {}
     if path.is_dir():
         cfg_dict = _read_json(path / "config.json", required=True)
         config = ModelConfig.from_hf(cfg_dict, path / "config.json")
@@ -93,7 +100,9 @@ def load_model(path: str | Path, dtype: str = "auto",
         gguf = read_gguf(path)
         config = ModelConfig.from_hf(gguf.config, path)
         tokenizer = gguf.tokenizer
-        tensors = ((name, t, path) for name, t in gguf.iter_tensors())
+        keep = _keeps_int(dtype, dev, tp)
+        kinds = gguf.kinds() if keep else {}
+        tensors = ((name, t, path) for name, t in gguf.iter_tensors(int4=keep))
     else:
         raise ModelLoadError(path, "not a model directory (config.json + *.safetensors) "
                                    "or a .gguf file")
@@ -113,15 +122,44 @@ def load_model(path: str | Path, dtype: str = "auto",
             raise ModelLoadError(path, str(e)) from None
     if kept is not None:
         _settle_fp8(model, names, kept, torch_dtype)
-    _load_weights(model, tensors, path, _HostToDevice(dev) if dev.type == "cuda" else None)
+    held = int_weights.hold(model, kinds, group=32) if kinds else None
+    errors = _load_weights(model, tensors, path,
+                           _HostToDevice(dev) if dev.type == "cuda" else None)
+    if held is not None:
+        int_weights.pack(model, torch_dtype)
+        _log_int_weights(held, errors)
+        _return_freed_memory()
     model.ops = ops_for(dev)
-    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    num_bytes = int_weights.weight_stats(model)[1]
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, path=path,
                        name=path.stem if path.is_file() else path.name, dtype=torch_dtype,
                        device=dev, num_bytes=num_bytes,
                        load_ms=(time.perf_counter() - t0) * 1e3,
                        generation_defaults=gen_defaults)
+
+
+def _keeps_int(dtype: str, device: torch.device, tp: TPGroup) -> bool:
+    """Whether a quantized checkpoint's integer weights stay integer: on the CPU, one rank,
+    unless a --dtype asks for floats (`--dtype float32`: the dequantized weights, for parity
+    work)."""
+    return dtype == "auto" and device.type == "cpu" and tp.size == 1
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim): staging the integer
+    weights frees about as much as they hold, and glibc keeps freed heap memory resident."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to ask
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _log_int_weights(held: dict[str, int], errors: dict[str, list[float]]) -> None:
+    """What stayed integer, and what that costs where the conversion is not exact."""
+    error = {f"{kind}_rel_error": {"mean": f"{sum(e) / len(e):.1e}", "max": f"{max(e):.1e}"}
+             for kind, e in errors.items() if e}
+    log.info("int_weights_kept", modules=held, **error,
+             exact=("no: int4 scales and zeros held in bf16, int8 requantized per row "
+                    "(docs/performance.md)" if error else "yes"))
 
 
 def _with_mtp(config: ModelConfig, path: Path, tp: TPGroup) -> ModelConfig:
@@ -375,10 +413,13 @@ def _dequantize_fp8(tensors: Iterator[tuple[str, torch.Tensor, Path]],
                  dtype=str(dtype).removeprefix("torch."))
 
 
-def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, torch.Tensor, Path]],
-                  origin: Path, to_device: _HostToDevice | None = None) -> None:
+def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, Any, Path]],
+                  origin: Path, to_device: _HostToDevice | None = None
+                  ) -> dict[str, list[float]]:
     """Each checkpoint tensor into its parameter (through its `weight_loader`), brought onto
-    the parameter's device by `to_device` first where given (and converted there)."""
+    the parameter's device by `to_device` first where given (and converted there).
+    -> the relative error of each integer weight's conversion, by kind (`load_into`)."""
+    errors: dict[str, list[float]] = {}
     targets = model.weight_targets()
     loaded: set[str] = set()
     skipped: dict[str, int] = {}
@@ -401,7 +442,9 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, torch.Tensor, P
             loader = getattr(param, "weight_loader", load_whole)
             if to_device is not None:
                 tensor = to_device(tensor)
-            loader(param, tensor.to(param.dtype), shard)
+            kind_error = int_weights.load_into(param, tensor, loader, shard)
+            if kind_error is not None:
+                errors.setdefault(kind_error[0], []).append(kind_error[1])
         except ValueError as e:
             raise ModelLoadError(source, f"tensor {name!r}: {e}") from None
         loaded.add(name)
@@ -411,6 +454,7 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, torch.Tensor, P
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelLoadError(origin, f"checkpoint lacks weights: {', '.join(missing[:3])}{more}")
+    return errors
 
 
 #: Checkpoint name prefixes of parts a text model does not run, and what they are.
