@@ -575,7 +575,7 @@ def rotary_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x[..., :rot].float().chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     turned = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-    return torch.cat((turned, x[..., rot:]), dim=-1)
+    return turned if rot == x.shape[-1] else torch.cat((turned, x[..., rot:]), dim=-1)
 
 
 def qk_norm_rope_store_kv_ref(qkv: Tensor | SplitSums, positions: Tensor, cos_sin: Tensor,

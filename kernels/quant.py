@@ -113,14 +113,26 @@ def int4_weight_t(packed: Tensor, fmt: Int4Format) -> Tensor:
 def int4_linear(x: Tensor, packed: Tensor, fmt: Int4Format, bias: Tensor | None = None
                 ) -> Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    rows = _bf16_rows(x)
     if rows.shape[0] <= PACKED_MAX_ROWS:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, fmt.group,
                                                        fmt.scale_zero)
     else:
         y = torch.mm(rows, int4_weight_t(packed, fmt))
-    y = y[:, :fmt.n].to(x.dtype).view(*x.shape[:-1], fmt.n)
-    return y + bias if bias is not None else y
+    return _out(y if y.shape[1] == fmt.n else y[:, :fmt.n], x, bias)
+
+
+def _bf16_rows(x: Tensor) -> Tensor:
+    """x as the [rows, K] bf16 the kernels take."""
+    return (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).to(torch.bfloat16)
+
+
+def _out(y: Tensor, x: Tensor, bias: Tensor | None) -> Tensor:
+    """A kernel's y [rows, N] in x's dtype and leading shape, plus the bias."""
+    y = y.to(x.dtype)
+    if x.dim() != 2:
+        y = y.view(*x.shape[:-1], y.shape[-1])
+    return y.add_(bias) if bias is not None else y
 
 
 def quantize_int8_rows(w: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -141,13 +153,12 @@ def _bf16_at_least(x: Tensor) -> Tensor:
 
 def int8_linear(x: Tensor, q: Tensor, fmt: Int8Format, bias: Tensor | None = None) -> Tensor:
     """x [..., K] @ (q * scale)^T (+ bias) -> [..., N] in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    rows = _bf16_rows(x)
     if rows.shape[0] <= PACKED_MAX_ROWS:
         y = torch.ops.aten._weight_int8pack_mm(rows, q, fmt.scale)
     else:
         y = F.linear(rows, q.to(torch.bfloat16)) * fmt.scale
-    y = y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
-    return y + bias if bias is not None else y
+    return _out(y, x, bias)
 
 
 def int8_rows(q: Tensor, fmt: Int8Format, ids: Tensor) -> Tensor:

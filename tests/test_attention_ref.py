@@ -61,3 +61,36 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
         ref = dense_causal(q[start:start + n], full_k[r], full_v[r], scale)
         torch.testing.assert_close(out[start:start + n].double(), ref, atol=1e-5, rtol=1e-5)
         start += n
+
+
+@pytest.mark.parametrize("lens", [[300], [1], [0, 260, 17], [256, 511, 700]])
+def test_decode_rows_read_in_place_match_dense(lens: list[int]) -> None:
+    """The in-place path (one row, or rows from IN_PLACE_MIN_LEN tokens: each row's pages read
+    where they lie, a run of consecutive pages as one view) against the dense attention, on
+    tables mixing runs and scattered pages, partial last pages and an empty row (zeros)."""
+    gen = torch.Generator().manual_seed(sum(lens))
+    page_size, heads, kv_heads, d, num_pages = 16, 6, 2, 32, 160
+    k_cache = torch.randn(num_pages, page_size, kv_heads, d, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, kv_heads, d, generator=gen)
+    width = max(-(-n // page_size) for n in lens)
+    free = list(range(num_pages))
+    tables = []
+    for n in lens:
+        n_pages = -(-n // page_size)
+        run = n_pages // 2  # half in one run, the rest scattered
+        pages = free[:run] + free[run + 3:run + 3 + 2 * (n_pages - run):2]
+        free = [p for p in free if p not in pages]
+        tables.append(pages + [0] * (width - n_pages))
+    q = torch.randn(len(lens), heads, d, generator=gen)
+    scale = d ** -0.5
+    got = decode_attention_ref(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
+                               torch.tensor(lens, dtype=torch.int32), scale, 1)
+    for r, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(got[r], torch.zeros_like(got[r]))
+            continue
+        pages = tables[r][:-(-n // page_size)]
+        k = k_cache[pages].flatten(0, 1)[:n]
+        v = v_cache[pages].flatten(0, 1)[:n]
+        ref = dense_causal(q[r:r + 1], k, v, scale)[0]
+        torch.testing.assert_close(got[r].double(), ref, atol=1e-5, rtol=1e-5)

@@ -33,8 +33,8 @@ from arle.model.moe import unfuse_experts
 from arle.model.parallel import FP8, SINGLE, HoldsFp8, TPGroup, fp8_weights, load_whole
 from arle.model.tokenizer import Tokenizer
 from arle_kernels.fp8 import fp8_dequant_ref
-from arle_kernels.quant import Int4Groups
 from arle_kernels.ops import ops_for
+from arle_kernels.quant import Int4Groups
 
 log = get_logger("arle.model.loader")
 
