@@ -356,3 +356,95 @@ def write_qwen3_5_moe_dir(path: Path, config: Any, seed: int = 0) -> Any:
     model = random_qwen3_5_model(config, seed)
     save_checkpoint(model, path)
     return model
+
+
+# ---- 4-bit checkpoints: AWQ (GEMM layout) and GPTQ, as AutoAWQ and AutoGPTQ pack them --------
+
+def int4_quantize(w: torch.Tensor, group: int, symmetric: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] in groups of `group` columns -> (q [N, K], zero [N, K / group] int64 in 0..15,
+    scale [N, K / group] fp16); w ~ (q - zero) * scale. Symmetric: zero 8 (GPTQ's sym)."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    if symmetric:
+        scale = (g.abs().amax(-1) / 7).clamp(min=1e-6).half()
+        zero = torch.full(scale.shape, 8, dtype=torch.int64)
+    else:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-6).half()
+        zero = torch.round(-lo / scale.float()).clamp(0, 15).long()
+    q = (torch.round(g / scale.float()[..., None]) + zero[..., None]).clamp(0, 15).long()
+    return q.view(n, k), zero, scale
+
+
+def int4_dequantize(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
+                    group: int) -> torch.Tensor:
+    zeros, scales = (t.repeat_interleave(group, dim=1) for t in (zero, scale.float()))
+    return (q - zeros).float() * scales
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """uint32 values held in int64 -> the int32 tensor with those bits."""
+    import numpy as np
+
+    return torch.from_numpy(x.numpy().astype(np.uint32).view(np.int32))
+
+
+def pack_awq(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AutoAWQ's WQLinear_GEMM: qweight [K, N / 8], qzeros [K / g, N / 8] (8 output columns to
+    an int32, nibble i holding column order[i]), scales [K / g, N] fp16."""
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+
+    def cols(x: torch.Tensor) -> torch.Tensor:  # [R, N] -> [R, N / 8]
+        x = x.view(x.shape[0], -1, 8)
+        out = torch.zeros(x.shape[:2], dtype=torch.int64)
+        for i, c in enumerate(order):
+            out |= x[:, :, c] << (4 * i)
+        return _int32(out)
+
+    return {"qweight": cols(q.t()), "qzeros": cols(zero.t()), "scales": scale.t().contiguous()}
+
+
+def pack_gptq(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
+              group: int) -> dict[str, torch.Tensor]:
+    """AutoGPTQ's format: qweight [K / 8, N] (8 consecutive input rows to an int32, row 8r + i
+    at nibble i), qzeros [K / g, N / 8] holding zero - 1, in column order, scales [K / g, N],
+    g_idx [K] = row // group (no act-order)."""
+    q_kn = q.t()
+    k = q_kn.shape[0]
+    rows = torch.zeros(k // 8, q_kn.shape[1], dtype=torch.int64)
+    for i in range(8):
+        rows |= q_kn[i::8] << (4 * i)
+    z = (zero.t() - 1).view(zero.shape[1], -1, 8)
+    zeros = torch.zeros(z.shape[:2], dtype=torch.int64)
+    for i in range(8):
+        zeros |= (z[:, :, i] & 15) << (4 * i)
+    return {"qweight": _int32(rows), "qzeros": _int32(zeros), "scales": scale.t().contiguous(),
+            "g_idx": (torch.arange(k) // group).to(torch.int32)}
+
+
+def write_int4_model_dir(path: Path, config: Any, twin: Path, method: str, group: int = 128,
+                         seed: int = 0) -> None:
+    """A random model with its linear weights in 4-bit `method` ("awq": asymmetric, GEMM
+    layout; "gptq": symmetric, desc_act false, the original zero - 1 format), and at `twin`
+    the same model with those weights dequantized (fp32, no quantization_config)."""
+    for out in (path, twin):
+        write_model_dir(out, config, seed)
+    files, twin_files = read_tensors(path), read_tensors(twin)
+    for file, tensors in files.items():
+        for name in [n for n in sorted(tensors) if fp8_quantized(n)]:
+            q, zero, scale = int4_quantize(tensors.pop(name), group, symmetric=method == "gptq")
+            parts = (pack_awq(q, zero, scale) if method == "awq"
+                     else pack_gptq(q, zero, scale, group))
+            base = name.removesuffix(".weight")
+            tensors.update({f"{base}.{part}": t for part, t in parts.items()})
+            twin_files[file][name] = int4_dequantize(q, zero, scale, group)
+    write_tensors(path, files)
+    write_tensors(twin, twin_files)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+         "version": "gemm"} if method == "awq" else
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+         "sym": True, "checkpoint_format": "gptq"})
+    (path / "config.json").write_text(json.dumps(cfg))

@@ -299,8 +299,10 @@ def test_scale_grid_of_another_block(fp8_dirs: Any, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("quantization", "says"), [
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}, "'awq'"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     "'awq' with version 'gemv'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+     "'gptq' with desc_act"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, "'fp8 (per-tensor scales)'"),
 ])
 def test_unread_formats_are_refused_by_name(fp8_dirs: Any, tmp_path: Path,

@@ -80,6 +80,18 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class Int4Quant:
+    """A 4-bit checkpoint (W4A16, `quantization_config`): AWQ's GEMM layout or GPTQ's, each
+    quantized linear `X` stored as `X.qweight`, `X.qzeros`, `X.scales` (and GPTQ's `X.g_idx`)
+    in groups of `group` input columns (arle/model/int_weights.py reads them)."""
+
+    method: str  # "awq" | "gptq"
+    group: int
+    #: added to a stored zero: GPTQ's original format stores zero - 1
+    zero_offset: int = 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -107,6 +119,7 @@ class ModelConfig:
     linear_attention: LinearAttentionConfig | None = None
     moe: MoEConfig | None = None
     quant: QuantConfig | None = None
+    int4: Int4Quant | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -127,6 +140,8 @@ class ModelConfig:
             raise ModelLoadError(source, f"unsupported architecture {name!r} (supported: {supported})")
         family = SUPPORTED_ARCHITECTURES[arch]
         quant = _quant_config(cfg, source)
+        int4 = quant if isinstance(quant, Int4Quant) else None
+        fp8 = quant if isinstance(quant, QuantConfig) else None
         if family.get("nested"):
             # the text model's fields, under the multimodal wrapper's (the vision tower's are
             # not read)
@@ -175,7 +190,7 @@ class ModelConfig:
                 norm_zero_centered=bool(family.get("hybrid")),
                 linear_attention=_linear_attention(cfg) if family.get("hybrid") else None,
                 moe=_moe_config(cfg),
-                quant=quant,
+                quant=fp8, int4=int4,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -302,17 +317,53 @@ def _moe_config(cfg: dict[str, Any]) -> MoEConfig | None:
         shared_expert_intermediate_size=shared)
 
 
-def _quant_config(cfg: dict[str, Any], source: object) -> QuantConfig | None:
-    """`quantization_config`: block-scaled FP8 is read; any other format is refused by name."""
+#: the group sizes torch's int4 CPU kernel takes (a group of -1: one per row, refused)
+INT4_GROUPS = (32, 64, 128, 256)
+
+
+def _quant_config(cfg: dict[str, Any], source: object) -> QuantConfig | Int4Quant | None:
+    """`quantization_config`: block-scaled FP8, and 4-bit AWQ (GEMM) and GPTQ (no act-order)
+    are read; any other format is refused by name."""
     q = cfg.get("quantization_config")
     if not q:
         return None
     method = str(q.get("quant_method", "unknown")).lower()
+    if method in ("awq", "gptq"):
+        return _int4_quant(method, q, source)
     block = q.get("weight_block_size")
     if method != "fp8" or not block or str(q.get("fmt", "e4m3")).lower() != "e4m3":
         what = f"{method} (per-tensor scales)" if method == "fp8" and not block else method
         raise ModelLoadError(source, f"unsupported quantization {what!r}: arle reads "
                                      "block-scaled FP8 (quant_method fp8, fmt e4m3, "
-                                     "weight_block_size)")
+                                     "weight_block_size), 4-bit awq and gptq")
     return QuantConfig("fp8", (int(block[0]), int(block[1])),
                        tuple(str(m) for m in q.get("modules_to_not_convert") or ()))
+
+
+def _int4_quant(method: str, q: dict[str, Any], source: object) -> Int4Quant:
+    """AWQ or GPTQ's settings, refused by name where arle does not read them."""
+    bits, group = int(q.get("bits", 4)), int(q.get("group_size", 128))
+
+    def refuse(what: str) -> ModelLoadError:
+        return ModelLoadError(source, f"unsupported quantization {method!r} with {what}: arle "
+                                      f"reads 4-bit {method} in groups of "
+                                      f"{', '.join(map(str, INT4_GROUPS))}")
+
+    if bits != 4:
+        raise refuse(f"bits {bits}")
+    if group not in INT4_GROUPS:
+        raise refuse(f"group_size {group}")
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm" or q.get("zero_point") is False:
+            raise refuse(f"version {version!r}" if version != "gemm" else "zero_point false")
+        return Int4Quant("awq", group)
+    if q.get("desc_act"):
+        raise ModelLoadError(source, "unsupported quantization 'gptq' with desc_act (act-order):"
+                                     " its groups gather input columns out of order (g_idx), "
+                                     "which the int4 kernels' contiguous groups cannot hold; "
+                                     "quantize with desc_act false")
+    fmt = str(q.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise refuse(f"checkpoint_format {fmt!r}")
+    return Int4Quant("gptq", group, zero_offset=1 if fmt == "gptq" else 0)

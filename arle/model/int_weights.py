@@ -14,14 +14,17 @@ integer weights only at --tensor-parallel-size 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from arle.errors import ModelLoadError
+from arle.model.config import Int4Quant
 from arle.model.parallel import VocabParallelEmbedding, _Linear
 from arle_kernels.quant import (
     Int4Format,
@@ -171,3 +174,93 @@ def weight_stats(model: nn.Module) -> tuple[int, int]:
         nbytes += extra.numel() * extra.element_size()
         params += fmt.n * p.shape[1] * 2 if isinstance(fmt, Int4Format) else p.numel()
     return params, nbytes
+
+
+# ---- 4-bit safetensors checkpoints: AWQ (GEMM layout) and GPTQ ------------------------------
+
+#: AWQ packs output columns 8 to an int32 in this order: nibble i holds column _AWQ_ORDER[i]
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_INT4_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., C] -> uint8 [..., C, 8]: nibble i is bits 4i..4i+3."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return ((packed[..., None] >> shifts) & 15).to(torch.uint8)
+
+
+def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ's [rows, N / 8] int32 -> [rows, N] uint8, columns in order."""
+    nib = _nibbles(packed)
+    cols = torch.empty_like(nib)
+    cols[..., list(_AWQ_ORDER)] = nib
+    return cols.flatten(-2)
+
+
+def _groups_from(q_kn: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                 group: int) -> Int4Groups:
+    """q [K, N], zeros and scales [K / group, N] (w = (q - zero) * scale, as both formats
+    store them) -> `Int4Groups` [N, K]: scale s, zero (8 - z) s (exact in fp32)."""
+    s = scales.float()
+    return Int4Groups(q_kn.t().contiguous(), s.t().contiguous(),
+                      ((8 - zeros.float()) * s).t().contiguous(), group)
+
+
+def awq_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+               group: int) -> Int4Groups:
+    """AWQ's GEMM layout: qweight [K, N / 8] and qzeros [K / group, N / 8] int32 (columns
+    packed in `_AWQ_ORDER`), scales [K / group, N]."""
+    return _groups_from(_awq_columns(qweight), _awq_columns(qzeros), scales, group)
+
+
+def gptq_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                g_idx: torch.Tensor, group: int, zero_offset: int) -> Int4Groups:
+    """GPTQ: qweight [K / 8, N] int32 (8 consecutive input rows to an int32, in order),
+    qzeros [K / group, N / 8] (columns in order; stored zero - `zero_offset`), scales
+    [K / group, N]; g_idx [K] must be each row's own group (no act-order)."""
+    k = qweight.shape[0] * 8
+    if not torch.equal(g_idx.long(), torch.arange(k) // group):
+        raise ValueError("g_idx is not row // group_size (an act-order checkpoint: "
+                         "desc_act is not read)")
+    q_kn = _nibbles(qweight).permute(0, 2, 1).reshape(k, -1)
+    zeros = _nibbles(qzeros).flatten(-2).to(torch.int16) + zero_offset
+    return _groups_from(q_kn, zeros, scales, group)
+
+
+def int4_checkpoint_names(names: set[str]) -> dict[str, Kind]:
+    """The `X.weight` of every linear a 4-bit checkpoint stores as `X.qweight`."""
+    return {n.removesuffix(".qweight") + ".weight": Kind.INT4
+            for n in names if n.endswith(".qweight")}
+
+
+def int4_checkpoint_tensors(tensors: Iterator[tuple[str, Any, Path]], quant: Int4Quant,
+                            origin: Path) -> Iterator[tuple[str, Any, Path]]:
+    """A 4-bit checkpoint's tensors, each linear's parts (met in any order) as one `X.weight`
+    `Int4Groups`; every other tensor as it is."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    need = {"qweight", "qzeros", "scales"} | ({"g_idx"} if quant.method == "gptq" else set())
+    for name, tensor, source in tensors:
+        base, _, part = name.rpartition(".")
+        if part not in _INT4_PARTS:
+            yield name, tensor, source
+            continue
+        got = parts.setdefault(base, {})
+        got[part] = tensor
+        if need <= set(got):
+            del parts[base]
+            yield f"{base}.weight", _groups_of(got, quant, source, base), source
+    if parts:
+        base, got = next(iter(parts.items()))
+        raise ModelLoadError(origin, f"{base}: no {', '.join(sorted(need - set(got)))} "
+                                           f"beside its {', '.join(sorted(got))}")
+
+
+def _groups_of(got: dict[str, torch.Tensor], quant: Int4Quant, source: Path,
+               base: str) -> Int4Groups:
+    try:
+        if quant.method == "awq":
+            return awq_groups(got["qweight"], got["qzeros"], got["scales"], quant.group)
+        return gptq_groups(got["qweight"], got["qzeros"], got["scales"], got["g_idx"],
+                           quant.group, quant.zero_offset)
+    except (ValueError, RuntimeError) as e:
+        raise ModelLoadError(source, f"{base}: {e}") from None

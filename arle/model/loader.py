@@ -7,6 +7,10 @@ Block-scaled FP8 checkpoints (`ModelConfig.quant`): each quantized linear's `X.w
 (float8_e4m3fn) comes with `X.weight_scale_inv` (fp32 per block), in any order. On CUDA the
 linears whose checkpoint weights all have scales stay FP8 (`fp8_weights`; the rest are
 `unquantize`d); elsewhere every FP8 weight is dequantised at load to the compute dtype.
+
+Integer checkpoints (GGUF's block formats; AWQ and GPTQ, `ModelConfig.int4`): on the CPU at
+--dtype auto, one rank, their linears stay 4- or 8-bit (arle/model/int_weights.py); anywhere
+else they are dequantised at load.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from arle.errors import ModelLoadError
 from arle.logging import get_logger
 from arle.model import int_weights
-from arle.model.config import ModelConfig, QuantConfig
+from arle.model.config import Int4Quant, ModelConfig, QuantConfig
 from arle.model.decoder import DecoderLM, tp_problems
 from arle.model.moe import unfuse_experts
 from arle.model.parallel import FP8, SINGLE, HoldsFp8, TPGroup, fp8_weights, load_whole
@@ -37,6 +41,9 @@ from arle_kernels.ops import ops_for
 from arle_kernels.quant import Int4Groups
 
 log = get_logger("arle.model.loader")
+
+#: the block of GGUF's 4-bit formats, as int4 groups
+GGUF_GROUP = 32
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,6 +100,8 @@ def load_model(path: str | Path, dtype: str = "auto",
         files = _safetensors_files(path)  # checks files before allocating
         if _kept_fp8(config, dev) is not None:
             names = _checkpoint_names(files)
+        if config.int4 is not None:
+            kinds = _int4_kinds(config.int4, files, _keeps_int(dtype, dev, tp), torch_dtype)
         tensors = _iter_safetensors(files)
     elif path.suffix == ".gguf" or _looks_like_gguf(path):
         from arle.model.gguf_io import read_gguf
@@ -122,7 +131,8 @@ def load_model(path: str | Path, dtype: str = "auto",
             raise ModelLoadError(path, str(e)) from None
     if kept is not None:
         _settle_fp8(model, names, kept, torch_dtype)
-    held = int_weights.hold(model, kinds, group=32) if kinds else None
+    group = config.int4.group if config.int4 is not None else GGUF_GROUP
+    held = int_weights.hold(model, kinds, group) if kinds else None
     errors = _load_weights(model, tensors, path,
                            _HostToDevice(dev) if dev.type == "cuda" else None)
     if held is not None:
@@ -144,6 +154,18 @@ def _keeps_int(dtype: str, device: torch.device, tp: TPGroup) -> bool:
     unless a --dtype asks for floats (`--dtype float32`: the dequantized weights, for parity
     work)."""
     return dtype == "auto" and device.type == "cpu" and tp.size == 1
+
+
+def _int4_kinds(quant: Int4Quant, files: list[Path], keep: bool, dtype: torch.dtype
+                ) -> dict[str, int_weights.Kind]:
+    """A 4-bit checkpoint's linears that stay int4 (none where `keep` is not: they load
+    dequantized to `dtype`, as the log says)."""
+    if not keep:
+        log.info("int4_weights_dequantized", method=quant.method,
+                 dtype=str(dtype).removeprefix("torch."),
+                 why="int4 stays int4 on the CPU at --dtype auto, one rank")
+        return {}
+    return int_weights.int4_checkpoint_names(_checkpoint_names(files))
 
 
 def _return_freed_memory() -> None:
@@ -424,9 +446,11 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, Any, Path]],
     loaded: set[str] = set()
     skipped: dict[str, int] = {}
     tensors = _checkpoint_tensors(tensors, skipped, model.config.with_mtp)
-    quant = model.config.quant
+    quant, int4 = model.config.quant, model.config.int4
     if quant is not None:
         tensors = _dequantize_fp8(tensors, targets, quant.block, origin)
+    if int4 is not None:
+        tensors = int_weights.int4_checkpoint_tensors(tensors, int4, origin)
     for name, tensor, source in tensors:
         if name not in targets:
             if name.endswith("rotary_emb.inv_freq") or (
@@ -441,6 +465,8 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, Any, Path]],
         try:
             loader = getattr(param, "weight_loader", load_whole)
             if to_device is not None:
+                if isinstance(tensor, Int4Groups):  # no int4 kernels there: dequantized
+                    tensor = tensor.dequantize(param.dtype)
                 tensor = to_device(tensor)
             kind_error = int_weights.load_into(param, tensor, loader, shard)
             if kind_error is not None:
