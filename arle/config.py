@@ -165,7 +165,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("overlap", "--disable-overlap", inverted=True,
                  help="Schedule the next step only after the current one ran."),
     EngineOption("num_threads", "--threads", min=1,
-                 help="CPU threads for torch (default: torch's; with --tp, each rank's)."),
+                 help="CPU threads for torch, fixed (default: torch's, fewer while other "
+                      "processes share the cores; with --tp, each rank's)."),
     EngineOption("tensor_parallel_size", "--tensor-parallel-size", aliases=("--tp",), min=1,
                  help="Split the model over this many devices, one process each "
                       "(docs/parallel.md)."),

@@ -170,7 +170,7 @@ def _cpu_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
     return CPUExecutor(loaded.model, max(tokens // config.page_size, 2), config.page_size,
                        num_slots=num_slots, kv_dtype=loaded.dtype, max_positions=max_len + 1,
                        seed=config.seed, num_snapshots=_num_snapshots(config),
-                       spec=_spec_states(config))
+                       spec=_spec_states(config), governed=config.num_threads is None)
 
 
 def _cuda_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,

@@ -22,9 +22,12 @@ from arle.executor.paged import KVCache, StatePool, StepInputs, kv_format
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import logprobs_of, prompt_scores_of
 from arle.executor.step import StepState, eager_forward, run_step_body
+from arle.logging import get_logger
 from arle.model.decoder import DecoderLM
-from arle.threads import torch_thread
+from arle.threads import ThreadGovernor, torch_thread
 from arle_kernels.ops import ops_for
+
+log = get_logger("arle.executor")
 
 
 class CPUExecutor:
@@ -33,7 +36,8 @@ class CPUExecutor:
 
     def __init__(self, model: DecoderLM, num_pages: int, page_size: int, num_slots: int,
                  kv_dtype: torch.dtype, max_positions: int, seed: int = 0,
-                 num_snapshots: int = 0, spec: tuple[int, int] = (0, 0)) -> None:
+                 num_snapshots: int = 0, spec: tuple[int, int] = (0, 0),
+                 governed: bool = False) -> None:
         model.ops = ops_for(torch.device("cpu"))
         self.model = model
         self.num_slots = num_slots
@@ -46,6 +50,11 @@ class CPUExecutor:
         self.kv_pool = KVPoolInfo(num_pages, page_size, kv.nbytes, kv_format(kv_dtype))
         # NOTE: one worker thread: steps run in launch order, as on a CUDA stream.
         self._worker = torch_thread()
+        #: the torch thread count follows the cores this process gets (`ThreadGovernor`);
+        #: None: fixed (--threads, or a TP rank)
+        self.governor = (ThreadGovernor(torch.get_num_threads())
+                         if governed and model.tp.size == 1 and torch.get_num_threads() > 1
+                         else None)
 
     @property
     def state(self) -> StatePool | None:
@@ -65,19 +74,30 @@ class CPUExecutor:
 
     def run_step(self, inputs: StepInputs) -> StepOutput:
         """One step, on the calling thread (the worker thread; a TP rank's main thread)."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         meta = torch.tensor(inputs.packed.meta, dtype=torch.int32)
         out, scored = run_step_body(self.dev, inputs, meta, inputs.sampling,
                                     lambda: eager_forward(self.dev, inputs, meta, num_splits=1))
         scores = (prompt_scores_of(scored, inputs.packed.segment("score_targets"),
                                    inputs.score_rows) if scored is not None else [])
         if out is None:
-            return StepOutput([], [], time.perf_counter() - t0, scores)
+            return StepOutput([], [], self._timed(t0, cpu0), scores)
         if inputs.grammars:
             self.dev.grammar_masks.sampled(inputs.grammars, out.token_ids)
-        return StepOutput(out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs),
-                          time.perf_counter() - t0, scores,
+        tokens, logprobs = out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs)
+        return StepOutput(tokens, logprobs, self._timed(t0, cpu0), scores,
                           out.drafts.tolist() if out.drafts is not None else [])
+
+    def _timed(self, t0: float, cpu0: float) -> float:
+        """The step's seconds; the governor told of them (it may change the threads)."""
+        wall = time.perf_counter() - t0
+        if self.governor is not None:
+            threads = self.governor.record(wall, time.process_time() - cpu0)
+            if threads is not None:
+                torch.set_num_threads(threads)
+                log.info("cpu_threads", threads=threads, of=self.governor.max,
+                         why="cores shared" if threads < self.governor.max else "trying all")
+        return wall
 
     def rank_info(self) -> dict[str, Any]:
         """This rank's memory: weights, KV pool, recurrent state pool (`arle warmup`)."""
