@@ -337,6 +337,9 @@ REF_CHUNK_ELEMENTS = 1 << 26
 #: tokens costs 38 us in place against 69 gathered alone, 24 in a gather of 8; at 512 the
 #: gather costs 2x, at 6,144 3.5x)
 IN_PLACE_MIN_LEN = 256
+#: the most runs of consecutive pages a row is read in place in; past it (pages scattered by
+#: other requests' growth) its pages are gathered once (a run costs two small matmuls, ~10 us)
+MAX_RUNS = 8
 
 
 def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -351,9 +354,16 @@ def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             out[row] = 0
             continue
         qg = q[row].to(k_cache.dtype).view(kvh, h // kvh, d)
-        runs = _page_runs(pages[:-(-length // ps)], ps, length)
-        ks, vs = ([c[p:p + n].view(-1, kvh, d)[:t].transpose(0, 1) for p, n, t in runs]
-                  for c in (k_cache, v_cache))
+        own = pages[:-(-length // ps)]
+        runs = _page_runs(own, ps, length)
+        if len(runs) > MAX_RUNS:  # scattered pages: one gather of this row's beats many views
+            index = torch.tensor(own)
+            ks, vs = ([c[index].view(-1, kvh, d)[:length].transpose(0, 1)]
+                      for c in (k_cache, v_cache))
+            runs = [(0, len(own), length)]
+        else:
+            ks, vs = ([c[p:p + n].view(-1, kvh, d)[:t].transpose(0, 1) for p, n, t in runs]
+                      for c in (k_cache, v_cache))
         scores = [torch.matmul(qg, k.transpose(1, 2)) for k in ks]
         probs = torch.softmax((scores[0] if len(runs) == 1 else torch.cat(scores, -1)) * scale,
                               dim=-1)

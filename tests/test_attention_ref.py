@@ -63,11 +63,13 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
         start += n
 
 
+@pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("lens", [[300], [1], [0, 260, 17], [256, 511, 700]])
-def test_decode_rows_read_in_place_match_dense(lens: list[int]) -> None:
+def test_decode_rows_read_in_place_match_dense(lens: list[int], scattered: bool) -> None:
     """The in-place path (one row, or rows from IN_PLACE_MIN_LEN tokens: each row's pages read
-    where they lie, a run of consecutive pages as one view) against the dense attention, on
-    tables mixing runs and scattered pages, partial last pages and an empty row (zeros)."""
+    where they lie, a run of consecutive pages as one view; past MAX_RUNS runs, gathered)
+    against the dense attention, on tables of 3 runs or of a run and scattered pages, partial
+    last pages and an empty row (zeros)."""
     gen = torch.Generator().manual_seed(sum(lens))
     page_size, heads, kv_heads, d, num_pages = 16, 6, 2, 32, 160
     k_cache = torch.randn(num_pages, page_size, kv_heads, d, generator=gen)
@@ -77,8 +79,12 @@ def test_decode_rows_read_in_place_match_dense(lens: list[int]) -> None:
     tables = []
     for n in lens:
         n_pages = -(-n // page_size)
-        run = n_pages // 2  # half in one run, the rest scattered
-        pages = free[:run] + free[run + 3:run + 3 + 2 * (n_pages - run):2]
+        if scattered:  # half in one run, the rest every other page
+            run = n_pages // 2
+            pages = free[:run] + free[run + 3:run + 3 + 2 * (n_pages - run):2]
+        else:  # three runs, a gap of one page between them
+            third = -(-n_pages // 3)
+            pages = [p for i in range(3) for p in free[i * (third + 1):][:third]][:n_pages]
         free = [p for p in free if p not in pages]
         tables.append(pages + [0] * (width - n_pages))
     q = torch.randn(len(lens), heads, d, generator=gen)

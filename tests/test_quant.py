@@ -50,8 +50,8 @@ def test_int4_pack_layout_is_the_one_unpack_reads(n: int) -> None:
 def test_int4_linear_matches_the_held_weight(rows: int) -> None:
     """Both paths (the packed kernel up to PACKED_MAX_ROWS rows, bf16 expansion past it)
     against x (rounded to bf16) @ W^T in fp64. Bound: 2^-7 of the product's size for the
-    expansion (it rounds (q - 8) * scale and then + zero to bf16: two roundings of 2^-9, and
-    y to bf16), 2^-8 for the packed kernel (fp32 math, y rounded to bf16)."""
+    expansion (it rounds W and its offset zero - 8 scale to bf16, 2^-9 each, and y), 2^-8
+    for the packed kernel (fp32 math, y rounded to bf16)."""
     w = _groups(96, 256, seed=1)  # 96 rows: padded to 128
     packed = pack_int4(w)
     fmt = int_format(packed)

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 
 
 class PageAllocator:
-    """Free list of page ids. Lowest ids first, so a fresh pool fills from the front."""
+    """Free page ids, lowest first (a heap): a fresh pool fills from the front, and a request
+    gets consecutive pages wherever a free run allows, however others' pages were freed (the
+    CPU's decode attention reads a run of consecutive pages in place, without a copy)."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
+        self._free = list(range(num_pages))  # a heap: sorted
 
     @property
     def num_free(self) -> int:
@@ -31,12 +33,11 @@ class PageAllocator:
 
     def alloc(self, n: int) -> list[int]:
         assert n <= len(self._free), "caller must check num_free (or evict) first"
-        out = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
-        return out
+        return [heapq.heappop(self._free) for _ in range(n)]
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        for p in pages:
+            heapq.heappush(self._free, p)
 
 
 _clock = itertools.count()
