@@ -116,7 +116,7 @@ MACHINES = (
              Field("cpu/bench_cpu.json", "machine.cpu_capability", "{}"),
              Field("cpu/bench_cpu.json", "machine.torch", "torch {}"),
              Field("cpu/bench_cpu.json", "machine.torch_threads", "{} threads"),
-             Field("cpu/bench_cpu.json", "dtype", "{}")),
+             Field("cpu/bench_cpu.json", "dtype", "--dtype {} (integer weights kept)")),
             ()),
 )
 
