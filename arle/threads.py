@@ -34,8 +34,9 @@ class ThreadGovernor:
 
     The signal: over a window of steps, the process's CPU time against the step time times
     the threads. Alone, the team keeps its cores (spinning counts): about 1. Sharing them, it
-    gets its share of the cores: the threads drop to the cores it got. More threads are
-    tried again after a back-off that doubles each time they lose."""
+    gets its share of the cores: after two such windows in a row (one can be a first step's
+    one-threaded kernel JIT), the threads drop to the cores it got. More threads are tried
+    again after a back-off that doubles each time they lose."""
 
     WINDOW_S = 0.5  # step time one measurement spans
     SHARE = 0.7  # of its threads' CPU time, below which the cores are shared
@@ -47,6 +48,7 @@ class ThreadGovernor:
         self.backoff = self.BACKOFF_S[0]
         self.changed = time.monotonic()
         self.probing = False
+        self.low = 0  # windows in a row that got fewer cores than threads
 
     def record(self, wall: float, cpu: float) -> int | None:
         """A step's wall and process CPU seconds -> the thread count to use from now, where it
@@ -59,11 +61,14 @@ class ThreadGovernor:
         got = max(1, min(self.max, round(self.cpu / self.wall)))
         self.wall = self.cpu = 0.0
         now = time.monotonic()
-        if share < self.SHARE and got < self.current:
+        self.low = self.low + 1 if share < self.SHARE and got < self.current else 0
+        if self.low and (self.low >= 2 or self.probing):  # a probe gets one window
             if self.probing:
                 self.backoff = min(2 * self.backoff, self.BACKOFF_S[1])
-            self.probing = False
+            self.probing, self.low = False, 0
             return self._set(got, now)
+        if self.low:
+            return None
         if self.probing:  # the probe kept its cores
             self.probing, self.backoff = False, self.BACKOFF_S[0]
         elif self.current < self.max and now - self.changed >= self.backoff:

@@ -40,6 +40,7 @@ per layer would leave most idle, hence the splits (`pick_num_splits`).
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -332,63 +333,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 REF_CHUNK_ELEMENTS = 1 << 26
 
 
-#: the context length from which `decode_attention_ref` reads each row's pages where they lie
-#: (one row at a time) rather than gathering all rows' (2-core CPU, 9 heads of 64: a row of 64
-#: tokens costs 38 us in place against 69 gathered alone, 24 in a gather of 8; at 512 the
-#: gather costs 2x, at 6,144 3.5x)
-IN_PLACE_MIN_LEN = 256
-#: the most runs of consecutive pages a row is read in place in; past it (pages scattered by
-#: other requests' growth) its pages are gathered once (a run costs two small matmuls, ~10 us)
-MAX_RUNS = 8
-
-
 def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     page_table: list[list[int]], seq_lens: list[int], scale: float,
-                     out: torch.Tensor) -> torch.Tensor:
-    """`decode_attention_ref` with no copy of the cache: each row's pages are read in place, a
-    run of consecutive pages as one view; the softmax spans the runs' scores."""
+                     page_table: list[list[int]], seq_lens: list[int], rows: list[int],
+                     scale: float, out: torch.Tensor) -> None:
+    """`decode_attention_ref` of `rows`, one row at a time: a row whose pages are consecutive
+    is read in place (one view of the cache, no copy); other rows' pages are gathered into
+    the same shape. NOTE: a row's numbers depend on its tokens alone, not on where its pages
+    lie (page allocation differs with speculation on) nor on the rows beside it.
+    (2-core CPU, 9 heads of 64: a row in place costs 38 us at 64 tokens against 69 in a
+    gather, 0.5 ms at 6,144 against 2.1.)"""
     ps, kvh, d = k_cache.shape[1:]
     h = q.shape[1]
-    for row, (pages, length) in enumerate(zip(page_table, seq_lens, strict=True)):
+    for row in rows:
+        length = seq_lens[row]
         if length == 0:
             out[row] = 0
             continue
+        pages = page_table[row][:-(-length // ps)]
+        if pages[-1] - pages[0] == len(pages) - 1 and all(
+                b - a == 1 for a, b in itertools.pairwise(pages)):
+            k, v = (c[pages[0]:pages[0] + len(pages)] for c in (k_cache, v_cache))
+        else:
+            index = torch.tensor(pages)
+            k, v = (c[index] for c in (k_cache, v_cache))
+        k, v = (c.view(-1, kvh, d)[:length] for c in (k, v))  # [L, KVH, D]
         qg = q[row].to(k_cache.dtype).view(kvh, h // kvh, d)
-        own = pages[:-(-length // ps)]
-        runs = _page_runs(own, ps, length)
-        if len(runs) > MAX_RUNS:  # scattered pages: one gather of this row's beats many views
-            index = torch.tensor(own)
-            ks, vs = ([c[index].view(-1, kvh, d)[:length].transpose(0, 1)]
-                      for c in (k_cache, v_cache))
-            runs = [(0, len(own), length)]
-        else:
-            ks, vs = ([c[p:p + n].view(-1, kvh, d)[:t].transpose(0, 1) for p, n, t in runs]
-                      for c in (k_cache, v_cache))
-        scores = [torch.matmul(qg, k.transpose(1, 2)) for k in ks]
-        probs = torch.softmax((scores[0] if len(runs) == 1 else torch.cat(scores, -1)) * scale,
-                              dim=-1)
-        parts = probs.split([t for _, _, t in runs], dim=-1) if len(runs) > 1 else (probs,)
-        res = torch.matmul(parts[0], vs[0])
-        for p, v in zip(parts[1:], vs[1:], strict=True):
-            res += torch.matmul(p, v)
-        out[row] = res.view(h, d)
-    return out
-
-
-def _page_runs(pages: list[int], page_size: int, length: int) -> list[tuple[int, int, int]]:
-    """A row's pages as runs of consecutive ones: (first page, pages, tokens), the tokens of
-    the last run cut at the row's length."""
-    runs: list[tuple[int, int, int]] = []
-    for p in pages:
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1, 0)
-        else:
-            runs.append((p, 1, 0))
-    done = 0
-    for j, (p, n, _) in enumerate(runs):
-        runs[j] = (p, n, min(n * page_size, length - done))
-        done += n * page_size
-    return runs
+        probs = torch.softmax(torch.matmul(qg, k.permute(1, 2, 0)) * scale, dim=-1)
+        out[row] = torch.matmul(probs, v.transpose(0, 1)).view(h, d)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -396,9 +367,9 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          num_splits: int, *, k_scale: torch.Tensor | None = None,
                          v_scale: torch.Tensor | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain torch, in fp32 (float64 if q is float64). A cache in that dtype, for one row or
-    rows from IN_PLACE_MIN_LEN tokens: each row's pages read in place (`_attend_in_place`);
-    else a chunk of rows at once (one gather of their tokens, one masked SDPA), fp8 caches
+    """Plain torch, in fp32 (float64 if q is float64). A cache in that dtype (the CPU
+    engine's): each row's pages read in place, one row at a time (`_attend_in_place`); else a
+    chunk of rows at once (one gather of their tokens, one masked SDPA), fp8 caches
     dequantised with their per-(token, KV head) scales. `num_splits` is accepted and ignored (splitting does not change the math). A row
     of length 0 gives zeros, as the kernel does. Reads seq_lens on the host: not for graphs."""
     b, h, d = q.shape
@@ -408,10 +379,13 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if b == 0:
         return out
     math_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if k_scale is None and k_cache.dtype == math_dtype and (
-            b == 1 or int(seq_lens[:b].max()) >= IN_PLACE_MIN_LEN):
-        return _attend_in_place(q, k_cache, v_cache, page_table[:b].tolist(),
-                                seq_lens[:b].tolist(), scale, out)
+    if k_scale is None and k_cache.dtype == math_dtype:
+        # NOTE: one row at a time, whatever the batch: a verify row's tokens attend as decode
+        # rows (extend_attention_ref), and speculation stays exact only if a token's numbers
+        # do not depend on the rows beside it (a batched SDPA pads and masks them)
+        _attend_in_place(q, k_cache, v_cache, page_table[:b].tolist(), seq_lens[:b].tolist(),
+                         list(range(b)), scale, out)
+        return out
     slots, valid, ragged, empty_rows = _gather_index(page_table[:b], seq_lens[:b],
                                                      k_cache.shape[1])
 

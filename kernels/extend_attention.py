@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from arle_kernels.decode_attention import decode_attention_ref
 from arle_kernels.jit import gdc_launch_dependents, gdc_wait, jit_varying, pdl_enabled, pdl_launch
 
 _LOG2E = 1.4426950408889634
@@ -316,6 +317,11 @@ def _dequant(cache: Tensor, cache_scale: Tensor | None, pages: Tensor, offs: Ten
     return x.to(dtype)
 
 
+#: the longest extend row (over a cached prefix) the reference runs as decode rows: a verify
+#: row of speculative decoding has at most 9 tokens (8 drafts)
+DECODE_LIKE_MAX_Q = 16
+
+
 def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
                          cu_q_lens: Tensor, seq_lens: Tensor, scale: float, max_q_len: int, *,
                          k_scale: Tensor | None = None, v_scale: Tensor | None = None,
@@ -332,6 +338,16 @@ def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table
         start, end = cu[r], cu[r + 1]
         n = end - start
         if n == 0:
+            continue
+        if n <= DECODE_LIKE_MAX_Q and n != seq_len and k_cache.is_contiguous() and \
+                v_cache.is_contiguous():
+            # NOTE: a short row over a cached prefix (a verify row of speculative decoding)
+            # attends token by token as decode rows do: its tokens then get the decode step's
+            # numbers to the bit, and greedy speculation the tokens of speculation off
+            lens = torch.arange(seq_len - n + 1, seq_len + 1, dtype=torch.int32)
+            out[start:end] = decode_attention_ref(
+                q[start:end], k_cache, v_cache, page_table[r:r + 1].expand(n, -1), lens,
+                scale, 1, k_scale=k_scale, v_scale=v_scale).to(out.dtype)
             continue
         pos = torch.arange(seq_len, device=q.device)
         pages = page_table[r, pos // page_size].long()

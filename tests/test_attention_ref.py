@@ -66,10 +66,10 @@ def test_mixed_batch_matches_dense(heads: int, kv_heads: int) -> None:
 @pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("lens", [[300], [1], [0, 260, 17], [256, 511, 700]])
 def test_decode_rows_read_in_place_match_dense(lens: list[int], scattered: bool) -> None:
-    """The in-place path (one row, or rows from IN_PLACE_MIN_LEN tokens: each row's pages read
-    where they lie, a run of consecutive pages as one view; past MAX_RUNS runs, gathered)
-    against the dense attention, on tables of 3 runs or of a run and scattered pages, partial
-    last pages and an empty row (zeros)."""
+    """The one-row-at-a-time path (an fp32 cache: consecutive pages read in place as one
+    view, others gathered) against the dense attention, on tables of 3 runs or of a run and
+    scattered pages, partial last pages and an empty row (zeros); and a row's numbers do not
+    depend on where its pages lie: the same K/V in one run give the same bits."""
     gen = torch.Generator().manual_seed(sum(lens))
     page_size, heads, kv_heads, d, num_pages = 16, 6, 2, 32, 160
     k_cache = torch.randn(num_pages, page_size, kv_heads, d, generator=gen)
@@ -100,3 +100,11 @@ def test_decode_rows_read_in_place_match_dense(lens: list[int], scattered: bool)
         v = v_cache[pages].flatten(0, 1)[:n]
         ref = dense_causal(q[r:r + 1], k, v, scale)[0]
         torch.testing.assert_close(got[r].double(), ref, atol=1e-5, rtol=1e-5)
+        n_pages = len(pages)
+        one_run = list(range(num_pages - n_pages, num_pages))  # the same K/V, moved
+        k_moved, v_moved = k_cache.clone(), v_cache.clone()
+        k_moved[one_run], v_moved[one_run] = k_cache[pages], v_cache[pages]
+        moved = decode_attention_ref(q[r:r + 1], k_moved, v_moved,
+                                     torch.tensor([one_run], dtype=torch.int32),
+                                     torch.tensor([n], dtype=torch.int32), scale, 1)
+        assert torch.equal(moved[0], got[r])

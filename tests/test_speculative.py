@@ -353,6 +353,27 @@ async def test_ngram_drafts_on_the_default_model(smol: LoadedModel, make_engine:
     assert spec["accepted"] > 10, spec
 
 
+async def test_int4_default_model_equals_off(make_engine: Any) -> None:
+    """The default model as the CPU runs it (int4 and int8 weights, bf16 products): a batch
+    of the three benchmark tasks, speculation on (K = 8) against off, the same tokens and
+    logprobs. It holds because a verify row's tokens attend as decode rows, one row at a time
+    (kernels/extend_attention.py), and the packed kernels give a row the same numbers
+    whatever the rows beside it; a batched, padded attention flipped near-ties here. Prefix
+    cache off: a prefix another request prefilled in a long chunk (bf16-expanded weights)
+    has other numbers than one a short chunk (the packed kernel) computes, and which one a
+    request meets depends on when it arrives."""
+    loaded = load_model(require_smollm2_gguf(), "auto")
+    tasks = load_script("bench_speculative").TASKS
+    prompts = [loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": tasks[t]}])) for t in ("edit", "quote", "chat")]
+    params = {"max_tokens": 100, "ignore_eos": True, "logprobs": 1}
+    want = await run_many(make_engine(loaded, enable_prefix_cache=False), prompts, **params)
+    got = await run_many(make_engine(loaded, enable_prefix_cache=False, speculative="ngram",
+                                     num_speculative_tokens=8), prompts, **params)
+    assert_same(got, want)
+    assert sum(spec_of(d)["accepted"] for d in got) > 50
+
+
 def test_flags_on_every_command() -> None:
     """--speculative and --num-speculative-tokens on complete, chat, serve and warmup; K out
     of [1, 8] is refused before anything loads."""
