@@ -64,9 +64,10 @@ def test_dequantized_matches_transformers_on_the_twin(int4_dirs, case):
 def test_int4_logits_near_transformers_on_the_twin(int4_dirs, case):
     """--dtype auto keeps every linear int4 (its group: the checkpoint's) and its logits stay
     near the twin's: bf16 activations, outputs, scales and zeros (a 2^-9 rounding each) give
-    KL mean 1.2-1.8e-4, max 4.4e-4, top-1 0.96-1 (measured, 50 positions, 3 chunkings); the
-    bounds sit 5x (mean) and 10x (max) above, one flipped near-tie in 10 allowed. A wrong
-    nibble order or zero point gives KL over 0.1."""
+    KL mean 1.2-1.6e-4, max 4.4e-4, top-1 0.96-1 (measured, 50 positions); the whole prompt
+    in one chunk (the bf16 expansion: W and its offset zero - 8 scale rounded once more) up
+    to 7e-4 and 2.2e-3 (AWQ). The bounds sit about 3x above that, one flipped near-tie in 10
+    allowed. A wrong nibble order or zero point gives KL over 0.1."""
     path, twin = int4_dirs[case]
     loaded = load_model(path, "auto")
     fmts = [int_format(p) for p in loaded.model.parameters()]
@@ -78,7 +79,7 @@ def test_int4_logits_near_transformers_on_the_twin(int4_dirs, case):
     for chunk in (None, 7, 1):
         kl_mean, kl_max, top1 = _kl_top1(teacher_forced_logits(loaded.model, IDS,
                                                                chunk_size=chunk), ref)
-        assert kl_mean < 1e-3 and kl_max < 5e-3 and top1 >= 0.9, (chunk, kl_mean, kl_max, top1)
+        assert kl_mean < 2e-3 and kl_max < 7e-3 and top1 >= 0.9, (chunk, kl_mean, kl_max, top1)
 
 
 def _with_quantization(src: Path, dst: Path, **changes: Any) -> Path:

@@ -46,12 +46,13 @@ class SpecConfig:
 
 
 #: CPU: scripts/bench_speculative.py on the default model (int4 weights), 2 cores: a verify
-#: step with 8 drafts costs 2.05x a decode step at batch 1 (0.13 of a step per draft). A step
-#: past 48 tokens leaves the packed int4 kernels for the bf16 expansion (arle_kernels.quant,
-#: PACKED_MAX_ROWS): at batch 8 with 8 drafts each (72 tokens) 4.15x, so drafts stop at 48.
+#: step with 8 drafts costs 2.84x a decode step at batch 1 (0.23 of a step per draft; its
+#: tokens attend one by one, as decode rows, so that it stays exact). A step past 48 tokens
+#: leaves the packed int4 kernels for the bf16 expansion (arle_kernels.quant,
+#: PACKED_MAX_ROWS): at batch 8 with 8 drafts each (72 tokens) 5.1x, so drafts stop at 48.
 #: K = 8 was the fastest of 2, 4, 8 on every task.
 #: CUDA: not yet measured on a GPU (the H200 run measures verify against decode steps).
-DEVICE_RULES = {"cpu": SpecConfig(num_tokens=8, draft_cost=0.13, step_tokens=48),
+DEVICE_RULES = {"cpu": SpecConfig(num_tokens=8, draft_cost=0.23, step_tokens=48),
                 "cuda": SpecConfig(num_tokens=4, draft_cost=0.05, step_tokens=64)}
 
 
