@@ -38,7 +38,9 @@ QUESTIONS = [
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     require_smollm2_gguf()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with arle_server(["--max-model-len", "2048"], log, timeout_s=300) as s:
+    # NOTE: fp32 weights, as the transformers backend the loglikelihoods are checked against
+    with arle_server(["--max-model-len", "2048", "--dtype", "float32"], log,
+                     timeout_s=300) as s:
         yield s
 
 

@@ -139,7 +139,7 @@ def _complete(model: Path, tp: int, mark: str = "") -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-m", "arle", "complete", "The quick brown fox", "--model", str(model),
          "--max-tokens", "16", "--temperature", "0", "--ignore-eos", "--threads", "1",
-         "--tp", str(tp), "--json"],
+         "--tp", str(tp), "--json", "--dtype", "float32"],
         env=_env(mark), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stderr == ""  # a clean exit: nothing from any rank at shutdown
@@ -400,8 +400,9 @@ def test_killing_rank_0_leaves_no_rank_behind(model_dirs: dict[str, Path],
 
 @pytest.mark.slow
 def test_the_default_gguf_model_splits_over_3_not_2() -> None:
-    """SmolLM2-135M (9 heads, 3 KV heads, Q4_1 GGUF, dequantised at load): refused at --tp 2
-    with what does not divide, and at --tp 3 the greedy answer of one rank."""
+    """SmolLM2-135M (9 heads, 3 KV heads, Q4_1 GGUF, dequantised at load: --dtype float32 on
+    every rank count, as TP dequantizes): refused at --tp 2 with what does not divide, and at
+    --tp 3 the greedy answer of one rank."""
     path = require_smollm2_gguf()
     with pytest.raises(ModelLoadError, match="num_attention_heads 9 does not divide by 2"):
         check_tensor_parallel(path, 2)
