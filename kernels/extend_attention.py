@@ -326,7 +326,8 @@ def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table
                          cu_q_lens: Tensor, seq_lens: Tensor, scale: float, max_q_len: int, *,
                          k_scale: Tensor | None = None, v_scale: Tensor | None = None,
                          out: Tensor | None = None, blocks: Tensor | None = None) -> Tensor:
-    """Plain torch, one SDPA per row, K/V gathered (and fp8 dequantised) in q's dtype. Same
+    """Plain torch, one SDPA per row, K/V gathered (and fp8 dequantised) in q's dtype; a
+    short row over a cached prefix token by token through `decode_attention_ref`. Same
     arguments as `extend_attention` (max_q_len and blocks are unused; this one reads the
     lengths on the host). Pass q in fp32 for a higher-precision reference."""
     _t, h, _d = q.shape
