@@ -109,4 +109,6 @@ class CPUExecutor:
         # NOTE: a TP group stops after the last step, on the same thread
         ranks = self.ranks
         self._worker.submit(ranks.close if ranks is not None else lambda: None).result()
+        if self.governor is not None:  # the thread is shared: leave it as it was found
+            self._worker.submit(torch.set_num_threads, self.governor.max).result()
         self.dev.grammar_masks.close()
