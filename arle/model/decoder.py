@@ -186,6 +186,13 @@ class DecoderLM(nn.Module):
         y = self.ops.linear(hidden, self.lm_head.weight, None)
         return y.float() if upcast else y
 
+    def checkpoint_names(self) -> dict[int, list[str]]:
+        """id(parameter) -> the checkpoint names it loads (`weight_targets` inverted)."""
+        names: dict[int, list[str]] = {}
+        for name, (param, _) in self.weight_targets().items():
+            names.setdefault(id(param), []).append(name)
+        return names
+
     def weight_targets(self) -> dict[str, tuple[nn.Parameter, str | int | None]]:
         """Checkpoint (HF) tensor name -> (parameter, shard id) it loads into.
 

@@ -63,9 +63,7 @@ def module_kind(kinds: list[Kind]) -> Kind:
 def hold(model: nn.Module, kinds: dict[str, Kind], group: int) -> dict[str, int]:
     """Make the modules whose checkpoint weights (`kinds`, by checkpoint name) are all
     quantized hold staged integer weights. -> how many modules of each kind."""
-    names_of: dict[int, list[str]] = {}
-    for name, (param, _) in model.weight_targets().items():  # type: ignore[operator]
-        names_of.setdefault(id(param), []).append(name)
+    names_of = model.checkpoint_names()  # type: ignore[operator]
     counts = {k.value: 0 for k in Kind}
     for module in model.modules():
         if not isinstance(module, _Linear | VocabParallelEmbedding):

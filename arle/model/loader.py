@@ -355,9 +355,7 @@ def _settle_fp8(model: DecoderLM, checkpoint: set[str], quant: QuantConfig,
                 dtype: torch.dtype) -> None:
     """Of the modules built with FP8 weights, keep those whose checkpoint weights all come
     with `weight_scale_inv` (and are not in `modules_to_not_convert`); the rest hold `dtype`."""
-    names_of: dict[int, list[str]] = {}
-    for name, (param, _) in model.weight_targets().items():
-        names_of.setdefault(id(param), []).append(name)
+    names_of = model.checkpoint_names()
     kept = 0
     for module in model.modules():
         if not isinstance(module, HoldsFp8) or not (weights := module.quantized_weights()):
