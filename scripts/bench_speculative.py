@@ -11,7 +11,8 @@ Two parts, each in one engine per setting, `--rounds` interleaved rounds (median
     same requests (the trace's decode phase over its decode steps).
 
     python scripts/bench_speculative.py [--model PATH] [--device cpu|cuda] [--k K]
-        [--cost-k 1 2 4 8] [--batch 1 8] [--rounds 2] [--threads N] [--out FILE]
+        [--cost-k 1 2 4 8] [--batch 1 8] [--rounds 2] [--threads N] [--kv-cache-tokens N]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -194,9 +195,13 @@ async def cost(engines: dict[str, AsyncEngine], cost_k: list[int], batches: list
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     engines: dict[str, AsyncEngine] = {}
     for setting in ("off", "ngram"):
+        # NOTE: two engines share one GPU: each gets a KV pool of its own size, not a share
+        # of the memory (the second would find the first's pool taken)
+        kv_tokens = args.kv_cache_tokens or (65536 if args.device == "cuda" else None)
         config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               max_running_requests=max(args.batch), num_threads=args.threads,
-                              speculative=setting, num_speculative_tokens=args.k)
+                              speculative=setting, num_speculative_tokens=args.k,
+                              kv_cache_tokens=kv_tokens)
         engines[setting] = await asyncio.wrap_future(torch_thread().submit(build_engine, config))
     try:
         await one(engines["off"], "Hello", 4)  # warm-up
@@ -243,6 +248,8 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="each engine's KV pool (default: 65536 on CUDA, the plan's on CPU)")
     p.add_argument("--parts", nargs="+", default=["tasks", "cost"], choices=["tasks", "cost"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()

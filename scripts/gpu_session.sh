@@ -16,7 +16,9 @@
 #     structured   constrained decoding's per-step cost (Qwen3-4B, random weights)
 #     gdnsweep   the Gated DeltaNet decode kernel's launches at batch 1 and 8
 #     spec      speculative decoding: a verify step's cost against a decode step (K = 1..4,
-#               batch 1 and 8) on Qwen3-4B and Qwen3.5-4B; n-gram on the default model
+#               batch 1 and 8) on $SPEC_MODELS (Qwen3-4B and Qwen3.5-4B); n-gram on the
+#               default model where it is installed
+#     spectests the GPU tests of speculative decoding, by name
 # transformers with fla (flash-linear-attention): carry its wheels in .fla (q35hf uses them).
 # For a machine without network: `bash scripts/device_wheels.sh` here fills .whl with what it
 # lacks; copy .whl along and this script installs it first. Set ARLE_COMMIT where the copy has
@@ -59,7 +61,7 @@ BENCH=(python3 scripts/bench_gpu.py)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
   case $p in
-    tests) say tests; timeout 420 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE \
+    tests) say tests; timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -n 4 -v -p no:cacheprovider -rfE \
              --tb=short --durations=15 -k "not interpreter and not cli_reports_a_bad_model" \
              tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
              tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
@@ -154,12 +156,20 @@ for p in "$@"; do
            phase kernels_moe 120 python3 scripts/bench_kernels.py moe --out $RES/kernels_moe.json ;;
     gdnsweep) phase kernels_deltanet 150 python3 scripts/bench_kernels.py deltanet --batches 1 8 \
               --sweep --prefill 512 --out $RES/kernels_deltanet.json ;;
-    spec) for m in qwen3-4b qwen3.5-4b; do d=$(model $m)
-            phase "spec_$m" 200 python3 scripts/bench_speculative.py --model "$d" --device cuda \
-              --parts cost --cost-k 1 2 3 4 --batch 1 8 --out $RES/speculative_cost_$m.json
+    spec) for m in ${SPEC_MODELS:-qwen3-4b qwen3.5-4b}; do d=$(model $m)
+            phase "spec_$m" "${SPEC_TIMEOUT:-200}" python3 scripts/bench_speculative.py \
+              --model "$d" --device cuda --parts cost --cost-k 1 2 3 4 --batch 1 8 \
+              --out $RES/speculative_cost_$m.json
           done
+          python3 -c "from arle.model.default import default_model_path as p; p()" 2>/dev/null \
+            || { say "spec_smol: no default model here"; continue; }
           phase spec_smol 200 python3 scripts/bench_speculative.py --device cuda --parts tasks \
             --out $RES/speculative_smollm2.json ;;
+    spectests) say spectests; timeout 200 python3 -m pytest -v -p no:cacheprovider -rfE \
+             --tb=short -m gpu -k "specul or mtp or verify or draft" tests/test_cuda_engine.py \
+             tests/test_qwen3_5.py tests/test_moe.py tests/test_kernels_deltanet.py \
+             >"$OUT/pytest_spec.txt" 2>&1; say "spectests rc=$?"
+           tail -3 "$OUT/pytest_spec.txt" | tee -a "$LOG" ;;
     structured) d=$(model qwen3-4b); phase structured 150 python3 scripts/bench_structured.py \
               --model "$d" --device cuda --batch 1 8 --rounds 2 --out $RES/structured_qwen3-4b.json ;;
     failing) say failing; timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
