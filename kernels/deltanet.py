@@ -65,6 +65,19 @@ from arle_kernels.jit import gdc_launch_dependents, gdc_wait, jit_varying, pdl_e
 L2_EPS = 1e-6
 
 
+@dataclass(frozen=True)
+class Keep:
+    """Rows whose state after each of their tokens is kept (speculative decoding's verify rows:
+    the state at the last accepted draft is restored from here): `entries` [R] int32, each
+    row's entry in the buffers (-1: none; decode rows have none); `conv` [E, P, C, K-1] and
+    `ssm` [E, P, Hv, dk, dv] fp32, the state after the row's token i at [entry, i]. The slot's
+    state still ends at the row's end."""
+
+    entries: Tensor
+    conv: Tensor
+    ssm: Tensor
+
+
 # ---------------------------------------------------------------------------------------------
 # torch references
 # ---------------------------------------------------------------------------------------------
@@ -157,22 +170,22 @@ def gated_delta_ref(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor
                     slots: Tensor, seq_lens: Tensor, cu_q_lens: Tensor, num_decode: int,
                     max_q_len: int, num_k_heads: int, page_size: int,
                     boundary_conv: Tensor | None = None,
-                    boundary_ssm: Tensor | None = None) -> Tensor:
+                    boundary_ssm: Tensor | None = None, *, keep: Keep | None = None) -> Tensor:
     """A Gated DeltaNet layer's conv + SiLU + L2 norms + gates + delta rule over a step's rows
     (module docstring), each from and back into its state slot. mixed_qkv [T, C], a, b [T, Hv],
     conv_weight [C, K], a_log, dt_bias [Hv], conv_state [S, C, K-1], ssm_state [S, Hv, dk, dv]
     fp32, slots, seq_lens [R] int32, cu_q_lens [R - num_decode + 1] -> [T, Hv, dv] in
-    mixed_qkv's dtype (tokens of no row: 0). Reads the lengths on the host; max_q_len unused."""
+    mixed_qkv's dtype (tokens of no row: 0). keep: rows whose states after each token are kept
+    (`Keep`): they run token by token, each token as a one-token row. Reads the lengths on the
+    host; max_q_len unused."""
     t, c = mixed_qkv.shape
     hv, (dk, dv), hk = a.shape[1], ssm_state.shape[2:], num_k_heads
     assert c == 2 * hk * dk + hv * dv and hv % hk == 0, (c, hk, hv, dk, dv)
     assert (boundary_conv is None) == (boundary_ssm is None)
     out = mixed_qkv.new_zeros(t, hv, dv)
     g_all, beta_all = gates_ref(a, b, a_log, dt_bias)
-    spans = row_spans(t, num_decode, [int(x) for x in cu_q_lens.tolist()])
-    for (start, n), slot, end in zip(spans, slots.tolist(), seq_lens.tolist(), strict=True):
-        if n == 0 or slot < 0:
-            continue
+
+    def row(start: int, n: int, slot: int, end: int) -> None:
         snap = 0
         if boundary_ssm is not None:
             p = end // page_size * page_size
@@ -197,6 +210,21 @@ def gated_delta_ref(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor
         out[start:start + n] = torch.cat(outs).to(out.dtype)
         ssm_state[slot] = state
         conv_state[slot] = seq[:, n:]
+
+    spans = row_spans(t, num_decode, [int(x) for x in cu_q_lens.tolist()])
+    entries = keep.entries.tolist() if keep is not None else [-1] * len(spans)
+    for (start, n), slot, end, entry in zip(spans, slots.tolist(), seq_lens.tolist(), entries,
+                                            strict=True):
+        if n == 0 or slot < 0:
+            continue
+        if entry < 0:
+            row(start, n, slot, end)
+            continue
+        assert keep is not None
+        for i in range(n):
+            row(start + i, 1, slot, end - n + i + 1)
+            keep.conv[entry, i] = conv_state[slot]
+            keep.ssm[entry, i] = ssm_state[slot]
     return out
 
 
@@ -290,6 +318,18 @@ def _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, strid
 
 
 @triton.jit
+def _keep_conv(x_row, stride_x, cs_row, kc_row, stride_cc, stride_ck, n, ch, cmask, taps,
+               KM1: tl.constexpr):
+    """Channels ch of the conv state after the row's first n tokens, into kc_row (a kept
+    entry's [C, K-1], the conv state's strides). Reads the slot's old state, which is written
+    only after the row's last token."""
+    wmask = taps < KM1
+    w = _window(x_row, stride_x, cs_row, stride_cc, stride_ck, n, ch, cmask, taps, wmask, KM1)
+    tl.store(kc_row + ch[:, None] * stride_cc + taps[None, :] * stride_ck, w,
+             mask=cmask[:, None] & wmask[None, :])
+
+
+@triton.jit
 def _token_rows(cu_ptr, e, num_rows, steps):
     """The row of each extend token e (< cu[num_rows]): the last j < num_rows with cu[j] <= e
     (empty rows share their cu entry with the next row), by binary search in `steps` =
@@ -308,24 +348,29 @@ def _token_rows(cu_ptr, e, num_rows, steps):
 # Triton: the recurrent kernel (decode rows; extend rows token by token)
 # ---------------------------------------------------------------------------------------------
 
-@jit_varying("x_ptr", "a_ptr", "b_ptr", "slots_ptr", "seq_lens_ptr", "cu_ptr", "row0",
-             "tok_base")
+@jit_varying("x_ptr", "a_ptr", "b_ptr", "slots_ptr", "seq_lens_ptr", "cu_ptr", "keep_ptr",
+             "row0", "tok_base")
 def _recurrent_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_ptr,
                       slots_ptr, seq_lens_ptr, cu_ptr, out_ptr, bcs_ptr, bss_ptr, cnt_ptr,
-                      row0, tok_base, page_size, scale, eps,
+                      keep_ptr, kc_ptr, ks_ptr, row0, tok_base, page_size, scale, eps,
                       stride_x, stride_a, stride_b, stride_w, stride_cs, stride_cc, stride_ck,
                       stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
+                      stride_ke, stride_ki, stride_se, stride_si,
                       HK: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       K: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       NV: tl.constexpr, VARLEN: tl.constexpr, BOUNDARY: tl.constexpr,
-                      PDL: tl.constexpr):
+                      KEEP: tl.constexpr, PDL: tl.constexpr):
     """Program (row, value head, block of BV value columns): the whole step of that slice of the
     row, token by token, the state slice [dk, BV] in registers. VARLEN: extend rows (row j's
     tokens tok_base + cu[j] ..), else decode rows (row i is token i). Each program writes the
     conv state of its own value channels; the q/k channels of a key head are read by all G * NV
     programs of the head, so the last of them to finish (a counter per (row, key head), reset
     by that program) writes them. PDL: before `gdc_wait`, only the step's metadata and the
-    weights are read (jit.py's rule); the inputs and the states after it."""
+    weights are read (jit.py's rule); the inputs and the states after it. KEEP (extend rows):
+    only the rows with a keep entry (`Keep`) run, each also storing the state after each token
+    i at [entry, i]: its ssm slice and its own value channels' conv window; the first program
+    of each key head also stores its q/k channels' (read before the counter, as the others'
+    reads are)."""
     if PDL:
         gdc_launch_dependents()
     pid_r = tl.program_id(0)
@@ -333,6 +378,11 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_
     bv = tl.program_id(2)
     row = row0 + pid_r
     slot = tl.load(slots_ptr + row).to(tl.int64)
+    entry = -1
+    if KEEP:
+        entry = tl.load(keep_ptr + row).to(tl.int64)
+        if entry < 0:
+            return  # not a kept row: the step's other launch ran it
     if VARLEN:
         c0 = tl.load(cu_ptr + pid_r)
         n = tl.load(cu_ptr + pid_r + 1) - c0
@@ -402,6 +452,17 @@ def _recurrent_kernel(x_ptr, a_ptr, b_ptr, w_ptr, alog_ptr, dtb_ptr, cs_ptr, ss_
         if BOUNDARY:  # noqa: SIM102 (a compile-time if, then a runtime one)
             if i + 1 == snap:
                 tl.store(bss_ptr + s_base + s_off, s, mask=smask)
+        if KEEP:
+            kept = entry * stride_se + i * stride_si + hv * stride_sh
+            tl.store(ks_ptr + kept + s_off, s, mask=smask)
+            kc_row = kc_ptr + entry * stride_ke + i * stride_ki
+            _keep_conv(x_row, stride_x, cs_row, kc_row, stride_cc, stride_ck, i + 1, v_ch, vmask,
+                       taps, K - 1)
+            if (hv % G == 0) & (bv == 0):
+                _keep_conv(x_row, stride_x, cs_row, kc_row, stride_cc, stride_ck, i + 1, q_ch,
+                           kmask, taps, K - 1)
+                _keep_conv(x_row, stride_x, cs_row, kc_row, stride_cc, stride_ck, i + 1, k_ch,
+                           kmask, taps, K - 1)
     tl.store(ss_ptr + s_base + s_off, s, mask=smask)
     _store_conv_state(x_row, stride_x, cs_ptr, bcs_ptr, cs_off, stride_cc, stride_ck, n, snap,
                       v_ch, vmask, taps, K - 1, BOUNDARY)
@@ -729,14 +790,16 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
                 dt_bias: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,
                 seq_lens: Tensor, cu_q_lens: Tensor, num_decode: int, max_q_len: int,
                 num_k_heads: int, page_size: int, boundary_conv: Tensor | None = None,
-                boundary_ssm: Tensor | None = None, *, chunked: bool = True,
-                block_v: int | None = None) -> Tensor:
+                boundary_ssm: Tensor | None = None, *, keep: Keep | None = None,
+                chunked: bool = True, block_v: int | None = None) -> Tensor:
     """`gated_delta_ref` in Triton: the decode rows by `_recurrent_kernel` (one launch), the
     extend rows by the chunked path (`_conv_kernel`, `_chunk_prep_kernel`,
-    `_chunk_rule_kernel`; chunked=False: `_recurrent_kernel` token by token). Tokens of no row
-    are left unwritten. Reads no device tensor on the host; grids from shapes and host ints
-    (max_q_len unused): safe to capture in a CUDA graph once run eagerly (`_counter_buffer`).
-    block_v: value columns per program (tests)."""
+    `_chunk_rule_kernel`; chunked=False: `_recurrent_kernel` token by token). keep: the kept
+    rows leave those launches (slot -1) for one more `_recurrent_kernel` launch over the extend
+    rows, token by token (KEEP), after them. Tokens of no row are left unwritten. Reads no
+    device tensor on the host; grids from shapes and host ints (max_q_len unused): safe to
+    capture in a CUDA graph once run eagerly (`_counter_buffer`). block_v: value columns per
+    program (tests)."""
     t, c = mixed_qkv.shape
     hv, dk, dv = a.shape[1], ssm_state.shape[2], ssm_state.shape[3]
     hk, kw = num_k_heads, conv_weight.shape[1]
@@ -751,6 +814,11 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
         assert boundary_ssm.stride() == ssm_state.stride()
     bcs = boundary_conv if boundary_conv is not None else conv_state
     bss = boundary_ssm if boundary_ssm is not None else ssm_state
+    all_slots = slots
+    if keep is not None:
+        assert keep.conv.stride()[2:] == conv_state.stride()[1:]
+        assert keep.ssm.stride()[2:] == ssm_state.stride()[1:]
+        slots = torch.where(keep.entries >= 0, -1, slots)
     rows = slots.shape[0]
     n_ext = rows - num_decode
     out = torch.empty(t, hv, dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
@@ -761,17 +829,24 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
               "BOUNDARY": boundary}
     strides = (*conv_state.stride(), *ssm_state.stride()[:3])
 
-    def recurrent(nrows: int, row0: int, varlen: bool, pdl: bool) -> None:
+    def recurrent(nrows: int, row0: int, varlen: bool, pdl: bool, kept: Keep | None = None
+                  ) -> None:
         work = nrows * hv
         launch = DECODE_SMALL if work < 64 else DECODE_MID if work < 512 else DECODE_LARGE
         bv = block_v or _block_v(launch, dv)
         nv = triton.cdiv(dv, bv)
+        if kept is not None:
+            keeps = (kept.entries, kept.conv, kept.ssm, *kept.conv.stride()[:2],
+                     *kept.ssm.stride()[:2])
+        else:
+            keeps = (slots, conv_state, ssm_state, 0, 0, 0, 0)
         _recurrent_kernel[(nrows, hv, nv)](
-            mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_state, ssm_state, slots,
-            seq_lens, cu_q_lens, out, bcs, bss, _counter_buffer(out.device, rows * hk),
-            row0, num_decode, page_size, dk ** -0.5, L2_EPS,
-            mixed_qkv.stride(0), a.stride(0), b.stride(0), conv_weight.stride(0), *strides,
-            out.stride(0), out.stride(1), **consts, BV=bv, NV=nv, VARLEN=varlen, PDL=pdl,
+            mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_state, ssm_state,
+            all_slots if kept is not None else slots, seq_lens, cu_q_lens, out, bcs, bss,
+            _counter_buffer(out.device, rows * hk), *keeps[:3], row0, num_decode, page_size,
+            dk ** -0.5, L2_EPS, mixed_qkv.stride(0), a.stride(0), b.stride(0),
+            conv_weight.stride(0), *strides, out.stride(0), out.stride(1), *keeps[3:],
+            **consts, BV=bv, NV=nv, VARLEN=varlen, KEEP=kept is not None, PDL=pdl,
             num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(pdl))
 
     if num_decode:
@@ -781,7 +856,26 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
         return out
     if not chunked:
         recurrent(n_ext, num_decode, varlen=True, pdl=False)
-        return out
+    else:
+        _chunked(mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_state, ssm_state, slots,
+                 seq_lens, cu_q_lens, out, bcs, bss, num_decode, page_size, consts,
+                 block_v or _block_v(RULE, dv))
+    if keep is not None:
+        recurrent(n_ext, num_decode, varlen=True, pdl=False, kept=keep)
+    return out
+
+
+def _chunked(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_log: Tensor,
+             dt_bias: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,
+             seq_lens: Tensor, cu_q_lens: Tensor, out: Tensor, bcs: Tensor, bss: Tensor,
+             num_decode: int, page_size: int, consts: dict[str, int | bool], bv: int) -> None:
+    """`gated_delta`'s extend rows by the chunked path: conv, prep, rule (module docstring)."""
+    t, c = mixed_qkv.shape
+    hv, dk, dv = a.shape[1], ssm_state.shape[2], ssm_state.shape[3]
+    hk, kw = int(consts["HK"]), conv_weight.shape[1]
+    n_ext, te = slots.shape[0] - num_decode, t - num_decode
+    bk = max(16, triton.next_power_of_2(dk))
+    strides = (*conv_state.stride(), *ssm_state.stride()[:3])
     dev = mixed_qkv.device
     y = torch.empty(te, c, dtype=mixed_qkv.dtype, device=dev)
     # the prep's outputs: W, QG, KD [te, Hv, dk], U [te, Hv, dv], P [te, Hv, CHUNK], G [te, Hv]
@@ -804,7 +898,6 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
         gcum.stride(0), HK=hk, G=hv // hk, DK=dk, DV=dv, BK=bk,
         BDV=max(16, triton.next_power_of_2(dv)), BT=CHUNK, DOT=DOT_PRECISION,
         num_warps=PREP.num_warps, num_stages=PREP.num_stages)
-    bv = block_v or _block_v(RULE, dv)
     _chunk_rule_kernel[(n_ext, hv, triton.cdiv(dv, bv))](
         mixed_qkv, y, conv_state, ssm_state, wqk[0], u, wqk[1], wqk[2], p, gcum, slots,
         seq_lens, cu_q_lens, out, bcs, bss, num_decode, num_decode, page_size, L2_EPS,
@@ -812,4 +905,3 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
         u.stride(1), p.stride(0), p.stride(1), gcum.stride(0), out.stride(0), out.stride(1),
         **consts, BV=bv, BT=CHUNK, DOT=DOT_PRECISION, num_warps=RULE.num_warps,
         num_stages=RULE.num_stages)
-    return out

@@ -73,7 +73,8 @@ class GatedDelta(Protocol):
                  slots: Tensor, seq_lens: Tensor, cu_q_lens: Tensor, num_decode: int,
                  max_q_len: int, num_k_heads: int, page_size: int,
                  boundary_conv: Tensor | None = None,
-                 boundary_ssm: Tensor | None = None) -> Tensor: ...
+                 boundary_ssm: Tensor | None = None, *,
+                 keep: deltanet.Keep | None = None) -> Tensor: ...
 
 
 @dataclass(frozen=True)

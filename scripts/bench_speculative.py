@@ -12,7 +12,7 @@ Two parts, each in one engine per setting, `--rounds` interleaved rounds (median
 
     python scripts/bench_speculative.py [--model PATH] [--device cpu|cuda] [--k K]
         [--cost-k 1 2 4 8] [--batch 1 8] [--rounds 2] [--threads N] [--kv-cache-tokens N]
-        [--out FILE]
+        [--eager-verify] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from stamp import stamp
 
@@ -162,47 +162,70 @@ class RejectedDrafts(Drafter):
         return [0] * k
 
 
+async def ms_per_step(engine: AsyncEngine, b: int, rounds: int) -> float:
+    """The median ms per decode step of b concurrent 48-token chats, over rounds."""
+    samples = []
+    for _ in range(rounds):
+        runs = await asyncio.gather(*(one(engine, TASKS["chat"] + f" ({i})", 48)
+                                      for i in range(b)))
+        samples += [r[1]["scheduler"]["phase_us"]["decode"] / 1e3 / decode_steps(r[1])
+                    for r in runs]
+    return statistics.median(samples)
+
+
 async def cost(engines: dict[str, AsyncEngine], cost_k: list[int], batches: list[int],
                rounds: int) -> dict[str, Any]:
-    """ms per decode step, off and with K always-rejected drafts, per batch size."""
-    spec_engine = engines["ngram"]
-    drafter = spec_engine.scheduler.drafter
-    assert drafter is not None
+    """ms per decode step, off and with K always-rejected drafts, per batch size (and, with
+    an "eager" engine, its verify steps without graphs: `eager_k*`)."""
     results: dict[str, Any] = {}
+    spec_engines = {name: engines[key] for name, key in (("", "ngram"), ("eager_", "eager"))
+                    if key in engines}
     for b in batches:
-        row: dict[str, float] = {}
-        for k in [0, *cost_k]:
-            if k:
-                spec_engine.scheduler.drafter = RejectedDrafts(replace(
+        row = {"k0_ms_per_step": await ms_per_step(engines["off"], b, rounds)}
+        for prefix, engine in spec_engines.items():
+            drafter = engine.scheduler.drafter
+            assert drafter is not None
+            for k in cost_k:
+                engine.scheduler.drafter = RejectedDrafts(replace(
                     drafter.config, num_tokens=k, step_tokens=10**6, max_rows=10**6,
                     draft_cost=0.0))
-            engine = spec_engine if k else engines["off"]
-            samples = []
-            for _ in range(rounds):
-                runs = await asyncio.gather(*(one(engine, TASKS["chat"] + f" ({i})", 48)
-                                              for i in range(b)))
-                samples += [r[1]["scheduler"]["phase_us"]["decode"] / 1e3 / decode_steps(r[1])
-                            for r in runs]
-            row[f"k{k}_ms_per_step"] = statistics.median(samples)
-        base = row["k0_ms_per_step"]
-        for k in cost_k:
-            row[f"k{k}_vs_decode"] = row[f"k{k}_ms_per_step"] / base
+                row[f"{prefix}k{k}_ms_per_step"] = await ms_per_step(engine, b, rounds)
+                row[f"{prefix}k{k}_vs_decode"] = (row[f"{prefix}k{k}_ms_per_step"]
+                                                  / row["k0_ms_per_step"])
+            engine.scheduler.drafter = drafter
         results[str(b)] = row
-    spec_engine.scheduler.drafter = drafter
     return results
+
+
+def build(config: EngineConfig, extend_graphs: bool = True) -> AsyncEngine:
+    """An engine; extend_graphs False: a CUDA engine whose steps with prefill or verify rows
+    all run eagerly (the baseline of the verify steps' graphs)."""
+    from arle.executor.cuda import CUDAExecutorConfig
+
+    default = CUDAExecutorConfig.extend_graph_max_tokens
+    if not extend_graphs:
+        CUDAExecutorConfig.extend_graph_max_tokens = 0
+    try:
+        return build_engine(config)
+    finally:
+        CUDAExecutorConfig.extend_graph_max_tokens = default
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     engines: dict[str, AsyncEngine] = {}
-    for setting in ("off", "ngram"):
+    settings: dict[str, Literal["off", "ngram"]] = {"off": "off", "ngram": "ngram"}
+    if args.eager_verify:
+        settings["eager"] = "ngram"
+    for setting, speculative in settings.items():
         # NOTE: two engines share one GPU: each gets a KV pool of its own size, not a share
         # of the memory (the second would find the first's pool taken)
-        kv_tokens = args.kv_cache_tokens or (65536 if args.device == "cuda" else None)
+        kv_tokens = args.kv_cache_tokens or (32768 if args.device == "cuda" else None)
         config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               max_running_requests=max(args.batch), num_threads=args.threads,
-                              speculative=setting, num_speculative_tokens=args.k,
-                              kv_cache_tokens=kv_tokens)
-        engines[setting] = await asyncio.wrap_future(torch_thread().submit(build_engine, config))
+                              speculative=speculative,
+                              num_speculative_tokens=args.k, kv_cache_tokens=kv_tokens)
+        engines[setting] = await asyncio.wrap_future(torch_thread().submit(
+            build, config, setting != "eager"))
     try:
         await one(engines["off"], "Hello", 4)  # warm-up
         await one(engines["ngram"], "Hello", 4)
@@ -230,10 +253,13 @@ def report(res: dict[str, Any]) -> None:
               f"{row['speedup']:>6.2f}x {on.get('tokens_per_verify', 0):>10.2f} "
               f"{on.get('acceptance', 0):>8.2f} {row['same_tokens']!s:>5}")
     for b, row in res.get("cost", {}).items():
-        ks = ", ".join(f"K={k[1:-12]} {v:.2f}x" for k, v in row.items()
-                       if k.endswith("_ms_per_step") and k != "k0_ms_per_step"
-                       for v in [row[k] / row["k0_ms_per_step"]])
-        print(f"batch {b}: decode step {row['k0_ms_per_step']:.2f} ms; verify step: {ks}")
+        for prefix in ("", "eager_"):
+            ks = ", ".join(f"K={k[len(prefix) + 1:-12]} {v:.2f}x" for k, v in row.items()
+                           if k.startswith(prefix + "k") and k.endswith("_ms_per_step")
+                           and k != "k0_ms_per_step" for v in [row[k] / row["k0_ms_per_step"]])
+            if ks:
+                label = "verify step, no graphs" if prefix else "verify step"
+                print(f"batch {b}: decode step {row['k0_ms_per_step']:.2f} ms; {label}: {ks}")
 
 
 if __name__ == "__main__":
@@ -249,7 +275,9 @@ if __name__ == "__main__":
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="each engine's KV pool (default: 65536 on CUDA, the plan's on CPU)")
+                   help="each engine's KV pool (default: 32768 on CUDA, the plan's on CPU)")
+    p.add_argument("--eager-verify", action="store_true",
+                   help="CUDA: also the verify steps' cost without graphs (a third engine)")
     p.add_argument("--parts", nargs="+", default=["tasks", "cost"], choices=["tasks", "cost"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from arle_kernels import deltanet
 from arle_kernels.deltanet import (
+    Keep,
     chunk_delta_rule_ref,
     delta_rule_ref,
     gated_delta,
@@ -444,24 +445,39 @@ class Step:
 
 def compare_step(shape: Shape, step: Step, dtype: torch.dtype, device: str, page_size: int,
                  boundary: bool = True, slots: int = 8, seed: int = 0,
-                 **kw: object) -> None:
+                 keep: tuple[int, ...] | None = None, **kw: object) -> None:
     """The Triton op against gated_delta_ref on one step: outputs, both states of every slot,
-    and the boundary tensors (NaN where nothing may be written)."""
+    the boundary tensors and (keep: each row's entry, -1 none) the kept states (NaN where
+    nothing may be written)."""
     layer = make_layer(shape, dtype, slots=slots, seed=seed)
     x, a, b = make_inputs(shape, step.num_tokens, dtype, seed=seed + 1)
     args = [t.to(device) for t in (x, a, b, layer.conv_weight, layer.a_log, layer.dt_bias)]
     idx = step.tensors(device)
     results = []
+    kept: list[Keep] = []
     for op in (gated_delta_ref, gated_delta):
         conv, ssm = (t.to(device) for t in layer.clone_states())
         bnd = ((torch.full_like(conv, float("nan")), torch.full_like(ssm, float("nan")))
                if boundary else (None, None))
-        extra = kw if op is gated_delta else {}
+        extra = dict(kw) if op is gated_delta else {}
+        if keep is not None:
+            positions = max(n for _, _, n in step.extend)
+            kept.append(Keep(torch.tensor(keep, dtype=torch.int32, device=device),
+                             *(torch.full((max(keep) + 1, positions, *t.shape[1:]), float("nan"),
+                                          dtype=t.dtype, device=device) for t in (conv, ssm))))
+            extra["keep"] = kept[-1]
         out = op(*args, conv, ssm, *idx, len(step.decode),
                  max((n for _, _, n in step.extend), default=1), shape.hk, page_size, *bnd,
                  **extra)
         results.append((out, conv, ssm, *bnd))
     (o_r, c_r, s_r, bc_r, bs_r), (o_t, c_t, s_t, bc_t, bs_t) = results
+    if kept:
+        (ref, got), tol = kept, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        assert torch.equal(got.conv.isnan(), ref.conv.isnan()), f"kept conv written {step}"
+        assert torch.equal(got.ssm.isnan(), ref.ssm.isnan()), f"kept ssm written {step}"
+        assert torch.equal(got.conv.nan_to_num(), ref.conv.nan_to_num()), f"kept conv {step}"
+        assert_close(got.ssm.nan_to_num().cpu(), ref.ssm.nan_to_num().cpu(), tol,
+                     f"kept ssm {step}")
     rows = step.row_tokens().to(device)
     assert_close(o_t[rows].cpu(), o_r[rows].cpu(), dtype, f"out {step}")
     assert torch.equal(c_t, c_r), f"conv state {step}"
@@ -486,6 +502,12 @@ MIXED = Step(decode=((3, 40), (6, 12)), extend=((0, 21, 1), (5, 100, 35), (1, 64
 #: interpreter runs a token at a time: none / one / several page boundaries at page 16
 SHORT_EXTEND = Step(extend=((2, 7, 7), (4, 30, 27), (1, 3, 2), (7, 5, 0), (-1, 9, 5),
                             (0, 50, 36)), pad_tokens=3)
+#: a verify step (speculative decoding): decode rows, verify rows whose states are kept (one
+#: crossing a page boundary of 4, one shorter than the conv), a prompt chunk beside them,
+#: padding tokens; VERIFY_KEEP: each row's kept-state entry (-1: none)
+VERIFY = Step(decode=((3, 9),), extend=((2, 7, 4), (4, 30, 5), (6, 12, 9), (1, 3, 2)),
+              pad_tokens=2)
+VERIFY_KEEP = (-1, 0, 2, -1, 1)
 
 
 def interp_check_deltanet() -> None:
@@ -498,10 +520,13 @@ def interp_check_deltanet() -> None:
         compare_step(TINY, step, torch.float16, "cpu", 4)
     compare_step(TINY, MIXED, torch.float32, "cpu", 16, boundary=False)
     compare_step(TINY, SHORT_EXTEND, torch.float32, "cpu", 16, chunked=False)
+    for chunked in (True, False):
+        compare_step(TINY, VERIFY, torch.float32, "cpu", 4, keep=VERIFY_KEEP, chunked=chunked)
     wide = Shape(hk=2, hv=4, dk=32, dv=32)  # two blocks of value columns per head
     compare_step(wide, MIXED, torch.float32, "cpu", 4, block_v=16)
     compare_step(wide, Step(extend=((4, 30, 27), (-1, 9, 5)), pad_tokens=1), torch.float32,
                  "cpu", 16, block_v=16, chunked=False)  # (a page boundary, a padding row)
+    compare_step(wide, VERIFY, torch.float16, "cpu", 4, block_v=16, keep=VERIFY_KEEP)
     for step in (DECODE, EXTEND):  # one key head for 3 value heads, conv of 3, dv 24
         compare_step(ODD, step, torch.float32, "cpu", 4)
 
@@ -546,7 +571,7 @@ def _sm90_build(kernel: object, launch: deltanet.Launch, consts: dict[str, objec
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(kernel.fn).parameters)  # type: ignore[attr-defined]
-    ints = ("slots_ptr", "seq_lens_ptr", "cu_ptr", "cnt_ptr")
+    ints = ("slots_ptr", "seq_lens_ptr", "cu_ptr", "cnt_ptr", "keep_ptr")
     sig: dict[str, str] = {}
     values: dict[tuple[int, ...], object] = {}
     for i, name in enumerate(names):
@@ -567,13 +592,17 @@ def test_kernels_build_for_sm90(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     sh = QWEN35_4B
     heads = {"HK": sh.hk, "G": sh.hv // sh.hk, "DK": sh.dk, "DV": sh.dv, "BK": sh.dk}
     conv = {"K": sh.k, "KP": sh.k}
-    state = ("ss_ptr", "bss_ptr")
+    state = ("ss_ptr", "bss_ptr", "ks_ptr")
     prep = ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "p_ptr", "g_ptr")
     builds = {
         **{f"recurrent {launch}": (deltanet._recurrent_kernel, launch, {
             **heads, **conv, "BV": launch.block_v, "NV": sh.dv // launch.block_v,
-            "VARLEN": False, "BOUNDARY": True, "PDL": True}, state)
+            "VARLEN": False, "BOUNDARY": True, "KEEP": False, "PDL": True}, state)
            for launch in (deltanet.DECODE_SMALL, deltanet.DECODE_MID, deltanet.DECODE_LARGE)},
+        "recurrent keep": (deltanet._recurrent_kernel, deltanet.DECODE_MID, {
+            **heads, **conv, "BV": deltanet.DECODE_MID.block_v,
+            "NV": sh.dv // deltanet.DECODE_MID.block_v, "VARLEN": True, "BOUNDARY": True,
+            "KEEP": True, "PDL": False}, state),
         "conv": (deltanet._conv_kernel, deltanet.CONV, {
             "K": sh.k, "BT": deltanet.CONV_TOKENS, "BC": deltanet.CONV_CHANNELS}, ()),
         "prep": (deltanet._chunk_prep_kernel, deltanet.PREP, {
@@ -629,6 +658,16 @@ def test_gpu_decode_qwen35_4b(batch: int) -> None:
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "recurrent"])
 def test_gpu_extend_qwen35_4b(chunked: bool) -> None:
     compare_step(QWEN35_4B, GPU_MIXED, torch.bfloat16, "cuda", 16, chunked=chunked)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_verify_rows_keep_their_states_qwen35_4b() -> None:
+    """Verify rows of 5 tokens keeping each token's state (one crossing a page boundary)
+    beside a decode row and a prompt chunk."""
+    step = Step(decode=((5, 300),), extend=((0, 35, 5), (1, 700, 5), (3, 90, 40), (2, 19, 5)),
+                pad_tokens=3)
+    compare_step(QWEN35_4B, step, torch.bfloat16, "cuda", 16, keep=(-1, 0, 3, -1, 1))
 
 
 @needs_cuda

@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 import torch
+from model_dirs import write_qwen3_5_dir
 
 from arle.engine.request import SamplingParams
 from arle.executor.cuda_graphs import DecodeGraphs, ExtendGraphs
-from arle.executor.paged import _ALIGN, KVCache, PagedAttention, pack_step, step_views
+from arle.executor.paged import (
+    _ALIGN,
+    KVCache,
+    PagedAttention,
+    StatePool,
+    pack_step,
+    step_views,
+)
 from arle.executor.plan import Row, StepPlan
-from arle.model.loader import LoadedModel
+from arle.model.loader import LoadedModel, load_model
 
 PS = 16
 
@@ -187,3 +196,76 @@ def test_extend_graph_inputs_compute_what_the_eager_step_does(tiny: LoadedModel)
     expect = {(r, b) for r, row in enumerate(plan.rows) for b in range(-(-row.num_tokens // 4))}
     assert {tuple(p) for p in blocks if p[0] >= 0} == expect
     assert len([p for p in blocks if p[0] >= 0]) == len(expect)
+
+
+def test_extend_graph_verify_rows_keep_the_eager_states(tmp_path: Path) -> None:
+    """A hybrid model's verify step (a decode row, two verify rows sampling at each token and
+    keeping their recurrent states, a prompt chunk) through an extend graph's static block
+    gives the eager step's logits, slot states and kept states. CPU, torch references, no
+    capture."""
+    write_qwen3_5_dir(tmp_path, seed=3, vocab_size=259)
+    loaded = load_model(str(tmp_path), "float32")
+    model, cfg = loaded.model, loaded.config
+    rng = random.Random(2)
+    pages = list(range(1, 40))
+    rng.shuffle(pages)
+
+    def row(slot: int, start: int, n: int, decode: bool = False, entry: int = -1) -> Row:
+        table = [pages.pop() for _ in range(-(-(start + n) // PS))]
+        ids = None if decode else [rng.randrange(cfg.vocab_size) for _ in range(n)]
+        spec = n - 1 if entry >= 0 else 0
+        return Row(slot=slot, start=start, num_tokens=n, input_ids=ids, sample=True,
+                   sample_offset=0, pages=table, params=SamplingParams(), verify=entry >= 0,
+                   spec=spec, spec_entry=entry)
+
+    plan = StepPlan(step_id=1, rows=[row(0, 20, 1, decode=True), row(1, 30, 4, entry=1),
+                                     row(2, 14, 3, entry=0), row(3, 0, 9)])
+    kv = KVCache.allocate(cfg.num_layers, 40, PS, cfg.num_kv_heads, cfg.head_dim,
+                          torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    state = StatePool.for_model(model.rank_config, 8, 1, torch.float32, torch.device("cpu"),
+                                spec=(2, 5))
+    assert state is not None and state.spec_conv is not None and state.spec_ssm is not None
+    for t in (state.conv, state.ssm):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    rotary = model.rotary_table(256)
+    token_buffer = torch.tensor([17] + [0] * 7, dtype=torch.int32)
+
+    def run(extend: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        k, v = kv.k.clone(), kv.v.clone()
+        st = StatePool(*(t.clone() if t is not None else None for t in (
+            state.conv, state.ssm, state.boundary_conv, state.boundary_ssm, state.snap_conv,
+            state.snap_ssm, state.spec_conv, state.spec_ssm)))
+        assert st.spec_conv is not None and st.spec_ssm is not None
+        st.spec_conv.fill_(float("nan"))
+        st.spec_ssm.fill_(float("nan"))
+        if extend:
+            graphs = ExtendGraphs(max_tokens=32, rows=16, block_t=4, max_pages=8,
+                                  vocab=cfg.vocab_size, pad_slot=7, device=torch.device("cpu"),
+                                  keeps=True)
+            t = graphs.size_for(plan.num_tokens, len(plan.rows), 1 + 4 + 3 + 1)
+            assert t == 32
+            packed = pack_step(plan, PS, pad_slot=7, extend=graphs.shapes[t])
+            graphs.load(packed, torch.tensor(packed.meta, dtype=torch.int32), t)
+            step, index = graphs.step(t, token_buffer, pad_slot=7)
+        else:
+            packed = pack_step(plan, PS)
+            meta = torch.tensor(packed.meta, dtype=torch.int32)
+            step, slots = step_views(packed, meta, 1)
+            step.input_ids[:1] = token_buffer[slots]
+            index = packed.view(meta, "sample_index")
+        attn = PagedAttention(KVCache(k, v, None, None), step, rotary, model, st, PS)
+        logits = model.logits(model(step.input_ids, attn)[index])[:9]
+        return logits, [st.conv[:, :4], st.ssm[:, :4], st.spec_conv, st.spec_ssm]
+
+    (eager, eager_states), (graph, graph_states) = run(False), run(True)
+    torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+    for got, want in zip(graph_states, eager_states, strict=True):
+        assert torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-5, atol=1e-5)
+    # the kept states: every token of each verify row (entry 1: 4 tokens, entry 0: 3)
+    kept = ~eager_states[3].isnan().flatten(3).all(-1)  # [layers, entries, positions]
+    assert kept[:, 1, :4].all() and kept[:, 0, :3].all()
+    assert not kept[:, 1, 4:].any() and not kept[:, 0, 3:].any()

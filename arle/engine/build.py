@@ -176,6 +176,7 @@ def _cpu_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
 def _cuda_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
                    num_slots: int) -> Executor:
     from arle.executor.cuda import FP8_KV, CUDAExecutor, CUDAExecutorConfig
+    from arle.executor.cuda_graphs import EXTEND_GRAPH_TOKENS
 
     name = config.kv_cache_dtype
     kv_dtype = (loaded.dtype if name == "auto" else FP8_KV if name == "fp8_e4m3"
@@ -184,9 +185,11 @@ def _cuda_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
     graph_bs = (config.cuda_graph_max_bs or config.max_running_requests
                 if config.cuda_graph else 0)
     # NOTE: with one running request a prefill step comes once a request, not beside every
-    # arrival: its graphs would cost more start-up than their replays save
+    # arrival: its graphs would cost more start-up than their replays save; but with
+    # speculation its verify steps come every step: one graph of the smallest size takes them
     extend_tokens = (CUDAExecutorConfig.extend_graph_max_tokens
-                     if config.max_running_requests > 1 else 0)
+                     if config.max_running_requests > 1
+                     else EXTEND_GRAPH_TOKENS[0] if config.speculative != "off" else 0)
     return CUDAExecutor(loaded.model, CUDAExecutorConfig(
         page_size=config.page_size, num_slots=num_slots,
         max_batched_tokens=config.max_batched_tokens, max_model_len=max_len,

@@ -130,14 +130,14 @@ class CUDAExecutor:
         nd = plan.num_decode_rows
         graph_bs = extend_t = 0
         # NOTE: a step that scores prompt tokens runs eagerly: the graphs keep the logits of
-        # the sampling rows only (one each: a verify step's runs eagerly too), and the MTP
-        # head reads every token's hidden state
-        eager = plan.has_spec or plan.mtp or any(r.score_targets for r in rows)
+        # the sampled positions only, and the MTP head reads every token's hidden state
+        eager = plan.mtp or any(r.score_targets for r in rows)
         if self.graphs is not None and nd == len(rows) and nd <= self.graphs.max_bs \
                 and not plan.mtp:
             graph_bs = self.graphs.size_for(nd)
         elif self.extend_graphs is not None and not eager:
-            extend_t = self.extend_graphs.size_for(plan.num_tokens, len(rows))
+            extend_t = self.extend_graphs.size_for(plan.num_tokens, len(rows),
+                                                   sum(r.num_samples for r in rows))
         shape = self.extend_graphs.shapes[extend_t] if self.extend_graphs and extend_t else None
         inputs = StepInputs.of(plan, self.config.page_size, graph_bs, self.dev.pad_slot, shape)
         return HostStep(inputs, torch.tensor(inputs.packed.meta, dtype=torch.int32).pin_memory(),

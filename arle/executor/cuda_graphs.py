@@ -133,12 +133,15 @@ class ExtendGraphs:
     by its token count alone; the extend kernel walks a (row, token block) list, so padding
     rows cost no programs. Each graph reads a static block of its own (`ExtendGraphShape`
     layout) and one shared page table, and writes its logits into one shared buffer: steps
-    replay one at a time, in stream order, and sampling reads the logits right after."""
+    replay one at a time, in stream order, and sampling reads the logits right after.
+    Speculative decoding's verify rows are extend rows sampling at each of their tokens: a step
+    replays a graph while its samples fit the `rows` logits. keeps: a hybrid model's verify rows
+    keep their states after each token (`DeviceStep.keep`), so its graphs run that launch too."""
 
     def __init__(self, max_tokens: int, rows: int, block_t: int, max_pages: int, vocab: int,
-                 pad_slot: int, device: torch.device) -> None:
+                 pad_slot: int, device: torch.device, keeps: bool = False) -> None:
         self.sizes = [t for t in EXTEND_GRAPH_TOKENS if t < max_tokens] + [max_tokens]
-        self.rows = rows
+        self.rows, self.keeps = rows, keeps
         self.shapes = {t: ExtendGraphShape(t, rows, block_t) for t in self.sizes}
         # NOTE: filled with padding (no rows, no token blocks, no K/V writes): what warm-up and
         # capture run on
@@ -155,9 +158,10 @@ class ExtendGraphs:
         """The static buffers' bytes: inputs and the shared logits."""
         return _nbytes(*self.blocks.values(), self.page_table, self.logits)
 
-    def size_for(self, num_tokens: int, num_rows: int) -> int:
-        """The graph a step of that many tokens and rows replays; 0: none (run it eagerly)."""
-        if num_rows > self.rows or num_tokens > self.sizes[-1]:
+    def size_for(self, num_tokens: int, num_rows: int, num_samples: int = 0) -> int:
+        """The graph a step of that many tokens, rows and sampled positions replays; 0: none
+        (run it eagerly)."""
+        if max(num_rows, num_samples) > self.rows or num_tokens > self.sizes[-1]:
             return 0
         return next(t for t in self.sizes if t >= num_tokens)
 
@@ -186,7 +190,7 @@ class ExtendGraphs:
         step = DeviceStep(ids, seg("positions"), seg("kv_slots"), seg("seq_lens"),
                           seg("cu_q_lens"), self.page_table, num_decode=0, max_q_len=t,
                           num_splits=1, extend_blocks=seg("extend_blocks"),
-                          slots=seg("row_slots"))
+                          slots=seg("row_slots"), keep=seg("keep") if self.keeps else None)
         return step, seg("sample_index")
 
     def runs(self, forward: Callable[[int], None]) -> dict[int, Callable[[], None]]:

@@ -247,7 +247,8 @@ def graph_buffers(dev: StepState, config: CUDAExecutorConfig
     return graphs, ExtendGraphs(
         min(config.extend_graph_max_tokens, config.max_batched_tokens),
         min(EXTEND_GRAPH_ROWS, config.num_slots), block_t, config.max_pages,
-        dev.model.lm_head.weight.shape[0], dev.pad_slot, device)
+        dev.model.lm_head.weight.shape[0], dev.pad_slot, device,
+        keeps=dev.state is not None and dev.state.spec_ssm is not None)
 
 
 def graph_runs(dev: StepState, graphs: DecodeGraphs | None, extend_graphs: ExtendGraphs | None,

@@ -15,6 +15,7 @@ from arle.executor.plan import Row, StepPlan
 from arle.executor.sampler import SamplingBatch
 from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
+from arle_kernels.deltanet import Keep
 from arle_kernels.extend_attention import plan_blocks
 from arle_kernels.split_sums import SplitSums
 
@@ -172,24 +173,13 @@ class DeviceStep:
     extend_blocks: torch.Tensor | None = None
     #: Each row's request slot [R] (a hybrid model's state entry)
     slots: torch.Tensor | None = None
-    #: Verify rows (speculative decoding) on a hybrid model: each of their tokens runs the
-    #: recurrence on its own, its state kept (`SpecTokens`); `slots` with theirs -1
-    spec: SpecTokens | None = None
+    #: A hybrid model's verify rows (speculative decoding): each row's entry in the state
+    #: pool's `spec_*` buffers [R] (-1: none), where its state after each token is kept
+    keep: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
-
-
-@dataclass
-class SpecTokens:
-    """A step's verify-row tokens, for a hybrid model's recurrence: per token, on the host, its
-    index in the step, its slot and where its state is kept (`StatePool.spec_*`: entry, index);
-    on the device, its [slot, seq_len] (a one-token row's)."""
-
-    host: list[tuple[int, int, int, int]]  # (token, slot, entry, index)
-    rows: torch.Tensor  # [n, 2] int32
-    cu: torch.Tensor  # [1] int32: 0, a one-token row's cu_q_lens
 
 
 class PagedAttention:
@@ -229,32 +219,15 @@ class PagedAttention:
                     ) -> torch.Tensor:
         s, st = self.step, self.state
         assert st is not None and s.slots is not None, "a hybrid model's step needs its state"
-        weights = (conv_weight, a_log, dt_bias)
+        keep = None
+        if s.keep is not None:  # verify rows: the state after each token kept (restore)
+            assert st.spec_conv is not None and st.spec_ssm is not None
+            keep = Keep(s.keep, st.spec_conv[layer], st.spec_ssm[layer])
         out = self.ops.gated_delta(
-            mixed_qkv, a, b, *weights, st.conv[layer], st.ssm[layer],
+            mixed_qkv, a, b, conv_weight, a_log, dt_bias, st.conv[layer], st.ssm[layer],
             s.slots, s.seq_lens, s.cu_q_lens, s.num_decode, s.max_q_len, self.num_k_heads,
-            self.page_size, st.boundary_conv[layer], st.boundary_ssm[layer])
-        if s.spec is not None:
-            self._spec_tokens(layer, s.spec, out, mixed_qkv, a, b, weights)
+            self.page_size, st.boundary_conv[layer], st.boundary_ssm[layer], keep=keep)
         return out.reshape(out.shape[0], -1)
-
-    def _spec_tokens(self, layer: int, spec: SpecTokens, out: torch.Tensor,
-                     mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        """The verify rows' tokens (left out of the step's call: slot -1), each as a one-token
-        row in order, the state after each kept for the verify's outcome
-        (`StatePool.restore`)."""
-        st, ops = self.state, self.ops
-        assert st is not None and st.spec_conv is not None and st.spec_ssm is not None
-        conv, ssm = st.conv[layer], st.ssm[layer]
-        for j, (t, slot, entry, index) in enumerate(spec.host):
-            row = spec.rows[j]
-            out[t:t + 1] = ops.gated_delta(
-                mixed_qkv[t:t + 1], a[t:t + 1], b[t:t + 1], *weights, conv, ssm, row[:1],
-                row[1:], spec.cu, 1, 1, self.num_k_heads, self.page_size,
-                st.boundary_conv[layer], st.boundary_ssm[layer])
-            st.spec_conv[layer, entry, index].copy_(conv[slot])
-            st.spec_ssm[layer, entry, index].copy_(ssm[slot])
 
 
 #: Segments of the packed step array start at multiples of 4 int32s (16 bytes): Triton
@@ -288,7 +261,7 @@ class ExtendGraphShape:
         n = 0
         for name, size in (("input_ids", t), ("tok_slots", t), ("positions", t),
                            ("kv_slots", t), ("seq_lens", r), ("cu_q_lens", r + 1),
-                           ("row_slots", r), ("sample_index", r),
+                           ("row_slots", r), ("keep", r), ("sample_index", r),
                            ("extend_blocks", 2 * self.blocks)):
             n += -n % _ALIGN
             offsets[name] = (n, size)
@@ -320,8 +293,6 @@ class PackedStep:
     max_seq_len: int
     sample_rows: list[int]
     num_scores: int = 0
-    #: a hybrid model's verify-row tokens (`spec_tokens`)
-    spec_tokens: list[tuple[int, int, int, int]] = field(default_factory=list)
     #: the MTP head's drafts per chaining row, and the most drafts a verify row has (0: no
     #: MTP head in the step)
     mtp_drafts: int = 0
@@ -393,7 +364,6 @@ def pack_step(plan: StepPlan, page_size: int, graph_bs: int = 0, pad_slot: int =
                       num_decode=nd, max_pages=max_pages,
                       max_q_len=max((r.num_tokens for r in rows[nd:]), default=1),
                       max_seq_len=max_seq, sample_rows=sample_at, num_scores=len(score_at),
-                      spec_tokens=spec_tokens(rows) if not graph_bs and extend is None else [],
                       mtp_drafts=max((r.mtp_drafts for r in rows), default=0) if plan.mtp else 0,
                       max_spec=max((r.spec for r in rows), default=0))
 
@@ -427,11 +397,7 @@ def _put_eager(seg: _Segments, rows: list[Row], nd: int, ps: int, table: list[in
     seg.put("row_slots", [r.slot for r in rows])
     seg.put("page_table", table)
     if any(r.spec_entry >= 0 for r in rows):
-        # a hybrid model's verify rows leave the step's recurrence (slot -1) for their own
-        seg.put("gd_slots", [-1 if r.spec_entry >= 0 else r.slot for r in rows])
-        seg.put("spec_rows", [x for r in rows if r.spec_entry >= 0
-                              for p in range(r.start + 1, r.seq_len + 1) for x in (r.slot, p)]
-                + [0])
+        seg.put("keep", [r.spec_entry for r in rows])
     return sample_at
 
 
@@ -448,17 +414,6 @@ def _put_mtp(seg: _Segments, rows: list[Row]) -> None:
         first += r.num_samples
     seg.put("mtp_ids", ids)
     seg.put("mtp_rows", chains)
-
-
-def spec_tokens(rows: list[Row]) -> list[tuple[int, int, int, int]]:
-    """(token index, slot, entry, index) of each token of a hybrid model's verify rows."""
-    out: list[tuple[int, int, int, int]] = []
-    first = 0
-    for r in rows:
-        if r.spec_entry >= 0:
-            out += [(first + i, r.slot, r.spec_entry, i) for i in range(r.num_tokens)]
-        first += r.num_tokens
-    return out
 
 
 def _score_segments(rows: list[Row]) -> tuple[list[int], list[int]]:
@@ -515,6 +470,7 @@ def extend_graph_block(rows: list[Row], ps: int, pad_slot: int, shape: ExtendGra
         "seq_lens": seq_lens + [0] * pad_r, "cu_q_lens": cu + [t] * pad_r,
         # padding rows own no tokens and no recurrent state (-1)
         "row_slots": [r.slot for r in rows] + [-1] * pad_r,
+        "keep": [r.spec_entry for r in rows] + [-1] * pad_r,
         "sample_index": sample_at + [0] * (shape.rows - len(sample_at)),
         "extend_blocks": plan_blocks([r.num_tokens for r in rows], seq_lens,
                                      shape.block_t, shape.blocks)}
@@ -534,14 +490,11 @@ def step_views(packed: PackedStep, meta: torch.Tensor, num_splits: int
 
     table = seg("page_table").view(packed.num_rows, packed.max_pages)
     slots = seg("row_slots")
-    spec = None
-    if packed.spec_tokens:
-        rows = seg("spec_rows")
-        spec = SpecTokens(packed.spec_tokens, rows[:-1].view(-1, 2), rows[-1:])
     return DeviceStep(seg("input_ids"), seg("positions"), seg("kv_slots"), seg("seq_lens"),
                       seg("cu_q_lens"), table, packed.num_decode, packed.max_q_len,
-                      num_splits, slots=seg("gd_slots") if spec else slots,
-                      spec=spec), slots[:packed.num_decode]
+                      num_splits, slots=slots,
+                      keep=seg("keep") if "keep" in packed.offsets else None
+                      ), slots[:packed.num_decode]
 
 
 @dataclass

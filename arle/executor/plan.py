@@ -106,7 +106,3 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
-
-    @property
-    def has_spec(self) -> bool:
-        return any(r.spec for r in self.rows)
