@@ -16,8 +16,8 @@
 #     structured   constrained decoding's per-step cost (Qwen3-4B, random weights)
 #     gdnsweep   the Gated DeltaNet decode kernel's launches at batch 1 and 8
 #     spec      speculative decoding: a verify step's cost against a decode step (K = 1..4,
-#               batch 1 and 8) on $SPEC_MODELS (Qwen3-4B and Qwen3.5-4B); n-gram on the
-#               default model where it is installed
+#               batch 1 and 8, with graphs and without) on $SPEC_MODELS (Qwen3-4B and
+#               Qwen3.5-4B); n-gram on the default model where it is installed
 #     spectests the GPU tests of speculative decoding, by name
 # transformers with fla (flash-linear-attention): carry its wheels in .fla (q35hf uses them).
 # For a machine without network: `bash scripts/device_wheels.sh` here fills .whl with what it
@@ -159,7 +159,7 @@ for p in "$@"; do
     spec) for m in ${SPEC_MODELS:-qwen3-4b qwen3.5-4b}; do d=$(model $m)
             phase "spec_$m" "${SPEC_TIMEOUT:-200}" python3 scripts/bench_speculative.py \
               --model "$d" --device cuda --parts cost --cost-k 1 2 3 4 --batch 1 8 \
-              --out $RES/speculative_cost_$m.json
+              --eager-verify --out $RES/speculative_cost_$m.json
           done
           python3 -c "from arle.model.default import default_model_path as p; p()" 2>/dev/null \
             || { say "spec_smol: no default model here"; continue; }
