@@ -833,6 +833,8 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
                   ) -> None:
         work = nrows * hv
         launch = DECODE_SMALL if work < 64 else DECODE_MID if work < 512 else DECODE_LARGE
+        if kept is not None:  # a step's few verify rows, however many rows the grid spans
+            launch = DECODE_SMALL
         bv = block_v or _block_v(launch, dv)
         nv = triton.cdiv(dv, bv)
         if kept is not None:

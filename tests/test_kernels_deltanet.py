@@ -599,9 +599,9 @@ def test_kernels_build_for_sm90(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
             **heads, **conv, "BV": launch.block_v, "NV": sh.dv // launch.block_v,
             "VARLEN": False, "BOUNDARY": True, "KEEP": False, "PDL": True}, state)
            for launch in (deltanet.DECODE_SMALL, deltanet.DECODE_MID, deltanet.DECODE_LARGE)},
-        "recurrent keep": (deltanet._recurrent_kernel, deltanet.DECODE_MID, {
-            **heads, **conv, "BV": deltanet.DECODE_MID.block_v,
-            "NV": sh.dv // deltanet.DECODE_MID.block_v, "VARLEN": True, "BOUNDARY": True,
+        "recurrent keep": (deltanet._recurrent_kernel, deltanet.DECODE_SMALL, {
+            **heads, **conv, "BV": deltanet.DECODE_SMALL.block_v,
+            "NV": sh.dv // deltanet.DECODE_SMALL.block_v, "VARLEN": True, "BOUNDARY": True,
             "KEEP": True, "PDL": False}, state),
         "conv": (deltanet._conv_kernel, deltanet.CONV, {
             "K": sh.k, "BT": deltanet.CONV_TOKENS, "BC": deltanet.CONV_CHANNELS}, ()),
