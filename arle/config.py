@@ -12,6 +12,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 KVCacheDType = Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3"]
 Speculative = Literal["off", "ngram", "mtp"]
+Quantization = Literal["none", "fp8"]
 
 #: Defaults that depend on the device: (CPU, CUDA). A GPU wants wide steps and many rows.
 DEVICE_DEFAULTS = {
@@ -73,6 +74,9 @@ class EngineConfig:
     mem_fraction_static: float = 0.85
     #: KV cache format; auto: the model dtype. fp8_e4m3 halves the pool's bytes per token.
     kv_cache_dtype: KVCacheDType = "auto"
+    #: fp8: a floating-point checkpoint's linears quantized at load to 128 x 128 block-scaled
+    #: FP8 (the layout of Qwen's -FP8 releases), run by the FP8 kernels.
+    quantization: Quantization = "none"
     #: Replay decode steps as CUDA graphs (captured at start-up for a ladder of batch sizes).
     cuda_graph: bool = True
     #: Largest decode batch captured (None: max_running_requests).
@@ -181,6 +185,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  help="CUDA: share of GPU memory for weights, activations and the KV pool."),
     EngineOption("kv_cache_dtype", "--kv-cache-dtype",
                  help="CUDA: KV cache format (auto: the model dtype)."),
+    EngineOption("quantization", "--quantization",
+                 help="CUDA: fp8 quantizes a bf16/fp16/fp32 checkpoint's linears at load "
+                      "(128x128 block FP8; norms, router, embeddings and lm_head stay)."),
     EngineOption("cuda_graph", "--disable-cuda-graph", inverted=True,
                  help="CUDA: run decode steps eagerly (no graph replay)."),
     EngineOption("cuda_graph_max_bs", "--cuda-graph-max-bs", min=1,

@@ -57,6 +57,20 @@ def fp8_dequant_ref(weight: Tensor, scale_inv: Tensor, block: tuple[int, int],
     return (weight.float() * scale).to(dtype)
 
 
+def quantize_fp8_blocks(weight: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """weight [N, K] as block-scaled FP8, the layout of Qwen's -FP8 releases: (weight / scale
+    as e4m3fn [N, K], scale [ceil(N/bn), ceil(K/bk)] float32), scale = max(amax |w|, 1e-10) /
+    448 over each block (edge blocks partial); `fp8_dequant_ref` is its inverse up to e4m3's
+    rounding. Plain torch on weight's device (a GPU quantizes a layer's weights in ms)."""
+    n, k = weight.shape
+    bn, bk = block
+    gn, gk = -(-n // bn), -(-k // bk)
+    w = F.pad(weight.float(), (0, gk * bk - k, 0, gn * bn - n)).view(gn, bn, gk, bk)
+    scale = w.abs().amax(dim=(1, 3)).clamp_min(FP8_MIN_AMAX) / FP8_MAX
+    q = (w / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(gn * bn, gk * bk)[:n, :k].contiguous(), scale
+
+
 def fp8_linear_ref(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, block: tuple[int, int],
                    bias: Tensor | None = None) -> Tensor:
     """x [M, K] @ (weight * scale per block)^T (+ bias) -> [M, N] in x's dtype."""

@@ -50,7 +50,7 @@ def build_engine(config: EngineConfig) -> AsyncEngine:
                             "--tensor-parallel-size, use --speculative ngram")
         return _build_group(config, device)
     loaded = load_model(resolve_model_path(config.model), config.dtype, device,
-                        mtp=config.speculative == "mtp")
+                        mtp=config.speculative == "mtp", quantization=config.quantization)
     return engine_from_loaded(config, loaded)
 
 
@@ -122,7 +122,8 @@ def _build_group(config: EngineConfig, device: str) -> AsyncEngine:
     if ranks is None:  # a torchrun rank > 0: it served until rank 0 stopped the group
         raise SystemExit(0)
     try:
-        loaded = load_model(path, config.dtype, _rank_device(device, 0), ranks.tp)
+        loaded = load_model(path, config.dtype, _rank_device(device, 0), ranks.tp,
+                            quantization=config.quantization)
         return engine_from_loaded(config, loaded, ranks)
     except BaseException:
         ranks.abort()
@@ -142,7 +143,8 @@ def _rank_executor(config: EngineConfig, device: str, tp: TPGroup, local_rank: i
     dev = _rank_device(device, local_rank)
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
-    loaded = load_model(config.model or "", config.dtype, dev, tp)
+    loaded = load_model(config.model or "", config.dtype, dev, tp,
+                        quantization=config.quantization)
     return _make_executor(config.for_device(loaded.device.type), loaded)
 
 

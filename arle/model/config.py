@@ -77,6 +77,8 @@ class QuantConfig:
     block: tuple[int, int]
     #: module name fragments whose linears stay unquantized (lm_head, the router gate, ...)
     modules_to_not_convert: tuple[str, ...] = ()
+    #: `--quantization fp8`: a floating-point checkpoint, its linears quantized as they load
+    at_load: bool = False
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from arle.model.decoder import DecoderLM, tp_problems
 from arle.model.moe import unfuse_experts
 from arle.model.parallel import FP8, SINGLE, HoldsFp8, TPGroup, fp8_weights, load_whole
 from arle.model.tokenizer import Tokenizer
-from arle_kernels.fp8 import fp8_dequant_ref
+from arle_kernels.fp8 import fp8_dequant_ref, quantize_fp8_blocks
 from arle_kernels.ops import ops_for
 from arle_kernels.quant import Int4Groups
 
@@ -78,9 +78,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_model(path: str | Path, dtype: str = "auto",
                device: str | torch.device = "cpu", tp: TPGroup = SINGLE,
-               mtp: bool = False) -> LoadedModel:
+               mtp: bool = False, quantization: str = "none") -> LoadedModel:
     """The model at `path` on `device`; with `tp` of size > 1, this rank's slice of it; with
-    `mtp`, its multi-token prediction head too (`--speculative mtp`)."""
+    `mtp`, its multi-token prediction head too (`--speculative mtp`); quantization "fp8": a
+    floating-point checkpoint's linears quantized as they load (`--quantization fp8`)."""
     t0 = time.perf_counter()
     path = Path(path).expanduser()
     dev = torch.device(device)
@@ -95,6 +96,8 @@ def load_model(path: str | Path, dtype: str = "auto",
     if path.is_dir():
         cfg_dict = _read_json(path / "config.json", required=True)
         config = ModelConfig.from_hf(cfg_dict, path / "config.json")
+        if quantization == "fp8":
+            config = _quantize_at_load(config, path, dev)
         tokenizer = Tokenizer.from_hf_dir(path)
         gen_defaults = _read_json(path / "generation_config.json", required=False)
         files = _safetensors_files(path)  # checks files before allocating
@@ -106,6 +109,9 @@ def load_model(path: str | Path, dtype: str = "auto",
     elif path.suffix == ".gguf" or _looks_like_gguf(path):
         from arle.model.gguf_io import read_gguf
 
+        if quantization != "none":
+            raise ModelLoadError(path, f"--quantization {quantization} takes a safetensors "
+                                       "checkpoint in bf16, fp16 or fp32, not a GGUF file")
         gguf = read_gguf(path)
         config = ModelConfig.from_hf(gguf.config, path)
         tokenizer = gguf.tokenizer
@@ -324,6 +330,28 @@ def _kept_fp8(config: ModelConfig, device: torch.device) -> QuantConfig | None:
     return quant if quant is not None and _keeps_fp8(device, quant.block) else None
 
 
+#: What `--quantization fp8` leaves unquantized, as Qwen's -FP8 releases do (norms and
+#: embeddings are no linears): the MoE router gates (lm_head is no FP8-capable linear)
+AT_LOAD_NOT_CONVERTED = ("mlp.gate", "mlp.shared_expert_gate")
+
+
+def _quantize_at_load(config: ModelConfig, path: Path, device: torch.device) -> ModelConfig:
+    """`--quantization fp8`: the config of a floating-point checkpoint whose linears quantize
+    to 128 x 128 block FP8 as they load; refused where the weights are stored quantized
+    already in another format, or where no FP8 kernels run them."""
+    if config.quant is not None:
+        log.info("fp8_checkpoint", note="--quantization fp8: the checkpoint is FP8 already")
+        return config
+    if config.int4 is not None:
+        raise ModelLoadError(path, f"--quantization fp8 takes a bf16, fp16 or fp32 checkpoint; "
+                                   f"this one is {config.int4.method.upper()} 4-bit")
+    block = (128, 128)
+    if not _keeps_fp8(device, block):
+        raise ModelLoadError(path, "--quantization fp8 runs FP8 kernels, which need a CUDA "
+                                   f"device (here: {device.type}); drop the flag")
+    return replace(config, quant=QuantConfig("fp8", block, AT_LOAD_NOT_CONVERTED, at_load=True))
+
+
 def _checkpoint_names(files: list[Path]) -> set[str]:
     """Every tensor name of the checkpoint (as `_load_weights` sees them), from the headers."""
     from safetensors import SafetensorError, safe_open
@@ -361,13 +389,16 @@ def _settle_fp8(model: DecoderLM, checkpoint: set[str], quant: QuantConfig,
         if not isinstance(module, HoldsFp8) or not (weights := module.quantized_weights()):
             continue
         names = [n for w in weights for n in names_of.get(id(w), [])]
-        if names and all(n in checkpoint and f"{n}_scale_inv" in checkpoint
-                         and not _not_converted(n.removesuffix(".weight"),
-                                                quant.modules_to_not_convert) for n in names):
+        stored = quant.at_load or all(n in checkpoint and f"{n}_scale_inv" in checkpoint
+                                      for n in names)
+        if names and stored and not any(
+                _not_converted(n.removesuffix(".weight"), quant.modules_to_not_convert)
+                for n in names):
             kept += 1
         else:
             module.unquantize(dtype)
-    log.info("fp8_weights_kept", modules=kept, block=list(quant.block))
+    log.info("fp8_weights_quantized_at_load" if quant.at_load else "fp8_weights_kept",
+             modules=kept, block=list(quant.block))
 
 
 def _checkpoint_tensors(tensors: Iterator[tuple[str, torch.Tensor, Path]],
@@ -457,7 +488,8 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, Any, Path]],
             raise ModelLoadError(source, f"unexpected tensor {name!r} for "
                                          f"{model.config.architecture}")
         param, shard = targets[name]
-        if param.dtype == FP8 and tensor.dtype != FP8:
+        at_load = param.dtype == FP8 and quant is not None and quant.at_load
+        if param.dtype == FP8 and tensor.dtype != FP8 and not at_load:
             raise ModelLoadError(source, f"tensor {name!r} is {tensor.dtype}, not FP8 beside "
                                          "its weight_scale_inv")
         try:
@@ -466,6 +498,10 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, Any, Path]],
                 if isinstance(tensor, Int4Groups):  # no int4 kernels there: dequantized
                     tensor = tensor.dequantize(param.dtype)
                 tensor = to_device(tensor)
+            if at_load:
+                assert quant is not None
+                tensor = _quantize_at(name, tensor, targets, quant.block)
+                loaded.add(f"{name}_scale_inv")
             kind_error = int_weights.load_into(param, tensor, loader, shard)
             if kind_error is not None:
                 errors.setdefault(kind_error[0], []).append(kind_error[1])
@@ -479,6 +515,17 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, Any, Path]],
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelLoadError(origin, f"checkpoint lacks weights: {', '.join(missing[:3])}{more}")
     return errors
+
+
+def _quantize_at(name: str, tensor: torch.Tensor,
+                 targets: dict[str, tuple[torch.nn.Parameter, str | int | None]],
+                 block: tuple[int, int]) -> torch.Tensor:
+    """`--quantization fp8`: a float weight as FP8 in `block`s, its scales loaded into
+    `name`_scale_inv's parameter (as a checkpoint's would be) -> the FP8 weight."""
+    q, scale = quantize_fp8_blocks(tensor, block)
+    param, shard = targets[f"{name}_scale_inv"]
+    getattr(param, "weight_loader", load_whole)(param, scale, shard)
+    return q
 
 
 #: Checkpoint name prefixes of parts a text model does not run, and what they are.
