@@ -1,7 +1,8 @@
 """A linear layer's product y = x W^T (+ b), by the weight's format: the torch references, and
 the CUDA path (our GEMV where it streams the weights faster than cuBLAS, `use_gemv`; cuBLAS
-otherwise; block-scaled FP8 weights through the FP8 kernels; the CPU's integer weights through
-torch's packed kernels, kernels/quant.py). `ops_for` picks one family.
+otherwise; block-scaled FP8 weights through the FP8 kernels; 4-bit weights through the W4A16
+kernels, kernels/w4a16.py; the CPU's integer weights through torch's packed kernels,
+kernels/quant.py). `ops_for` picks one family.
 
 A block-scaled FP8 weight carries its scales (`attach_fp8_scale`): the products see only the
 weight.
@@ -17,6 +18,7 @@ from arle_kernels.fused import silu_and_mul, silu_and_mul_ref
 from arle_kernels.gemv import gemv, gemv_silu_mul, gemv_split_sums, use_gemv
 from arle_kernels.quant import int_format, int_linear
 from arle_kernels.split_sums import SplitSums
+from arle_kernels.w4a16 import W4_WORDS, w4_format, w4_linear, w4_linear_ref
 
 
 def fp8_scale_of(weight: Tensor) -> tuple[Tensor, tuple[int, int]]:
@@ -31,6 +33,8 @@ def attach_fp8_scale(weight: Tensor, scale: Tensor, block: tuple[int, int]) -> N
 
 
 def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if (w4 := w4_format(weight)) is not None:
+        return w4_linear_ref(x, weight, w4, bias)
     if (fmt := int_format(weight)) is not None:
         return int_linear(x, weight, fmt, bias)
     if weight.dtype == FP8:
@@ -44,6 +48,8 @@ def linear_silu_and_mul_ref(x: Tensor, gate_up: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if (w4 := w4_format(weight)) is not None:
+        return w4_linear(x, weight, w4, bias)
     if weight.dtype == FP8:
         return fp8_linear(x, weight, *fp8_scale_of(weight), bias)
     if use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
@@ -55,6 +61,8 @@ def linear_unreduced(x: Tensor, weight: Tensor) -> Tensor | SplitSums:
     """`linear` (no bias) for a consumer that takes `SplitSums` (`add_rms_norm`,
     `qk_norm_rope_store_kv`): where the GEMV splits K, its partial sums are left for that
     consumer to add (no reduce kernel); otherwise y."""
+    if w4_format(weight) is not None:
+        return linear(x, weight)
     if weight.dtype == FP8:
         return fp8_linear_unreduced(x, weight, *fp8_scale_of(weight))
     if use_gemv(x.shape[0], weight.shape[0], weight.shape[1]):
@@ -65,7 +73,7 @@ def linear_unreduced(x: Tensor, weight: Tensor) -> Tensor | SplitSums:
 def linear_silu_and_mul(x: Tensor, gate_up: Tensor) -> Tensor:
     """`linear_silu_and_mul_ref`: where `linear` takes the GEMV, one kernel does both (the
     activation in its epilogue: no gate_up round trip, one launch less per layer)."""
-    if gate_up.dtype != FP8 and use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1],
-                                         glu=True):
+    if gate_up.dtype not in (FP8, W4_WORDS) and use_gemv(x.shape[0], gate_up.shape[0],
+                                                           gate_up.shape[1], glu=True):
         return gemv_silu_mul(x, gate_up)
     return silu_and_mul(linear(x, gate_up))

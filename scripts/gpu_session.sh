@@ -70,7 +70,7 @@ for p in "$@"; do
              tests/test_step_path.py tests/test_layers.py tests/test_cuda_engine.py \
              tests/test_qwen3_5.py tests/test_moe.py tests/test_fp8_weights.py \
              tests/test_kernels_deltanet.py tests/test_kernels_moe.py tests/test_kernels_fp8.py \
-             tests/test_quantize_fp8.py \
+             tests/test_quantize_fp8.py tests/test_kernels_w4a16.py tests/test_int4_checkpoints.py \
              >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"; tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;
     ceilings) phase ceilings 60 "${BENCH[@]}" ceilings --out $RES/ceilings.json ;;
     decode) d=$(model qwen3-4b); phase decode 100 "${BENCH[@]}" decode "$d" \

@@ -1,6 +1,6 @@
-"""4-bit safetensors checkpoints (AWQ's GEMM layout, GPTQ without act-order) on the CPU: tiny
-random models written as AutoAWQ and AutoGPTQ pack them, against their dequantized twins in
-transformers (fp32)."""
+"""4-bit safetensors checkpoints (AWQ's GEMM layout, GPTQ without act-order) on the CPU and in
+the GPU's W4A16 layout: tiny random models written as AutoAWQ and AutoGPTQ pack them, against
+their dequantized twins in transformers (fp32)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import load_script
+from helpers import load_script, run_interpreter_check
 from model_dirs import hf_config, write_int4_model_dir
 
 from arle.errors import ModelLoadError
@@ -119,3 +119,82 @@ def test_unread_settings_are_refused_by_name(int4_dirs, tmp_path, changes, says)
                               **changes)
     with pytest.raises(ModelLoadError, match=f"'awq' with {says}"):
         load_model(path)
+
+
+# ---- the GPU's layout (W4A16 kernels), run on the CPU by the torch reference --------------------
+
+def _w4_loaded(path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The checkpoint as CUDA keeps it (`_keeps_int`, `_w4_layout` forced): W4A16 weights."""
+    from arle.model import loader
+
+    monkeypatch.setattr(loader, "_keeps_int", lambda *a, **k: True)
+    monkeypatch.setattr(loader, "_w4_layout", lambda device: True)
+    return load_model(path, dtype)
+
+
+@pytest.mark.parametrize("case", [f"{m}-{a}-{g}" for m, a, g in CASES])
+def test_w4a16_layout_near_transformers_on_the_twin(int4_dirs, case, monkeypatch):
+    """Every linear held as the GPU holds it (int32 words, fp16 scale and offset per group)
+    and its logits, fp32 activations through `w4_linear_ref`, near the twin's: the fp16
+    scale and offset (a 2^-11 rounding each) are the only difference (measured KL < 1e-6)."""
+    from arle_kernels.w4a16 import w4_format
+
+    path, twin = int4_dirs[case]
+    loaded = _w4_loaded(path, "float32", monkeypatch)
+    w4 = [f for f in (w4_format(p) for p in loaded.model.parameters()) if f is not None]
+    assert len(w4) == 4 * loaded.config.num_layers
+    assert {f.group for f in w4} == {int(case.rsplit("-", 1)[1])}
+    with torch.no_grad():
+        ref = twin(torch.tensor([IDS])).logits[0].float()
+    for chunk in (None, 1):
+        kl_mean, kl_max, top1 = _kl_top1(teacher_forced_logits(loaded.model, IDS,
+                                                               chunk_size=chunk), ref)
+        assert kl_mean < 1e-5 and kl_max < 1e-4 and top1 == 1.0, (chunk, kl_mean, kl_max)
+
+
+def interp_check_w4a16_model() -> None:
+    """Under TRITON_INTERPRET=1: an AWQ checkpoint in the GPU's layout through the Triton ops
+    (the W4A16 GEMV for one-token chunks, the GEMM for the prompt) gives the torch references'
+    logits (fp32 activations)."""
+    import tempfile
+
+    from arle.model import loader
+    from arle_kernels.ops import triton_ops
+
+    loader._keeps_int = lambda *a, **k: True  # type: ignore[assignment]
+    loader._w4_layout = lambda device: True  # type: ignore[assignment]
+    with tempfile.TemporaryDirectory() as tmp:
+        write_int4_model_dir(Path(tmp) / "q", hf_config("Qwen3ForCausalLM"), Path(tmp) / "twin",
+                             "awq", 128)
+        loaded = load_model(Path(tmp) / "q", "float32")
+    ids = IDS[:12]
+    want = {c: teacher_forced_logits(loaded.model, ids, chunk_size=c) for c in (None, 1)}
+    loaded.model.ops = triton_ops()
+    for chunk, ref in want.items():
+        got = teacher_forced_logits(loaded.model, ids, chunk_size=chunk)
+        assert (got - ref).abs().max().item() < 1e-3, (chunk, (got - ref).abs().max())
+
+
+def test_w4a16_model_through_the_triton_kernels_under_the_interpreter():
+    run_interpreter_check("test_int4_checkpoints", "interp_check_w4a16_model")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", [f"{m}-{a}-{g}" for m, a, g in CASES])
+def test_w4a16_on_cuda_near_the_twin(int4_dirs, case):
+    """On CUDA the weights stay 4-bit (W4A16 kernels, bf16 activations): logits against the
+    twin in transformers fp32, teacher-forced in one chunk (the GEMM) and token by token (the
+    GEMV): bf16's roundings, the int4-on-CPU test's bounds."""
+    from arle_kernels.w4a16 import w4_format
+
+    path, twin = int4_dirs[case]
+    loaded = load_model(path, "bfloat16", "cuda")
+    assert sum(w4_format(p) is not None for p in loaded.model.parameters()) == \
+        4 * loaded.config.num_layers
+    with torch.no_grad():
+        ref = twin(torch.tensor([IDS])).logits[0].float()
+    for chunk in (None, 7, 1):
+        kl_mean, kl_max, top1 = _kl_top1(teacher_forced_logits(loaded.model, IDS,
+                                                               chunk_size=chunk).cpu(), ref)
+        assert kl_mean < 2e-3 and kl_max < 7e-3 and top1 >= 0.9, (chunk, kl_mean, kl_max, top1)

@@ -1,4 +1,6 @@
-"""Which weights of a quantized checkpoint stay integer on the CPU, and how they load.
+"""Which weights of a quantized checkpoint stay integer, and how they load: on the CPU (GGUF,
+AWQ, GPTQ) through torch's packed kernels (arle_kernels.quant), on CUDA (AWQ, GPTQ: 4-bit
+only) through our W4A16 kernels (arle_kernels.w4a16).
 
 A linear (or the embedding) keeps the checkpoint's precision where every checkpoint tensor it
 loads is quantized: all 4-bit -> int4 (`Int4Groups`, packed after load), else int8 with one
@@ -35,6 +37,7 @@ from arle_kernels.quant import (
     pack_int4,
     quantize_int8_rows,
 )
+from arle_kernels.w4a16 import attach_w4, pack_w4, unpack_w4, w4_format
 
 
 class Kind(Enum):
@@ -51,6 +54,8 @@ class Staged:
     scale: torch.Tensor  # int4: [N, K / group]; int8: [N, 1]
     zero: torch.Tensor | None  # int4 only
     group: int
+    #: packed for the W4A16 kernels (CUDA), not torch's CPU kernels
+    w4: bool = False
 
 
 def module_kind(kinds: list[Kind]) -> Kind:
@@ -60,9 +65,11 @@ def module_kind(kinds: list[Kind]) -> Kind:
     return Kind.INT4 if all(k == Kind.INT4 for k in kinds) else Kind.INT8
 
 
-def hold(model: nn.Module, kinds: dict[str, Kind], group: int) -> dict[str, int]:
+def hold(model: nn.Module, kinds: dict[str, Kind], group: int, w4: bool = False
+         ) -> dict[str, int]:
     """Make the modules whose checkpoint weights (`kinds`, by checkpoint name) are all
-    quantized hold staged integer weights. -> how many modules of each kind."""
+    quantized hold staged integer weights (w4: for the W4A16 kernels; 4-bit only). -> how
+    many modules of each kind."""
     names_of = model.checkpoint_names()  # type: ignore[operator]
     counts = {k.value: 0 for k in Kind}
     for module in model.modules():
@@ -71,19 +78,22 @@ def hold(model: nn.Module, kinds: dict[str, Kind], group: int) -> dict[str, int]
         kind = module_kind([kinds.get(n, Kind.FLOAT) for n in names_of.get(id(module.weight), [])])
         counts[kind.value] += 1
         if kind != Kind.FLOAT:
-            _stage(module, kind, group)
+            assert not w4 or kind == Kind.INT4, "the W4A16 kernels take 4-bit weights only"
+            _stage(module, kind, group, w4)
     return counts
 
 
-def _stage(module: _Linear | VocabParallelEmbedding, kind: Kind, group: int) -> None:
+def _stage(module: _Linear | VocabParallelEmbedding, kind: Kind, group: int, w4: bool) -> None:
     old = module.weight
     n, k = old.shape
+    dev = old.device
     dtype = torch.uint8 if kind == Kind.INT4 else torch.int8
-    weight = nn.Parameter(torch.empty(n, k, dtype=dtype), requires_grad=False)
+    weight = nn.Parameter(torch.empty(n, k, dtype=dtype, device=dev), requires_grad=False)
     weight.weight_loader = old.weight_loader  # type: ignore[attr-defined]
     cols = k // group if kind == Kind.INT4 else 1
-    weight.staged = Staged(kind, torch.empty(n, cols),  # type: ignore[attr-defined]
-                           torch.empty(n, cols) if kind == Kind.INT4 else None, group)
+    weight.staged = Staged(kind, torch.empty(n, cols, device=dev),  # type: ignore[attr-defined]
+                           torch.empty(n, cols, device=dev) if kind == Kind.INT4 else None,
+                           group, w4)
     module.weight = weight
 
 
@@ -111,8 +121,15 @@ def load_into(param: nn.Parameter, tensor: torch.Tensor | Int4Groups, loader: Lo
         loader(staged.zero, tensor.zero, shard)
         rows = _sample_rows(tensor.q.shape[0])
         exact = Int4Groups(tensor.q[rows], tensor.scale[rows], tensor.zero[rows], tensor.group)
-        held = Int4Groups(exact.q, _bf16(exact.scale), _bf16(exact.zero), exact.group)
-        return Kind.INT4.value, _rel_error(held.dequantize(), exact.dequantize())
+        if staged.w4:  # W4A16: scales and offsets in fp16
+            words = pack_w4(exact)
+            w4 = w4_format(words)
+            assert w4 is not None
+            held = unpack_w4(words, w4)
+        else:  # torch's CPU kernels: scales and zeros in bf16
+            held = Int4Groups(exact.q, _bf16(exact.scale), _bf16(exact.zero),
+                              exact.group).dequantize()
+        return Kind.INT4.value, _rel_error(held, exact.dequantize())
     full = tensor.dequantize() if isinstance(tensor, Int4Groups) else tensor
     q = quantize_int8_rows(full)
     fmt = int_format(q)
@@ -139,7 +156,8 @@ def _rel_error(held: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def pack(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every staged weight as the products run it (model dtype `dtype`)."""
+    """Every staged weight as the products run it (model dtype `dtype`): the W4A16 layout
+    where staged for it, else torch's packed CPU ones."""
     for module in model.modules():
         weight = getattr(module, "weight", None)
         staged: Staged | None = getattr(weight, "staged", None)
@@ -147,6 +165,14 @@ def pack(model: nn.Module, dtype: torch.dtype) -> None:
             continue
         assert isinstance(weight, torch.Tensor)
         q = weight.data
+        if staged.w4:
+            assert staged.zero is not None
+            words = pack_w4(Int4Groups(q, staged.scale, staged.zero, staged.group))
+            w4 = w4_format(words)
+            assert w4 is not None
+            module.weight = nn.Parameter(words, requires_grad=False)
+            attach_w4(module.weight, w4)
+            continue
         if staged.kind == Kind.INT4:
             assert staged.zero is not None
             packed = pack_int4(Int4Groups(q, staged.scale, staged.zero, staged.group), dtype)
@@ -165,6 +191,10 @@ def weight_stats(model: nn.Module) -> tuple[int, int]:
     for p in model.parameters():
         fmt = int_format(p)
         nbytes += p.numel() * p.element_size()
+        if (w4 := w4_format(p)) is not None:
+            params += p.shape[0] * w4.k
+            nbytes += 2 * w4.scale.numel() * w4.scale.element_size()
+            continue
         if fmt is None:
             params += p.numel()
             continue

@@ -115,7 +115,7 @@ def load_model(path: str | Path, dtype: str = "auto",
         gguf = read_gguf(path)
         config = ModelConfig.from_hf(gguf.config, path)
         tokenizer = gguf.tokenizer
-        keep = _keeps_int(dtype, dev, tp)
+        keep = _keeps_int(dtype, dev, tp, gguf=True)
         kinds = gguf.kinds() if keep else {}
         tensors = ((name, t, path) for name, t in gguf.iter_tensors(int4=keep))
     else:
@@ -138,7 +138,7 @@ def load_model(path: str | Path, dtype: str = "auto",
     if kept is not None:
         _settle_fp8(model, names, kept, torch_dtype)
     group = config.int4.group if config.int4 is not None else GGUF_GROUP
-    held = int_weights.hold(model, kinds, group) if kinds else None
+    held = int_weights.hold(model, kinds, group, _w4_layout(dev)) if kinds else None
     errors = _load_weights(model, tensors, path,
                            _HostToDevice(dev) if dev.type == "cuda" else None)
     if held is not None:
@@ -155,11 +155,21 @@ def load_model(path: str | Path, dtype: str = "auto",
                        generation_defaults=gen_defaults)
 
 
-def _keeps_int(dtype: str, device: torch.device, tp: TPGroup) -> bool:
-    """Whether a quantized checkpoint's integer weights stay integer: on the CPU, one rank,
+def _keeps_int(dtype: str, device: torch.device, tp: TPGroup, gguf: bool = False) -> bool:
+    """Whether a quantized checkpoint's integer weights stay integer, on one rank: on the CPU
     unless a --dtype asks for floats (`--dtype float32`: the dequantized weights, for parity
-    work)."""
-    return dtype == "auto" and device.type == "cpu" and tp.size == 1
+    work); on CUDA AWQ's and GPTQ's 4-bit weights (W4A16: fp16 or bf16 activations), not a
+    GGUF file's."""
+    if tp.size != 1:
+        return False
+    if device.type == "cuda":
+        return not gguf and dtype != "float32"
+    return dtype == "auto" and device.type == "cpu"
+
+
+def _w4_layout(device: torch.device) -> bool:
+    """Whether kept 4-bit weights take the W4A16 kernels' layout (CUDA), not torch's CPU one."""
+    return device.type == "cuda"
 
 
 def _int4_kinds(quant: Int4Quant, files: list[Path], keep: bool, dtype: torch.dtype
@@ -169,7 +179,8 @@ def _int4_kinds(quant: Int4Quant, files: list[Path], keep: bool, dtype: torch.dt
     if not keep:
         log.info("int4_weights_dequantized", method=quant.method,
                  dtype=str(dtype).removeprefix("torch."),
-                 why="int4 stays int4 on the CPU at --dtype auto, one rank")
+                 why="int4 stays int4 on one rank: on the CPU at --dtype auto, on CUDA "
+                     "unless --dtype float32")
         return {}
     return int_weights.int4_checkpoint_names(_checkpoint_names(files))
 
@@ -495,9 +506,13 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, Any, Path]],
         try:
             loader = getattr(param, "weight_loader", load_whole)
             if to_device is not None:
-                if isinstance(tensor, Int4Groups):  # no int4 kernels there: dequantized
-                    tensor = tensor.dequantize(param.dtype)
-                tensor = to_device(tensor)
+                if isinstance(tensor, Int4Groups):
+                    tensor = (tensor.dequantize(param.dtype)
+                              if getattr(param, "staged", None) is None
+                              else Int4Groups(to_device(tensor.q), to_device(tensor.scale),
+                                              to_device(tensor.zero), tensor.group))
+                else:
+                    tensor = to_device(tensor)
             if at_load:
                 assert quant is not None
                 tensor = _quantize_at(name, tensor, targets, quant.block)
