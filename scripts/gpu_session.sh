@@ -19,6 +19,7 @@
 #               batch 1 and 8, with graphs and without) on $SPEC_MODELS (Qwen3-4B and
 #               Qwen3.5-4B); n-gram on the default model where it is installed
 #     spectests the GPU tests of speculative decoding, by name
+#     gpunew    the GPU tests of the files this wave changed most (pytest_new.txt)
 # transformers with fla (flash-linear-attention): carry its wheels in .fla (q35hf uses them).
 # For a machine without network: `bash scripts/device_wheels.sh` here fills .whl with what it
 # lacks; copy .whl along and this script installs it first. Set ARLE_COMMIT where the copy has
@@ -103,10 +104,11 @@ for p in "$@"; do
     kernels) for k in gemv fused decode extend; do
                phase "kernels_$k" 300 python3 scripts/bench_kernels.py $k --out $RES/kernels_$k.json
              done ;;
-    gpunew) say gpunew; timeout 200 python3 -m pytest -v -p no:cacheprovider -rfE --tb=line \
-             -k "not interpreter" -m gpu tests/test_cuda_engine.py tests/test_qwen3_5.py \
-             tests/test_moe.py tests/test_fp8_weights.py tests/test_kernels_deltanet.py \
-             tests/test_kernels_moe.py tests/test_kernels_fp8.py >"$OUT/pytest_new.txt" 2>&1
+    gpunew) say gpunew; timeout "${GPUNEW_TIMEOUT:-200}" python3 -m pytest -n 4 -v \
+             -p no:cacheprovider -rfE --tb=short -k "not interpreter" -m gpu \
+             tests/test_cuda_engine.py tests/test_kernels_deltanet.py tests/test_step_path.py \
+             tests/test_quantize_fp8.py tests/test_kernels_w4a16.py \
+             tests/test_int4_checkpoints.py >"$OUT/pytest_new.txt" 2>&1
            say "gpunew rc=$?"; tail -3 "$OUT/pytest_new.txt" | tee -a "$LOG" ;;
     suite) say suite; timeout 540 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE \
              --tb=short -k "not interpreter" tests/ >"$OUT/suite.txt" 2>&1; say "suite rc=$?"
