@@ -8,9 +8,10 @@ Block-scaled FP8 checkpoints (`ModelConfig.quant`): each quantized linear's `X.w
 linears whose checkpoint weights all have scales stay FP8 (`fp8_weights`; the rest are
 `unquantize`d); elsewhere every FP8 weight is dequantised at load to the compute dtype.
 
-Integer checkpoints (GGUF's block formats; AWQ and GPTQ, `ModelConfig.int4`): on the CPU at
---dtype auto, one rank, their linears stay 4- or 8-bit (arle/model/int_weights.py); anywhere
-else they are dequantised at load.
+Integer checkpoints (GGUF's block formats; AWQ and GPTQ, `ModelConfig.int4`): on one rank,
+their linears stay 4- or 8-bit on the CPU at --dtype auto, and AWQ's and GPTQ's stay 4-bit on
+CUDA unless --dtype float32 (arle/model/int_weights.py); anywhere else they are dequantised at
+load. `--quantization fp8`: a float checkpoint's linears are quantized as they load.
 """
 
 from __future__ import annotations
