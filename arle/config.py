@@ -36,6 +36,9 @@ class EngineConfig:
     device: Device = "auto"
     #: Tokens per KV page. NOTE: the radix cache shares whole pages only.
     page_size: int = 16
+    #: A second KV tier in host memory, in GB (0: off): pages the prefix cache evicts move
+    #: there, and a prefix hit on them copies them back (pinned memory on CUDA).
+    kv_host_cache_gb: float = 0.0
     #: KV pool size in tokens; None: sized from `kv_cache_memory_gb` (CPU) or free memory (GPU).
     kv_cache_tokens: int | None = None
     kv_cache_memory_gb: float = 1.0
@@ -97,6 +100,8 @@ class EngineConfig:
                              f"got {self.num_speculative_tokens}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.kv_host_cache_gb < 0:
+            raise ValueError(f"kv_host_cache_gb must be >= 0, got {self.kv_host_cache_gb}")
         if self.state_snapshots is not None and self.state_snapshots < 0:
             raise ValueError(f"state_snapshots must be >= 0, got {self.state_snapshots}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
@@ -183,6 +188,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                       "CUDA)."),
     EngineOption("mem_fraction_static", "--mem-fraction-static", min=0.05, max=0.99,
                  help="CUDA: share of GPU memory for weights, activations and the KV pool."),
+    EngineOption("kv_host_cache_gb", "--kv-host-cache-gb", min=0,
+                 help="A host-memory KV tier of this many GB: evicted prefix pages move there "
+                      "and prefix hits copy them back (default 0: off)."),
     EngineOption("kv_cache_dtype", "--kv-cache-dtype",
                  help="CUDA: KV cache format (auto: the model dtype)."),
     EngineOption("quantization", "--quantization",

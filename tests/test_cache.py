@@ -178,3 +178,77 @@ def test_a_match_can_be_capped() -> None:
     cm.release(a, tokens, len(tokens))
     cm.release(b, tokens, 0)
     cm.check([])
+
+
+def _run_copies(cm: CacheManager, device: dict[int, tuple[int, ...]],
+                host: dict[int, tuple[int, ...]]) -> None:
+    """A step's page copies, as the executor runs them: offloads, then restores."""
+    offloads, restores = cm.take_copies()
+    for d, h in offloads:
+        host[h] = device[d]
+    for h, d in restores:
+        device[d] = host[h]
+
+
+def test_host_tier_moves_pages_down_and_back() -> None:
+    """An evicted page moves to the host (its node stays); a later match brings it back to a
+    device page, with its contents; the host's oldest leaf goes when the host is full."""
+    cm = CacheManager(num_pages=4, page_size=4, num_slots=2, host_pages=2)
+    device: dict[int, tuple[int, ...]] = {}
+    host: dict[int, tuple[int, ...]] = {}
+    a_tokens = list(range(9))  # 2 full pages + 1
+    a = cm.admit(a_tokens, 10)
+    assert a is not None
+    for i, p in enumerate(a.pages[:2]):
+        device[p] = tuple(a_tokens[4 * i:4 * i + 4])
+    cm.release(a, a_tokens, 9)
+    b = cm.admit(list(range(100, 116)), 16)  # all 4 device pages: a's two move down
+    assert b is not None and cm.stats["offloaded_pages"] == 2
+    _run_copies(cm, device, host)
+    assert sorted(host.values()) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    cm.check([b])
+    cm.release(b, list(range(100, 116)), 0)
+    c = cm.admit(a_tokens, 10)  # a's prefix: from the host
+    assert c is not None and c.restored == 2 and len(c.shared) == 2
+    _run_copies(cm, device, host)
+    assert [device[p] for p in c.pages[:2]] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert cm.stats["host_hit_tokens"] == 8
+    cm.check([c])
+    cm.release(c, a_tokens, 9)
+    cm.check([])
+
+
+def test_host_tier_random_operations_keep_every_page_right() -> None:
+    """Random conversations (shared system prompts, growing turns) over a small device pool
+    and a smaller host pool: after every operation the invariant holds on both tiers, and
+    every cached page a request is admitted with holds its tokens (the copies ran in order:
+    nothing read twice, nothing overwritten while it is needed)."""
+    rng = random.Random(3)
+    ps = 4
+    cm = CacheManager(num_pages=20, page_size=ps, num_slots=4, host_pages=12)
+    device: dict[int, tuple[int, ...]] = {}
+    host: dict[int, tuple[int, ...]] = {}
+    prompts = [[1000 * s + i for i in range(rng.randrange(4, 13))] for s in range(3)]
+    convs = [list(rng.choice(prompts)) for _ in range(8)]
+    live: list[tuple[RequestCache, list[int]]] = []
+    for _ in range(1500):
+        if live and (rng.random() < 0.45 or len(live) == 4):
+            rc, tokens = live.pop(rng.randrange(len(live)))
+            cm.release(rc, tokens, len(tokens) if rng.random() < 0.8 else len(tokens) // 2)
+        else:
+            conv = rng.choice(convs)
+            conv += [rng.randrange(50) for _ in range(rng.randrange(1, 7))]
+            tokens = list(conv)
+            rc = cm.admit(tokens, len(tokens) + 1, headroom_pages=len(live))
+            if rc is None:
+                continue
+            _run_copies(cm, device, host)  # the step's copies, before its kernels
+            for i, node in enumerate(rc.shared):
+                assert device[node.page] == tuple(tokens[i * ps:(i + 1) * ps])
+            for i in range(len(rc.shared), len(tokens) // ps):  # the step computes the rest
+                device[rc.pages[i]] = tuple(tokens[i * ps:(i + 1) * ps])
+            cm.publish(rc, tokens, len(tokens))
+            live.append((rc, tokens))
+        cm.check([rc for rc, _ in live])
+    assert cm.stats["offloaded_pages"] > 20 and cm.stats["restored_pages"] > 10
+    assert cm.stats["host_hit_tokens"] > 0

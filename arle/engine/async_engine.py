@@ -137,7 +137,8 @@ class AsyncEngine:
         self.max_model_len = min(max_model_len, pool.num_tokens - 1)
         self.cache = CacheManager(pool.num_pages, pool.page_size, executor.num_slots,
                                   config.enable_prefix_cache, hybrid=executor.state is not None,
-                                  num_snapshots=executor.num_snapshots)
+                                  num_snapshots=executor.num_snapshots,
+                                  host_pages=pool.host_pages)
         # NOTE: the device defaults are filled in already (`EngineConfig.for_device`).
         assert config.max_running_requests is not None and config.max_batched_tokens is not None
         assert config.chunked_prefill_size is not None
@@ -364,6 +365,11 @@ class AsyncEngine:
             "kv_pages_free": c.pages.num_free,
             "kv_pages_cached": c.radix.num_pages,
             "kv_pages_evictable": c.radix.num_evictable,
+            "kv_host_pages_total": c.num_host_pages,
+            "kv_host_pages_free": c.host.num_free,
+            "kv_host_page_bytes": (self.executor.kv_pool.host_bytes // c.num_host_pages
+                                   if c.num_host_pages else 0),
+            **{f"kv_{k}": v for k, v in c.stats.items()},
             "preemptions": self.scheduler.num_preemptions,
             **self.stats,
         }

@@ -172,7 +172,8 @@ def _cpu_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
     return CPUExecutor(loaded.model, max(tokens // config.page_size, 2), config.page_size,
                        num_slots=num_slots, kv_dtype=loaded.dtype, max_positions=max_len + 1,
                        seed=config.seed, num_snapshots=_num_snapshots(config),
-                       spec=_spec_states(config), governed=config.num_threads is None)
+                       spec=_spec_states(config), governed=config.num_threads is None,
+                       host_kv_bytes=_host_kv_bytes(config))
 
 
 def _cuda_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
@@ -198,7 +199,13 @@ def _cuda_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
         kv_dtype=kv_dtype, mem_fraction_static=config.mem_fraction_static,
         kv_cache_tokens=config.kv_cache_tokens, cuda_graph_max_bs=graph_bs,
         extend_graph_max_tokens=extend_tokens, seed=config.seed,
-        num_snapshots=_num_snapshots(config), spec=_spec_states(config)))
+        num_snapshots=_num_snapshots(config), spec=_spec_states(config),
+        host_kv_bytes=_host_kv_bytes(config)))
+
+
+def _host_kv_bytes(config: EngineConfig) -> int:
+    """The host KV tier's bytes (`--kv-host-cache-gb`; none without the prefix cache)."""
+    return int(config.kv_host_cache_gb * 2**30) if config.enable_prefix_cache else 0
 
 
 def _num_snapshots(config: EngineConfig) -> int:

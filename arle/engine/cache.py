@@ -5,9 +5,20 @@ Hybrid models (Gated DeltaNet layers) also need the recurrent state at the end o
 prefix: a radix node may carry a state snapshot (an entry of the executor's snapshot pool, with
 its own budget and LRU), and a hybrid request reuses the deepest matched node that has one.
 
+A host tier (`host_pages` > 0, `--kv-host-cache-gb`): device pages the radix tree evicts move
+to a host pool instead of being dropped (the node stays, its page now a host page), and a
+match that reaches host nodes brings their pages back to device pages as the request is
+admitted. The copies are owed to the next step (`take_copies`): offloads (device -> host)
+before restores (host -> device), both before the step's kernels. One LRU clock orders both
+tiers: the device evicts its least recently used unreferenced pages that hold no device page
+below them; the host drops its least recently used leaves. A hybrid node keeps its snapshot
+(the snapshot pool is its own) wherever its page is.
+
 NOTE (invariants, `check()` asserts them): every page is in exactly one state: free, published
 in the radix tree (shared, read-only, possibly referenced by requests), or private to one
-request. Every snapshot is free or carried by exactly one node.
+request; so is every host page: free, a host node's, or read by a restore not yet run. A node
+holds a device page or a host page, never both; a host node's children are host nodes. Every
+snapshot is free or carried by exactly one node.
 """
 
 from __future__ import annotations
@@ -48,20 +59,27 @@ class RadixNode:
     """One full page of tokens, under the node of the page before it."""
 
     key: tuple[int, ...]
-    page: int
+    page: int  # -1: on the host
     parent: RadixNode | None
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     refs: int = 0
     last_used: int = 0
     #: the recurrent state after this page's last token (hybrid models), an executor snapshot
     snapshot: int | None = None
+    #: the host page holding this node's K/V while it is off the device (-1: on the device)
+    host: int = -1
+
+    @property
+    def on_device(self) -> bool:
+        return self.page >= 0
 
 
 class RadixCache:
     """Prefix tree over page-sized chunks of token ids; each node owns one page.
 
     Pages are shared read-only: a node referenced by a running request (refs > 0) is never
-    evicted; unreferenced leaves are evicted least recently used first.
+    evicted; unreferenced nodes with no device page below them are evicted least recently used
+    first (`evict`: dropped, or moved to the host by `on_evict`).
     """
 
     def __init__(self, page_size: int) -> None:
@@ -84,7 +102,7 @@ class RadixCache:
     def lock(self, nodes: list[RadixNode]) -> None:
         now = next(_clock)
         for n in nodes:
-            if n.refs == 0:
+            if n.refs == 0 and n.on_device:
                 self.num_evictable -= 1
             n.refs += 1
             n.last_used = now
@@ -95,7 +113,7 @@ class RadixCache:
             n.refs -= 1
             assert n.refs >= 0
             n.last_used = now
-            if n.refs == 0:
+            if n.refs == 0 and n.on_device:
                 self.num_evictable += 1
 
     def insert(self, parent: RadixNode, key: tuple[int, ...], page: int) -> RadixNode | None:
@@ -108,35 +126,53 @@ class RadixCache:
         self.num_pages += 1
         return node
 
-    def evict(self, n: int, on_evict: Callable[[RadixNode], None] | None = None) -> list[int]:
-        """Free up to n unreferenced pages, leaves first, least recently used first
-        (`on_evict` sees each node as it goes)."""
-        heap = [(x.last_used, id(x), x) for x in self._leaves() if x.refs == 0]
+    def evict(self, n: int, on_evict: Callable[[RadixNode], bool] | None = None) -> list[int]:
+        """Free up to n unreferenced device pages, least recently used first, each of a node
+        with no device page below it. `on_evict(node)` True: the node moved to the host (it
+        stays in the tree, off the device); else (or without it) the node is dropped."""
+        heap = [(x.last_used, id(x), x) for x in self.all_nodes() if self._evictable(x)]
         heapq.heapify(heap)
         freed: list[int] = []
         while heap and len(freed) < n:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
-            del parent.children[node.key]
-            if on_evict is not None:
-                on_evict(node)
             freed.append(node.page)
-            self.num_pages -= 1
             self.num_evictable -= 1
-            if parent is not self.root and not parent.children and parent.refs == 0:
+            if on_evict is not None and on_evict(node):
+                node.page = -1
+            else:
+                assert not node.children, "a dropped node takes its subtree's pages with it"
+                del parent.children[node.key]
+                self.num_pages -= 1
+            if parent is not self.root and self._evictable(parent):
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         return freed
 
-    def _leaves(self) -> list[RadixNode]:
-        out, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node is not self.root:
-                out.append(node)
-        return out
+    @staticmethod
+    def _evictable(node: RadixNode) -> bool:
+        return (node.on_device and node.refs == 0
+                and not any(c.on_device for c in node.children.values()))
+
+    def drop_host(self, n: int, on_drop: Callable[[RadixNode], None]) -> int:
+        """Drop up to n host nodes, leaves first, least recently used first (`on_drop` sees
+        each); -> how many."""
+        heap = [(x.last_used, id(x), x) for x in self.all_nodes()
+                if not x.on_device and not x.children and x.refs == 0]
+        heapq.heapify(heap)
+        dropped = 0
+        while heap and dropped < n:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key]
+            on_drop(node)
+            self.num_pages -= 1
+            dropped += 1
+            if (parent is not self.root and not parent.on_device and not parent.children
+                    and parent.refs == 0):
+                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+        return dropped
 
     def all_nodes(self) -> list[RadixNode]:
         out, stack = [], list(self.root.children.values())
@@ -165,6 +201,8 @@ class RequestCache:
     #: the state there), and the last one a snapshot was taken at
     boundary: int = 0
     saved: int = 0
+    #: of `shared`, the pages its admission brought back from the host tier
+    restored: int = 0
 
 
 class CacheManager:
@@ -172,11 +210,21 @@ class CacheManager:
 
     def __init__(self, num_pages: int, page_size: int, num_slots: int,
                  enable_prefix_cache: bool = True, hybrid: bool = False,
-                 num_snapshots: int = 0) -> None:
+                 num_snapshots: int = 0, host_pages: int = 0) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         self.pages = PageAllocator(num_pages)
         self.radix = RadixCache(page_size)
+        self.num_host_pages = host_pages if enable_prefix_cache else 0
+        self.host = PageAllocator(self.num_host_pages)
+        #: copies owed to the next step: (device page, host page) offloads, (host page, device
+        #: page) restores; host pages the restores read, free once those copies are queued
+        self._offloads: list[tuple[int, int]] = []
+        self._restores: list[tuple[int, int]] = []
+        self._restore_reads: list[int] = []
+        #: pages moved each way, and tokens admitted from each tier (`stats`)
+        self.stats = {"offloaded_pages": 0, "restored_pages": 0, "device_hit_tokens": 0,
+                      "host_hit_tokens": 0}
         self.enable_prefix_cache = enable_prefix_cache
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self.num_slots = num_slots
@@ -206,8 +254,48 @@ class CacheManager:
             return None
         short = n - self.pages.num_free
         if short > 0:
-            self.pages.free(self.radix.evict(short, self._drop_snapshot))
+            self.pages.free(self.radix.evict(short, self._evicted))
         return self.pages.alloc(n)
+
+    def _evicted(self, node: RadixNode) -> bool:
+        """A device page the radix tree gives up: to the host tier where it has (or can make)
+        room -> True; else the node is dropped (its snapshot, and any host nodes below it)."""
+        if self.num_host_pages and (self.host.num_free
+                                    or self.radix.drop_host(1, self._dropped_host)):
+            node.host = self.host.alloc(1)[0]
+            self._offloads.append((node.page, node.host))
+            self.stats["offloaded_pages"] += 1
+            return True
+        for child in list(node.children.values()):
+            self._drop_subtree(child)
+        self._drop_snapshot(node)
+        return False
+
+    def _dropped_host(self, node: RadixNode) -> None:
+        self.host.free([node.host])
+        node.host = -1
+        self._drop_snapshot(node)
+
+    def _drop_subtree(self, node: RadixNode) -> None:
+        """A host node and everything below it leave the tree (host nodes only)."""
+        assert not node.on_device and node.refs == 0
+        for child in list(node.children.values()):
+            self._drop_subtree(child)
+        assert node.parent is not None
+        del node.parent.children[node.key]
+        self.radix.num_pages -= 1
+        self._dropped_host(node)
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The page copies owed to the next step: (offloads, restores). NOTE: run in that
+        order, before the step's kernels: a restore may write a device page an offload of the
+        same step reads; the host pages the restores read are free from now on, as the next
+        copies into them run after these."""
+        copies = (self._offloads, self._restores)
+        self._offloads, self._restores = [], []
+        self.host.free(self._restore_reads)
+        self._restore_reads = []
+        return copies
 
     # ---- a request's life ---------------------------------------------------------------
     def match(self, tokens: list[int], max_match: int | None = None) -> list[RadixNode]:
@@ -232,20 +320,35 @@ class CacheManager:
         if not self._free_slots:
             return None
         shared = self.match(tokens, max_match)
-        need = self.pages_for(reserve_tokens) - len(shared)
+        # a host node's page comes back to a device page of its own
+        on_host = [n for n in shared if not n.on_device]
+        need = self.pages_for(reserve_tokens) - len(shared) + len(on_host)
         # Locking the prefix makes its evictable pages unavailable: count them out first.
-        locked_evictable = sum(1 for n in shared if n.refs == 0)
+        locked_evictable = sum(1 for n in shared if n.refs == 0 and n.on_device)
         if need + headroom_pages > self.num_available - locked_evictable:
             return None
-        self.radix.lock(shared)
+        self.radix.lock(shared)  # NOTE: the host nodes too: no eviction drops them meanwhile
         new = self._take(max(need, 0))
         assert new is not None
+        self._restore(on_host, new[:len(on_host)])
+        new = new[len(on_host):]
         restore = shared[-1].snapshot if self.hybrid and shared else None
         if restore is not None:
             shared[-1].last_used = next(_clock)
         reached = len(shared) * self.page_size
+        self.stats["device_hit_tokens"] += (len(shared) - len(on_host)) * self.page_size
+        self.stats["host_hit_tokens"] += len(on_host) * self.page_size
         return RequestCache(slot=self._free_slots.pop(), pages=[n.page for n in shared] + new,
-                            shared=shared, restore=restore, boundary=reached, saved=reached)
+                            shared=shared, restore=restore, boundary=reached, saved=reached,
+                            restored=len(on_host))
+
+    def _restore(self, nodes: list[RadixNode], pages: list[int]) -> None:
+        """Host nodes (locked) back onto these device pages, by copies owed to the next step."""
+        for node, page in zip(nodes, pages, strict=True):
+            self._restores.append((node.host, page))
+            self._restore_reads.append(node.host)
+            node.page, node.host = page, -1
+        self.stats["restored_pages"] += len(nodes)
 
     def grow(self, rc: RequestCache, num_tokens: int) -> bool:
         """Make the page table cover `num_tokens` tokens; False if no page can be had."""
@@ -337,19 +440,26 @@ class CacheManager:
     # ---- checks -----------------------------------------------------------------------------
     def check(self, live: Sequence[RequestCache] = ()) -> None:
         """Assert the page invariant. With no live requests: every page free or cached."""
+        nodes = self.radix.all_nodes()
         free = self.pages._free
-        cached = [n.page for n in self.radix.all_nodes()]
+        cached = [n.page for n in nodes if n.on_device]
         private = [p for rc in live for p in rc.pages[len(rc.shared):]]
         everything = free + cached + private
         assert len(everything) == len(set(everything)), "a page is in two states"
         assert sorted(everything) == list(range(self.num_pages)), "a page is lost"
+        hosted = self.host._free + [n.host for n in nodes if not n.on_device] + self._restore_reads
+        assert sorted(hosted) == list(range(self.num_host_pages)), "a host page lost or doubled"
+        for n in nodes:
+            assert n.on_device != (n.host >= 0), "a node on both tiers or on none"
+            assert n.on_device or all(not c.on_device for c in n.children.values()), \
+                "a device page below a host page"
         refs: dict[int, int] = {}
         for rc in live:
             for n in rc.shared:
                 refs[id(n)] = refs.get(id(n), 0) + 1
-        for n in self.radix.all_nodes():
+        for n in nodes:
             assert n.refs == refs.get(id(n), 0), "radix ref count out of step"
-        assert self.radix.num_evictable == sum(1 for n in self.radix.all_nodes() if n.refs == 0)
+        assert self.radix.num_evictable == sum(1 for n in nodes if n.refs == 0 and n.on_device)
         assert len(self._free_slots) + len(live) == self.num_slots
         carried = [n.snapshot for n in self.radix.all_nodes() if n.snapshot is not None]
         assert sorted(carried) == sorted(self._snapshot_nodes), "a snapshot lost its node"

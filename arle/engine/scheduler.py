@@ -88,9 +88,11 @@ class Scheduler:
             return None
         saves_after = self._commit(rows)
         self._step_ids += 1
+        offloads, restores = self.cache.take_copies()
         plan = StepPlan(self._step_ids, rows, new_slots, saves_before=self.cache.take_saves(),
                         saves_after=saves_after, state_restores=list(self._restores.values()),
-                        mtp=self.drafter is not None and self.drafter.chains)
+                        mtp=self.drafter is not None and self.drafter.chains,
+                        kv_offloads=offloads, kv_restores=restores)
         self._restores.clear()
         plan.schedule_us = (time.perf_counter() - t0) * 1e6
         return plan
@@ -246,6 +248,7 @@ class Scheduler:
             seq.needs_input = False  # the prefill's sample goes to the token buffer
             if seq.matched_tokens < 0:
                 seq.matched_tokens = seq.num_scheduled
+                seq.host_hit_tokens = rc.restored * self.cache.page_size
                 seq.state_restored = rc.restore is not None
                 seq.timeline.admitted = time.perf_counter()
             self.running.append(seq)

@@ -76,6 +76,8 @@ class Sequence:
     matched_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
     #: a hybrid model's first admission started from a cached state snapshot
     state_restored: bool = False
+    #: of `matched_tokens`, those whose pages came back from the host KV tier
+    host_hit_tokens: int = 0
     num_preemptions: int = 0
     timeline: Timeline = field(default_factory=Timeline)
     #: output processing state (detokenizer, stop matcher), owned by the engine

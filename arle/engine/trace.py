@@ -56,6 +56,9 @@ def _preprocess(seq: Sequence) -> dict[str, Any]:
 def _prefix(seq: Sequence) -> dict[str, Any]:
     matched = max(seq.matched_tokens, 0)
     return {"matched_tokens": matched,
+            "device_hit_tokens": matched - seq.host_hit_tokens,
+            "host_hit_tokens": seq.host_hit_tokens,
+            "computed_tokens": seq.num_prompt - matched,
             "resume_prefill_tokens": seq.timeline.prefill_tokens,
             "hit_rate": round(matched / seq.num_prompt, 4) if seq.num_prompt else 0.0,
             "state_restored": seq.state_restored}

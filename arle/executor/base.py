@@ -38,6 +38,9 @@ class KVPoolInfo:
     page_size: int
     bytes: int
     dtype: str  # "float32", "bfloat16", ... (no "torch." prefix)
+    #: the host tier's pages and bytes (0: none)
+    host_pages: int = 0
+    host_bytes: int = 0
 
     @property
     def num_tokens(self) -> int:

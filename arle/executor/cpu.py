@@ -37,7 +37,7 @@ class CPUExecutor:
     def __init__(self, model: DecoderLM, num_pages: int, page_size: int, num_slots: int,
                  kv_dtype: torch.dtype, max_positions: int, seed: int = 0,
                  num_snapshots: int = 0, spec: tuple[int, int] = (0, 0),
-                 governed: bool = False) -> None:
+                 governed: bool = False, host_kv_bytes: int = 0) -> None:
         model.ops = ops_for(torch.device("cpu"))
         self.model = model
         self.num_slots = num_slots
@@ -46,8 +46,10 @@ class CPUExecutor:
         kv = KVCache.for_model(model.rank_config, num_pages, page_size, kv_dtype,
                                torch.device("cpu"))
         self.dev = StepState.build(model, kv, num_slots, num_snapshots, max_positions, seed,
-                                   kv_dtype, spec)
-        self.kv_pool = KVPoolInfo(num_pages, page_size, kv.nbytes, kv_format(kv_dtype))
+                                   kv_dtype, spec, host_kv_bytes)
+        host = self.dev.host_kv
+        self.kv_pool = KVPoolInfo(num_pages, page_size, kv.nbytes, kv_format(kv_dtype),
+                                  host.num_pages if host else 0, host.nbytes if host else 0)
         # NOTE: one worker thread: steps run in launch order, as on a CUDA stream.
         self._worker = torch_thread()
         #: the torch thread count follows the cores this process gets (`ThreadGovernor`);

@@ -101,8 +101,10 @@ class CUDAExecutor:
         #: What start-up measured, for `arle warmup` and the model info.
         self.startup_info = started.report
         kv = self.dev.kv
+        host = self.dev.host_kv
         self.kv_pool = KVPoolInfo(kv.k.shape[1], config.page_size, kv.nbytes,
-                                  kv_format(config.kv_dtype))
+                                  kv_format(config.kv_dtype), host.num_pages if host else 0,
+                                  host.nbytes if host else 0)
         self._launcher = torch_thread()
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arle-wait")
 

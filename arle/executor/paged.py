@@ -80,6 +80,57 @@ class KVCache:
 
 
 @dataclass
+class HostKV:
+    """The host tier's K/V pages (`CacheManager`'s host pages): [pages, layers, page_size,
+    kv_heads, head_dim] per K and V (and FP8's scales), so a page is one contiguous block;
+    pinned where the device pool is on CUDA (the copies run on the step's stream, without a
+    wait on the host)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+    @classmethod
+    def beside(cls, kv: KVCache, nbytes: int) -> HostKV | None:
+        """A tier of `nbytes` for pages of `kv` (None: too small for one page)."""
+        pages = nbytes * kv.k.shape[1] // max(kv.nbytes, 1)
+        if pages < 1:
+            return None
+        pin = kv.k.device.type == "cuda"
+
+        def like(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return torch.empty((pages, t.shape[0], *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
+        k, v = like(kv.k), like(kv.v)
+        assert k is not None and v is not None
+        return cls(k, v, like(kv.k_scale), like(kv.v_scale))
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+
+    def copy(self, kv: KVCache, offloads: list[tuple[int, int]],
+             restores: list[tuple[int, int]]) -> None:
+        """A step's page copies, in this order (`CacheManager.take_copies`): (device page,
+        host page) offloads, then (host page, device page) restores."""
+        pairs = [(h, d) for h, d in ((self.k, kv.k), (self.v, kv.v), (self.k_scale, kv.k_scale),
+                                     (self.v_scale, kv.v_scale)) if h is not None and d is not None]
+        for d, h in offloads:
+            for host, dev in pairs:
+                host[h].copy_(dev[:, d], non_blocking=True)
+        for h, d in restores:
+            for host, dev in pairs:
+                dev[:, d].copy_(host[h], non_blocking=True)
+
+
+@dataclass
 class StatePool:
     """A hybrid model's recurrent state, per Gated DeltaNet layer: one entry per request slot
     (and a spare: start-up's profile step runs there; padding rows run with slot -1 and touch
@@ -518,6 +569,9 @@ class StepInputs:
     score_rows: list[tuple[int, int]] = field(default_factory=list)
     #: (slot, entry, index) of each state a verify step kept to restore (`StepPlan`)
     state_restores: list[tuple[int, int, int]] = field(default_factory=list)
+    #: the host tier's page copies, run first (`StepPlan`)
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)
+    kv_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def score_top(self) -> int:
@@ -542,7 +596,7 @@ class StepInputs:
                    [(i, r.grammar) for i, (r, _) in enumerate(rows) if r.grammar is not None],
                    [(len(r.score_targets), r.params.prompt_logprobs or 0)
                     for r in plan.rows if r.score_targets],
-                   list(plan.state_restores))
+                   list(plan.state_restores), list(plan.kv_offloads), list(plan.kv_restores))
 
     def start_states(self, state: StatePool | None) -> None:
         """Before the step: the states the last verify step kept (speculative decoding), the

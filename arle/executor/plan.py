@@ -97,6 +97,10 @@ class StepPlan:
     state_restores: list[tuple[int, int, int]] = field(default_factory=list)
     #: the model's MTP head runs over the step's tokens (`--speculative mtp`)
     mtp: bool = False
+    #: the host KV tier's page copies, before anything else: (device page, host page)
+    #: offloads, then (host page, device page) restores (`CacheManager.take_copies`)
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)
+    kv_restores: list[tuple[int, int]] = field(default_factory=list)
     schedule_us: float = 0.0
 
     @property

@@ -19,6 +19,7 @@ from arle.executor.distributed import sample_on_first_rank
 from arle.executor.grammar import GrammarMasks
 from arle.executor.paged import (
     DeviceStep,
+    HostKV,
     KVCache,
     PackedStep,
     PagedAttention,
@@ -53,11 +54,13 @@ class StepState:
     penalties: PenaltyState
     generator: torch.Generator
     grammar_masks: GrammarMasks
+    #: the host KV tier's pages (None: no tier)
+    host_kv: HostKV | None = None
 
     @classmethod
     def build(cls, model: DecoderLM, kv: KVCache, num_slots: int, num_snapshots: int,
               max_positions: int, seed: int, dtype: torch.dtype,
-              spec: tuple[int, int] = (0, 0)) -> StepState:
+              spec: tuple[int, int] = (0, 0), host_kv_bytes: int = 0) -> StepState:
         """Zeroed per-slot state for `num_slots` requests beside `kv`, on its device
         (`dtype`: the model's activations', which the recurrent states take; spec: the verify
         rows and positions whose recurrent states a step keeps, `StatePool.for_model`)."""
@@ -71,7 +74,8 @@ class StepState:
             token_buffer=torch.zeros(num_slots + 1, dtype=torch.int32, device=device),
             penalties=PenaltyState(num_slots, cfg.vocab_size, device),
             generator=torch.Generator(device).manual_seed(seed),
-            grammar_masks=GrammarMasks(cfg.vocab_size, pin_memory=device.type == "cuda"))
+            grammar_masks=GrammarMasks(cfg.vocab_size, pin_memory=device.type == "cuda"),
+            host_kv=HostKV.beside(kv, host_kv_bytes) if host_kv_bytes else None)
 
     @property
     def page_size(self) -> int:
@@ -186,6 +190,9 @@ def run_step_body(dev: StepState, inputs: StepInputs, meta: Tensor,
     # NOTE: the grammar rows' masks are filled on their own thread while the forward runs.
     masks = (dev.grammar_masks.start(inputs.grammars, batch.size)
              if inputs.grammars and batch is not None else None)
+    if inputs.kv_offloads or inputs.kv_restores:
+        assert dev.host_kv is not None
+        dev.host_kv.copy(dev.kv, inputs.kv_offloads, inputs.kv_restores)
     for new_slot in inputs.new_slots:
         dev.penalties.start_slot(*new_slot)
     inputs.start_states(dev.state)

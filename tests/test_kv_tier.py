@@ -1,0 +1,129 @@
+"""The host KV tier (`--kv-host-cache-gb`) end to end on the CPU: a small device pool and a host
+pool (both CPU tensors, the same code path as CUDA's device and pinned host memory). Many
+conversations come back to their prefixes after the device pool has evicted them: their pages
+come back from the host, and every answer equals an engine whose device pool holds everything.
+The page invariant of both tiers is checked after each test (`make_engine`)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from conftest import cancel_mid_stream, run, tokens_of
+
+from arle.engine.async_engine import AsyncEngine
+from arle.engine.request import GenerateRequest, SamplingParams
+from arle.model.loader import LoadedModel
+
+#: the tiny models' KV bytes a page: 2 layers x 2 KV heads x 16 dims x (K, V) x fp32 x 16 tokens
+TINY_PAGE_BYTES = 2 * 2 * 16 * 2 * 4 * 16
+
+
+def conversations(vocab: int, n: int, seed: int) -> list[list[int]]:
+    """n conversations' first prompts: one of 3 shared system prompts (40-70 tokens), then a
+    user turn of its own."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, vocab) for _ in range(rng.randrange(40, 70))] for _ in range(3)]
+    return [rng.choice(systems) + [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 20))]
+            for _ in range(n)]
+
+
+async def chat(engine: AsyncEngine, firsts: list[list[int]], turns: int, wave: int,
+               seed: int, cancel: bool = False, max_tokens: int = 6
+               ) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """Each conversation's answers, turn after turn (its prompt: everything so far plus a new
+    user turn), `wave` conversations at a time in a random order; and every request's trace.
+    cancel: one extra request is cancelled mid-stream in each turn (not compared)."""
+    rng = random.Random(seed)
+    history = [list(f) for f in firsts]
+    answers: list[list[int]] = [[] for _ in firsts]
+    traces: list[dict[str, Any]] = []
+    for turn in range(turns):
+        order = list(range(len(firsts)))
+        rng.shuffle(order)
+        for i in range(0, len(order), wave):
+            group = order[i:i + wave]
+            outs = await asyncio.gather(*(run(engine, history[c], max_tokens=max_tokens,
+                                              ignore_eos=True) for c in group))
+            for c, deltas in zip(group, outs, strict=True):
+                ids = tokens_of(deltas)
+                answers[c] += ids
+                history[c] += ids + [5 + (turn * 7 + c) % 50, 9]
+                trace = deltas[-1].trace
+                assert trace is not None
+                traces.append(trace)
+        if cancel:
+            req = GenerateRequest(prompt=history[0] + [11, 12, 13],
+                                  params=SamplingParams(max_tokens=1000, ignore_eos=True))
+            await cancel_mid_stream(engine, req)
+    return answers, traces
+
+
+async def test_host_tier_answers_equal_an_unbounded_pool(tiny: LoadedModel,
+                                                         make_engine: Any) -> None:
+    """12 conversations x 3 turns over a device pool of 20 pages (a few conversations' worth;
+    4 requests of 30 new tokens outgrow it: preemptions), a cancellation each turn: the answers
+    of a pool that evicts nothing, and the returning conversations' prefixes found on the
+    host."""
+    firsts = conversations(tiny.config.vocab_size, 12, seed=1)
+    roomy = make_engine(tiny, kv_cache_tokens=8192)
+    want, _ = await chat(roomy, firsts, turns=3, wave=4, seed=2, max_tokens=30)
+    tiered = make_engine(tiny, kv_cache_tokens=320, max_running_requests=4,
+                         kv_host_cache_gb=400 * TINY_PAGE_BYTES / 2**30)
+    assert tiered.cache.num_host_pages == 400
+    got, traces = await chat(tiered, firsts, turns=3, wave=4, seed=2, cancel=True,
+                             max_tokens=30)
+    assert got == want
+    assert tiered.scheduler.num_preemptions > 0
+    host_hits = sum(t["prefix"]["host_hit_tokens"] for t in traces)
+    # (restores also serve re-admissions after preemption, which traces do not count)
+    assert 0 < host_hits <= tiered.cache.stats["restored_pages"] * 16
+    assert tiered.cache.stats["offloaded_pages"] > 0
+    assert all(t["prefix"]["device_hit_tokens"] + t["prefix"]["host_hit_tokens"]
+               + t["prefix"]["computed_tokens"] == t["prompt_tokens"] for t in traces)
+    # without the tier the same pool recomputes those prefixes
+    plain = make_engine(tiny, kv_cache_tokens=320, max_running_requests=4)
+    again, plain_traces = await chat(plain, firsts, turns=3, wave=4, seed=2, max_tokens=30)
+    assert again == want
+    computed = [sum(t["prefix"]["computed_tokens"] for t in ts) for ts in (traces, plain_traces)]
+    assert computed[0] < computed[1], computed
+
+
+async def test_a_full_host_tier_drops_its_oldest_pages(tiny: LoadedModel,
+                                                       make_engine: Any) -> None:
+    """A host tier of 4 pages under the same load: it fills, drops its least recently used
+    leaves, and the answers stay right."""
+    firsts = conversations(tiny.config.vocab_size, 10, seed=4)
+    want, _ = await chat(make_engine(tiny, kv_cache_tokens=8192), firsts, turns=3, wave=4,
+                         seed=5)
+    small = make_engine(tiny, kv_cache_tokens=320, max_running_requests=4,
+                        kv_host_cache_gb=4 * TINY_PAGE_BYTES / 2**30)
+    got, _ = await chat(small, firsts, turns=3, wave=4, seed=5)
+    assert got == want
+    assert small.cache.num_host_pages == 4
+    assert small.cache.stats["offloaded_pages"] > 4  # more than it holds: some dropped
+    snap = small.snapshot()
+    assert snap["kv_host_pages_total"] == 4 and snap["kv_offloaded_pages"] > 4
+
+
+async def test_hybrid_host_tier_answers_equal_an_unbounded_pool(make_engine: Any,
+                                                                tmp_path: Any) -> None:
+    """Qwen3.5 (Gated DeltaNet layers): a host hit needs the node's state snapshot too, which
+    stays in its own pool; the answers equal a pool that evicts nothing."""
+    from model_dirs import write_qwen3_5_dir
+
+    from arle.model.loader import load_model
+
+    write_qwen3_5_dir(tmp_path, seed=3, vocab_size=259)
+    hybrid = load_model(tmp_path, "float32")
+    firsts = conversations(259, 6, seed=7)
+    want, _ = await chat(make_engine(hybrid, kv_cache_tokens=8192), firsts, turns=3, wave=3,
+                         seed=8)
+    page = hybrid.model.rank_config.kv_bytes_per_token(4) * 16
+    tiered = make_engine(hybrid, kv_cache_tokens=256, max_running_requests=3,
+                         kv_host_cache_gb=200 * page / 2**30, state_snapshots=24)
+    got, traces = await chat(tiered, firsts, turns=3, wave=3, seed=8)
+    assert got == want
+    assert tiered.cache.stats["offloaded_pages"] > 0
+    assert sum(t["prefix"]["host_hit_tokens"] for t in traces) > 0
