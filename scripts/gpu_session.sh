@@ -20,6 +20,8 @@
 #               Qwen3.5-4B); n-gram on the default model where it is installed
 #     spectests the GPU tests of speculative decoding, by name
 #     gpunew    the GPU tests of the files this wave changed most (pytest_new.txt)
+#     kvtier    the host KV tier's multi-turn chat benchmark (Qwen3-4B, a quarter of the
+#               conversations in the device pool), with the tier and without
 # transformers with fla (flash-linear-attention): carry its wheels in .fla (q35hf uses them).
 # For a machine without network: `bash scripts/device_wheels.sh` here fills .whl with what it
 # lacks; copy .whl along and this script installs it first. Set ARLE_COMMIT where the copy has
@@ -168,6 +170,9 @@ for p in "$@"; do
             || { say "spec_smol: no default model here"; continue; }
           phase spec_smol 200 python3 scripts/bench_speculative.py --device cuda --parts tasks \
             --out $RES/speculative_smollm2.json ;;
+    kvtier) d=$(model qwen3-4b); phase kvtier 200 python3 scripts/bench_kv_tier.py --model "$d" \
+              --device cuda --conversations 16 --turns 4 --doc-tokens 2048 --pool-share 0.25 \
+              --host-gb 16 --out $RES/kv_tier_qwen3-4b.json ;;
     spectests) say spectests; timeout 200 python3 -m pytest -v -p no:cacheprovider -rfE \
              --tb=short -m gpu -k "specul or mtp or verify or draft" tests/test_cuda_engine.py \
              tests/test_qwen3_5.py tests/test_moe.py tests/test_kernels_deltanet.py \
