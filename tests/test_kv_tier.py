@@ -105,6 +105,14 @@ async def test_a_full_host_tier_drops_its_oldest_pages(tiny: LoadedModel,
     assert small.cache.stats["offloaded_pages"] > 4  # more than it holds: some dropped
     snap = small.snapshot()
     assert snap["kv_host_pages_total"] == 4 and snap["kv_offloaded_pages"] > 4
+    from arle.server.metrics import ServerMetrics
+
+    text = ServerMetrics(small.snapshot).prometheus_text().decode()
+    assert "arle_kv_host_pages_total 4.0" in text
+    offloaded = f"arle_kv_host_offloaded_pages_total {float(snap['kv_offloaded_pages'])}"
+    assert offloaded in text, text
+    moved = (snap["kv_offloaded_pages"] + snap["kv_restored_pages"]) * TINY_PAGE_BYTES
+    assert f"arle_kv_host_copy_bytes_total {float(moved)}" in text
 
 
 async def test_hybrid_host_tier_answers_equal_an_unbounded_pool(make_engine: Any,

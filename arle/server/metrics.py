@@ -48,9 +48,9 @@ class _EngineCollector(Collector):
             ("arle_kv_pages_cached", "KV cache pages held by the prefix cache.",
              snap["kv_pages_cached"]),
             ("arle_kv_host_pages_total", "Pages of the host KV tier (--kv-host-cache-gb).",
-             snap["kv_host_pages_total"]),
+             snap.get("kv_host_pages_total", 0)),
             ("arle_kv_host_pages_used", "Host KV tier pages holding evicted prefix pages.",
-             snap["kv_host_pages_total"] - snap["kv_host_pages_free"]),
+             snap.get("kv_host_pages_total", 0) - snap.get("kv_host_pages_free", 0)),
             ("arle_preemptions", "Requests preempted since start.", snap["preemptions"]),
             ("arle_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / all "
              "prompt tokens, since start.", self._hit_rate()),
@@ -65,16 +65,16 @@ class _EngineCollector(Collector):
             ("arle_spec_verify_steps", "Verify rows run since start.",
              snap.get("spec_verify_steps", 0)),
             ("arle_kv_host_offloaded_pages", "KV pages moved to the host tier since start.",
-             snap["kv_offloaded_pages"]),
+             snap.get("kv_offloaded_pages", 0)),
             ("arle_kv_host_restored_pages", "KV pages copied back from the host tier.",
-             snap["kv_restored_pages"]),
+             snap.get("kv_restored_pages", 0)),
             ("arle_kv_host_copy_bytes", "Bytes the host tier's copies moved, both ways.",
-             (snap["kv_offloaded_pages"] + snap["kv_restored_pages"])
+             (snap.get("kv_offloaded_pages", 0) + snap.get("kv_restored_pages", 0))
              * snap.get("kv_host_page_bytes", 0)),
             ("arle_kv_device_hit_tokens", "Prompt tokens admitted from cached device pages.",
-             snap["kv_device_hit_tokens"]),
+             snap.get("kv_device_hit_tokens", 0)),
             ("arle_kv_host_hit_tokens", "Prompt tokens admitted from host-tier pages.",
-             snap["kv_host_hit_tokens"]),
+             snap.get("kv_host_hit_tokens", 0)),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("arle_spec_acceptance_rate", "Accepted / verified draft tokens "
