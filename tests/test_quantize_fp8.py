@@ -114,27 +114,13 @@ def test_quantization_fp8_is_refused_where_it_cannot_run(
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen3ForCausalLM"])
 def test_quantized_at_load_on_cuda_against_the_rounded_twin(tmp_path: Path, arch: str) -> None:
     """On CUDA: FP8 weights (the memory plan sees under 0.6x the bf16 bytes) through the FP8
-    kernels, against the FP8-rounded twin in bf16, teacher-forced: the bounds of
-    test_fp8_weights.test_fp8_on_cuda_against_its_dequantised_twin (W8A16 GEMVs token by
-    token; W8A8 GEMMs in chunks, activations in e4m3)."""
-    from helpers import load_script
-    from model_dirs import MOE_GPU_SHAPE
-    from moe_checks import teacher_forced_logits
+    kernels, against the FP8-rounded twin in bf16 (`assert_fp8_near_twin`'s bounds: those of
+    an FP8 checkpoint against its dequantised twin)."""
+    from moe_checks import assert_fp8_near_twin, gpu_shape_overrides
 
-    parity = load_script("check_gpu_parity")
-    overrides = {k: v for k, v in MOE_GPU_SHAPE.items() if arch.startswith("Qwen3Moe")
-                 or k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
     path = tmp_path / "float"
-    write_model_dir(path, hf_config(arch, **overrides), seed=7, max_shard_size="50MB")
+    write_model_dir(path, hf_config(arch, **gpu_shape_overrides(arch)), seed=7,
+                    max_shard_size="50MB")
     twin = _round_trip_twin(path, tmp_path / "twin")
-    fp8 = load_model(path, "bfloat16", "cuda", quantization="fp8")
-    ref = load_model(twin, "bfloat16", "cuda")
-    assert fp8.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
-    assert fp8.num_bytes < 0.6 * ref.num_bytes
-    ids = random_ids(300)
-    got = {chunk: parity.compare(teacher_forced_logits(fp8.model, ids, chunk_size=chunk),
-                                 teacher_forced_logits(ref.model, ids, chunk_size=chunk))
-           for chunk in (None, 37, 1)}
-    bounds = {None: (0.85, 0.06), 37: (0.85, 0.06), 1: (0.95, 0.02)}
-    for chunk, (top1, kl) in bounds.items():
-        assert got[chunk]["top1"] >= top1 and got[chunk]["kl_mean"] < kl, (chunk, got)
+    assert_fp8_near_twin(load_model(path, "bfloat16", "cuda", quantization="fp8"),
+                         load_model(twin, "bfloat16", "cuda"))

@@ -27,6 +27,11 @@ def kv_format(dtype: torch.dtype) -> str:
     return "fp8e4m3" if dtype == FP8_KV else str(dtype).removeprefix("torch.")
 
 
+def bytes_of(*tensors: torch.Tensor | None) -> int:
+    """The bytes of the tensors given (None: none)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 @dataclass
 class KVCache:
     """Every layer's K and V pages (and, for FP8, one fp32 scale per token and KV head)."""
@@ -69,8 +74,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+        return bytes_of(self.k, self.v, self.k_scale, self.v_scale)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                      torch.Tensor | None]:
@@ -113,8 +117,7 @@ class HostKV:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+        return bytes_of(self.k, self.v, self.k_scale, self.v_scale)
 
     def copy(self, kv: KVCache, offloads: list[tuple[int, int]],
              restores: list[tuple[int, int]]) -> None:
@@ -174,9 +177,8 @@ class StatePool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (
-            self.conv, self.ssm, self.boundary_conv, self.boundary_ssm, self.snap_conv,
-            self.snap_ssm, self.spec_conv, self.spec_ssm) if t is not None)
+        return bytes_of(self.conv, self.ssm, self.boundary_conv, self.boundary_ssm,
+                        self.snap_conv, self.snap_ssm, self.spec_conv, self.spec_ssm)
 
     def restore(self, slot: int, entry: int, index: int) -> None:
         """A verify row's outcome: the slot's state as it was after its sampled position
