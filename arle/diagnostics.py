@@ -329,6 +329,9 @@ def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
             "kv_pool": {"tokens": pool.num_tokens, "pages": pool.num_pages,
                         "page_size": pool.page_size, "bytes": pool.bytes,
                         "dtype": pool.dtype},
+            # the host tier (--kv-host-cache-gb): pages and bytes, 0 when off
+            "kv_host_tier": {"pages": pool.host_pages, "bytes": pool.host_bytes,
+                             "tokens": pool.host_pages * pool.page_size},
             "state_pool": engine.state_pool(),
             # NOTE: the CPU executor allocates activations per step; the CUDA one measures its
             # peak in a profile run at start-up (and its CUDA graphs' capture).

@@ -102,6 +102,10 @@ async def test_a_full_host_tier_drops_its_oldest_pages(tiny: LoadedModel,
     got, _ = await chat(small, firsts, turns=3, wave=4, seed=5)
     assert got == want
     assert small.cache.num_host_pages == 4
+    from arle.diagnostics import memory_plan  # what `arle warmup` reports
+
+    assert memory_plan(small)["kv_host_tier"] == {"pages": 4, "bytes": 4 * TINY_PAGE_BYTES,
+                                                  "tokens": 64}
     assert small.cache.stats["offloaded_pages"] > 4  # more than it holds: some dropped
     snap = small.snapshot()
     assert snap["kv_host_pages_total"] == 4 and snap["kv_offloaded_pages"] > 4

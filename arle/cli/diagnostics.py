@@ -115,6 +115,10 @@ def _print_report(r: dict[str, Any]) -> None:
         out(f"  weights    {_size(mem['weights_bytes'])}")
         out(f"  kv pool    {kv['tokens']} tokens = {kv['pages']} pages x {kv['page_size']}, "
             f"{_size(kv['bytes'])} ({kv['dtype']})")
+        host = mem.get("kv_host_tier") or {}
+        if host.get("pages"):
+            out(f"  host tier  {host['tokens']} tokens = {host['pages']} pages, "
+                f"{_size(host['bytes'])} (--kv-host-cache-gb)")
         out(f"  step       {mem['max_batched_tokens']} tokens, chunks of "
             f"{mem['chunked_prefill_size']} ({'arle serve' if mem['serving'] else 'engine'} "
             f"settings)")
