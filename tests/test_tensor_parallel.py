@@ -451,3 +451,32 @@ def test_a_tp2_server_listens_on_loopback_only(model_dirs: dict[str, Path],
     outside = [a for a in listening
                if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback]
     assert not outside, listening
+
+
+async def test_a_host_tier_hit_is_a_hit_on_every_rank(model_dirs: dict[str, Path]) -> None:
+    """Qwen3.5 at TP=2 with a host KV tier and a device pool of 6 pages: a first prompt's pages
+    move to the host (each rank its own heads of them) while others run, come back for the
+    prompt that extends it, and the answer is TP=1's without any reuse."""
+    turn1 = [(13 * j + 5) % 250 for j in range(64)]
+    base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, kv_cache_tokens=96,
+                        max_running_requests=1, kv_host_cache_gb=0.01, state_snapshots=8)
+    engine = await create_engine(replace(base, tensor_parallel_size=2))
+    try:
+        await run(engine, turn1, max_tokens=1, ignore_eos=True)
+        for i in range(2):  # other prompts push turn1's pages out of the device pool
+            await run(engine, [(7 * j + i) % 250 for j in range(80)], max_tokens=1,
+                      ignore_eos=True)
+        turn2 = turn1 + [(3 * j + 1) % 250 for j in range(20)]
+        hit = await run(engine, turn2, max_tokens=8, ignore_eos=True)
+        assert hit[-1].trace is not None
+        prefix = hit[-1].trace["prefix"]
+        assert prefix["host_hit_tokens"] > 0 and prefix["state_restored"], prefix
+        assert_all_pages_back(engine)
+    finally:
+        await engine.close()
+    cold = await create_engine(replace(base, enable_prefix_cache=False, kv_host_cache_gb=0))
+    try:
+        assert tokens_of(await run(cold, turn2, max_tokens=8, ignore_eos=True)) == \
+            tokens_of(hit)
+    finally:
+        await cold.close()
