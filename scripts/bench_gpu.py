@@ -46,6 +46,7 @@ from arle.engine.build import create_engine
 from arle.engine.request import GenerateRequest, SamplingParams
 from arle.gcwatch import GCPauses, freeze_start_up
 from arle_kernels.jit import pdl_enabled
+from arle_kernels.w4a16 import w4_format
 
 
 def _write(path: str, data: dict[str, Any]) -> None:
@@ -145,6 +146,7 @@ def _engine_config(args: argparse.Namespace, **kw: Any) -> EngineConfig:
                             "overlap": not args.disable_overlap,
                             "cuda_graph": not args.disable_cuda_graph,
                             "kv_cache_dtype": args.kv_cache_dtype,
+                            "quantization": args.quantization,
                             "max_batched_tokens": args.max_batched_tokens}
     base.update(kw)
     return EngineConfig(**base)
@@ -207,10 +209,13 @@ def floor_bytes(engine: AsyncEngine, batch: int) -> dict[str, float]:
     for name, p in model.named_parameters():
         if "embed_tokens" in name and not cfg.tie_word_embeddings:
             continue  # the lookup reads one row
+        nbytes = p.numel() * p.element_size()
+        if (w4 := w4_format(p)) is not None:  # 4-bit words: their scales and offsets too
+            nbytes += 2 * w4.scale.numel() * w4.scale.element_size()
         if ".experts." in name:
-            experts += p.numel() * p.element_size()
+            experts += nbytes
         else:
-            dense += p.numel() * p.element_size()
+            dense += nbytes
     share = 1.0
     if cfg.moe is not None:
         share = 1 - (1 - cfg.moe.experts_per_token / cfg.moe.num_experts) ** batch
@@ -768,6 +773,8 @@ def main() -> None:
         s.add_argument("--disable-overlap", action="store_true")
         s.add_argument("--disable-cuda-graph", action="store_true")
         s.add_argument("--kv-cache-dtype", default="auto")
+        s.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                       help="--quantization fp8: the checkpoint's linears FP8 at load")
         s.add_argument("--extend-tokens", help="the extend graphs' token counts (T1,T2,...)")
         s.add_argument("--max-batched-tokens", type=int, default=None,
                        help="the engine's step token budget (default: the engine's; "

@@ -20,6 +20,8 @@
 #               Qwen3.5-4B); n-gram on the default model where it is installed
 #     spectests the GPU tests of speculative decoding, by name
 #     gpunew    the GPU tests of the files this wave changed most (pytest_new.txt)
+#     quant     Qwen3-4B decode under --quantization fp8 and as 4-bit AWQ (decode's bf16 figure
+#               is the baseline)
 #     kvtier    the host KV tier's multi-turn chat benchmark (Qwen3-4B, a quarter of the
 #               conversations in the device pool), with the tier and without
 # transformers with fla (flash-linear-attention): carry its wheels in .fla (q35hf uses them).
@@ -170,6 +172,11 @@ for p in "$@"; do
             || { say "spec_smol: no default model here"; continue; }
           phase spec_smol 200 python3 scripts/bench_speculative.py --device cuda --parts tasks \
             --out $RES/speculative_smollm2.json ;;
+    quant) d=$(model qwen3-4b)  # --quantization fp8 and 4-bit AWQ against bf16, batch 1 and 8
+           phase quant_fp8 150 "${BENCH[@]}" decode "$d" --quantization fp8 \
+             --out $RES/decode_qwen3-4b_fp8.json
+           a=$(model qwen3-4b-awq); phase quant_awq 150 "${BENCH[@]}" decode "$a" \
+             --out $RES/decode_qwen3-4b-awq.json ;;
     kvtier) d=$(model qwen3-4b); phase kvtier 200 python3 scripts/bench_kv_tier.py --model "$d" \
               --device cuda --conversations 16 --turns 4 --doc-tokens 2048 --pool-share 0.25 \
               --host-gb 16 --out $RES/kv_tier_qwen3-4b.json ;;

@@ -14,7 +14,8 @@ fake.
 Names: qwen3-0.6b, qwen3-4b, qwen3-8b, and `tiny` (2 layers, hidden 256: quick tests); the
 mixture-of-experts Qwen3-30B-A3B (`qwen3-30b-a3b`, experts stored one by one, as released) and
 the block-FP8 releases `qwen3-30b-a3b-fp8` (the Instruct-2507-FP8 layout) and `qwen3-4b-fp8`, with
-`tiny-moe` / `tiny-moe-fp8` at test size; the hybrid Qwen3.5 models `qwen3.5-0.8b`,
+`tiny-moe` / `tiny-moe-fp8` at test size; the 4-bit `qwen3-4b-awq` (Qwen's -AWQ layout), with
+`tiny-awq`; the hybrid Qwen3.5 models `qwen3.5-0.8b`,
 `qwen3.5-4b`, `qwen3.5-9b`, with `tiny-qwen3.5` at test size.
 
 Qwen3.5 (Gated DeltaNet + gated attention): the published layout, `Qwen3_5ForConditionalGeneration`
@@ -200,6 +201,17 @@ def _fp8(cfg: dict[str, Any]) -> dict[str, Any]:
         "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": ["lm_head", *gates]}}
 
 
+#: AWQ's group along K (Qwen's -AWQ releases)
+AWQ_GROUP = 128
+
+
+def _awq(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` as Qwen's -AWQ releases: 4-bit GEMM layout, group 128, fp16."""
+    return {**cfg, "torch_dtype": "float16", "quantization_config": {
+        "bits": 4, "group_size": AWQ_GROUP, "modules_to_not_convert": None,
+        "quant_method": "awq", "version": "gemm", "zero_point": True}}
+
+
 def _is_moe(cfg: dict[str, Any], layer: int) -> bool:
     """transformers' qwen3_moe rule: every decoder_sparse_step-th layer, but mlp_only_layers."""
     return (cfg.get("num_experts", 0) > 0 and layer not in cfg.get("mlp_only_layers", ())
@@ -225,6 +237,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # Not a real model: the Qwen3 layout at test size (same vocab, tokenizer and special ids).
     "tiny": _qwen3(256, 512, 2, 4, 2, tied=True, head_dim=64),
     **{name: _fp8(cfg) for name, cfg in _MOE_CONFIGS.items()},
+    "qwen3-4b-awq": _awq(_qwen3(2560, 9728, 36, 32, 8, tied=True)),
+    "tiny-awq": _awq(_qwen3(256, 512, 2, 4, 2, tied=True, head_dim=64)),
     **{name: _MOE_CONFIGS[fp8] for name, fp8 in _UNQUANTIZED.items()},
     **_QWEN3_5_CONFIGS,
 }
@@ -263,7 +277,7 @@ _CORPUS_CHARS = 4_000_000
 LOGIT_STD = 3.0  # target std of the logits over the vocab (see the module docstring)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-              torch.float8_e4m3fn: "F8_E4M3"}
+              torch.int32: "I32", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 @dataclass(frozen=True)
@@ -273,7 +287,8 @@ class TensorSpec:
     #: normal std for weights; None for norm weights (1 + 0.1*N(0,1), or `init`'s)
     std: float | None
     #: "weight": an FP8 weight (of std `std`); "scale": the fp32 block scales of the FP8 weight
-    #: `name` without "_scale_inv" (`shape` is its grid); "": a tensor in the model's dtype
+    #: `name` without "_scale_inv" (`shape` is its grid); "qweight", "qzeros" (int32, 8 nibbles
+    #: each), "scales" (fp16): an AWQ linear's parts; "": a tensor in the model's dtype
     fp8: str = ""
     #: the values of a tensor with no std: "" norm weights 1 + 0.1*N(0,1); "zero_centred"
     #: 0.1*N(0,1) (Qwen3.5's norms scale by 1 + w); "a_log" log U(0.01, 16), "ones" (Gated
@@ -281,12 +296,18 @@ class TensorSpec:
     init: str = ""
 
     def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return {"weight": torch.float8_e4m3fn, "scale": torch.float32}.get(self.fp8, model_dtype)
+        return _PART_DTYPES.get(self.fp8, model_dtype)
 
     def nbytes(self, element_size: int) -> int:
         """Bytes in a file whose unquantized tensors take `element_size` bytes per element."""
-        size = {"weight": 1, "scale": 4}.get(self.fp8, element_size)
-        return math.prod(self.shape) * size
+        dt = _PART_DTYPES.get(self.fp8)
+        return math.prod(self.shape) * (dt.itemsize if dt is not None else element_size)
+
+
+#: the dtypes of quantized checkpoints' parts (`TensorSpec.fp8`)
+_PART_DTYPES = {"weight": torch.float8_e4m3fn, "scale": torch.float32, "qweight": torch.int32,
+                "qzeros": torch.int32, "scales": torch.float16}
+
 
 
 def tensor_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
@@ -317,7 +338,8 @@ def tensor_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
     specs.append(TensorSpec("model.norm.weight", (h,), None))
     if not cfg["tie_word_embeddings"]:
         specs.append(TensorSpec("lm_head.weight", (cfg["vocab_size"], h), emb_std))
-    return _fp8_specs(specs) if cfg.get("quantization_config") else specs
+    method = cfg.get("quantization_config", {}).get("quant_method")
+    return _fp8_specs(specs) if method == "fp8" else _awq_specs(specs) if method == "awq" else specs
 
 
 def _qwen3_5_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
@@ -423,6 +445,39 @@ def _fp8_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
     return out
 
 
+def _awq_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """AWQ's GEMM layout: each projection [N, K] as qweight [K, N/8] and qzeros [K/g, N/8]
+    int32 (8 nibbles each), scales [K/g, N] fp16."""
+    out = []
+    for spec in specs:
+        if not spec.name.endswith("_proj.weight"):
+            out.append(spec)
+            continue
+        (n, k), base = spec.shape, spec.name.removesuffix(".weight")
+        out += [TensorSpec(base + ".qweight", (k, n // 8), spec.std, "qweight"),
+                TensorSpec(base + ".qzeros", (k // AWQ_GROUP, n // 8), spec.std, "qzeros"),
+                TensorSpec(base + ".scales", (k // AWQ_GROUP, n), spec.std, "scales")]
+    return out
+
+
+def _make_awq(spec: TensorSpec, seed: int, device: torch.device) -> torch.Tensor:
+    """An AWQ part: uniform nibbles (q; the packing order does not matter for random ones),
+    zero points 6-9, scales that give w = (q - z) s the std of the float weight (q's std over
+    0..15 is 4.6)."""
+    assert spec.std is not None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(zlib.crc32(f"{seed}/{spec.name}".encode()))
+    if spec.fp8 == "scales":
+        s = spec.std / 4.6 * (0.75 + 0.5 * torch.rand(spec.shape, generator=gen, device=device))
+        return s.to(torch.float16)
+    lo, hi = (0, 16) if spec.fp8 == "qweight" else (6, 10)
+    nib = torch.randint(lo, hi, (*spec.shape, 8), generator=gen, device=device,
+                        dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, device=device)
+    words = (nib << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def _fp8_grid(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(-(-n // b) for n, b in zip(shape, FP8_BLOCK, strict=True))
 
@@ -451,6 +506,8 @@ def _make_fp8(spec: TensorSpec, seed: int, device: torch.device) -> torch.Tensor
 
 def make_tensor(spec: TensorSpec, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Draw one tensor; its values depend only on (seed, name, shape, device type)."""
+    if spec.fp8 in ("qweight", "qzeros", "scales"):
+        return _make_awq(spec, seed, device)
     if spec.fp8:
         return _make_fp8(spec, seed, device)
     gen = torch.Generator(device=device)

@@ -198,3 +198,21 @@ def test_w4a16_on_cuda_near_the_twin(int4_dirs, case):
         kl_mean, kl_max, top1 = _kl_top1(teacher_forced_logits(loaded.model, IDS,
                                                                chunk_size=chunk).cpu(), ref)
         assert kl_mean < 2e-3 and kl_max < 7e-3 and top1 >= 0.9, (chunk, kl_mean, kl_max, top1)
+
+
+@pytest.mark.slow
+def test_random_awq_model_loads_as_a_release(tmp_path):
+    """make_random_model.py's `tiny-awq` (the layout its `qwen3-4b-awq` has, for the GPU
+    figures): every projection stays int4 at group 128, and its greedy tokens equal those of
+    the same checkpoint dequantized."""
+    mrm = load_script("make_random_model")
+    mrm.main(["tiny-awq", str(tmp_path / "m")])
+    loaded = load_model(tmp_path / "m", "auto")
+    int4 = [f for f in (int_format(p) for p in loaded.model.parameters())
+            if isinstance(f, Int4Format)]
+    assert len(int4) == 4 * loaded.config.num_layers and {f.group for f in int4} == {128}
+    full = load_model(tmp_path / "m", "float32")
+    ids = IDS[:20]
+    kl_mean, _, top1 = _kl_top1(teacher_forced_logits(loaded.model, ids),
+                                teacher_forced_logits(full.model, ids))
+    assert kl_mean < 2e-3 and top1 >= 0.9, (kl_mean, top1)
