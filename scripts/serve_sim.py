@@ -60,6 +60,7 @@ class SimExecutor:
         self.kv_pool = KVPoolInfo(num_pages, 16, 0, "bfloat16")
         self.state: Any = None  # a dense model: no recurrent state
         self.num_snapshots = 0
+        self.overlaps_restores = False  # no host KV tier
         self.decode_s = decode_ms / 1e3
         self.prefill_s = prefill_us / 1e6
         self.launch_s = launch_us / 1e6

@@ -139,3 +139,33 @@ async def test_hybrid_host_tier_answers_equal_an_unbounded_pool(make_engine: Any
     assert got == want
     assert tiered.cache.stats["offloaded_pages"] > 0
     assert sum(t["prefix"]["host_hit_tokens"] for t in traces) > 0
+
+
+async def test_restored_prefixes_wait_a_step_beside_the_others(tiny: LoadedModel,
+                                                               make_engine: Any) -> None:
+    """Where the executor copies host pages back beside a step (CUDA: `overlaps_restores`,
+    forced here), a request whose prefix comes back from the host gets its first row a step
+    later when the step has other rows: no row of the step that restores the pages reads
+    them, and the answers are unchanged."""
+    from dataclasses import replace
+
+    firsts = conversations(tiny.config.vocab_size, 10, seed=11)
+    want, _ = await chat(make_engine(tiny, kv_cache_tokens=8192), firsts, turns=3, wave=4,
+                         seed=12)
+    tiered = make_engine(tiny, kv_cache_tokens=320, max_running_requests=4,
+                         kv_host_cache_gb=400 * TINY_PAGE_BYTES / 2**30)
+    tiered.scheduler.config = replace(tiered.scheduler.config, overlap_restores=True)
+    seen: list[tuple[set[int], list[set[int]]]] = []
+    launch = tiered.executor.launch
+
+    def spy(plan: Any) -> Any:
+        if plan.kv_restores and plan.kv_restores_overlap:
+            seen.append(({d for _, d in plan.kv_restores}, [set(r.pages) for r in plan.rows]))
+        return launch(plan)
+
+    tiered.executor.launch = spy  # type: ignore[method-assign]
+    got, _ = await chat(tiered, firsts, turns=3, wave=4, seed=12)
+    assert got == want
+    assert seen, "no restore ran beside a step"
+    for restored, tables in seen:
+        assert all(not restored & table for table in tables)

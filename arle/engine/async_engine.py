@@ -146,7 +146,8 @@ class AsyncEngine:
             max_running_requests=min(config.max_running_requests, executor.num_slots),
             max_batched_tokens=config.max_batched_tokens,
             chunked_prefill_size=min(config.chunked_prefill_size, config.max_batched_tokens),
-            max_waiting_requests=config.max_waiting_requests), self.cache,
+            max_waiting_requests=config.max_waiting_requests,
+            overlap_restores=executor.overlaps_restores), self.cache,
             drafter=make_drafter(config))
         self._requests: dict[str, Sequence] = {}
         self._wake = asyncio.Event()

@@ -23,6 +23,10 @@ class SchedulerConfig:
     max_batched_tokens: int
     chunked_prefill_size: int
     max_waiting_requests: int
+    #: the executor copies host-tier pages back beside the step that plans them (CUDA: on a
+    #: stream of its own): a request whose prefix comes back from the host then waits one step
+    #: for its pages, where the step has other rows, and that step does not wait for the copy
+    overlap_restores: bool = False
 
 
 class Scheduler:
@@ -82,7 +86,8 @@ class Scheduler:
         budget -= len(decode_rows)
         prefill_rows = self._running_prefill_rows(budget)
         budget -= sum(r.num_tokens for r in prefill_rows)
-        new_slots, admitted_rows = self._admit(budget)
+        others = bool(decode_rows or prefill_rows)
+        new_slots, admitted_rows, deferred = self._admit(budget, others)
         rows = decode_rows + prefill_rows + admitted_rows
         if not rows:
             return None
@@ -92,7 +97,8 @@ class Scheduler:
         plan = StepPlan(self._step_ids, rows, new_slots, saves_before=self.cache.take_saves(),
                         saves_after=saves_after, state_restores=list(self._restores.values()),
                         mtp=self.drafter is not None and self.drafter.chains,
-                        kv_offloads=offloads, kv_restores=restores)
+                        kv_offloads=offloads, kv_restores=restores,
+                        kv_restores_overlap=deferred)
         self._restores.clear()
         plan.schedule_us = (time.perf_counter() - t0) * 1e6
         return plan
@@ -221,11 +227,14 @@ class Scheduler:
                 budget -= rows[-1].num_tokens
         return rows
 
-    def _admit(self, budget: int) -> tuple[list[NewSlot], list[Row]]:
+    def _admit(self, budget: int, others: bool) -> tuple[list[NewSlot], list[Row], bool]:
         """Waiting requests in order (no overtaking, so no starvation) while slots, pages and
-        budget last: their new slots and first prefill chunks."""
+        budget last: their new slots and first prefill chunks (`others`: the step has rows
+        already). -> also whether every request whose pages come back from the host tier
+        waits for the next step (`overlap_restores`), so none of this step's rows reads them."""
         new_slots: list[NewSlot] = []
         rows: list[Row] = []
+        deferred = True
         while (self.waiting and budget > 0
                and len(self.running) < self.config.max_running_requests):
             seq = self.waiting[0]
@@ -254,9 +263,12 @@ class Scheduler:
             self.running.append(seq)
             new_slots.append(NewSlot(rc.slot, list(seq.tokens), seq.num_prompt, seq.params,
                                      rc.restore))
+            if rc.restored and self.config.overlap_restores and (others or rows):
+                continue  # its first chunk goes next step (`_running_prefill_rows`)
+            deferred = deferred and not rc.restored
             rows.append(self._prefill_row(seq, budget))
             budget -= rows[-1].num_tokens
-        return new_slots, rows
+        return new_slots, rows, deferred
 
     def _commit(self, rows: list[Row]) -> list[tuple[int, int]]:
         """Advance each row's request past its tokens, publish finished prompt pages, and

@@ -52,6 +52,9 @@ class Executor(Protocol):
     num_slots: int
     #: how many recurrent-state snapshots the pool keeps for the prefix cache
     num_snapshots: int
+    #: host-tier restores that no row of their step reads run beside that step
+    #: (`StepPlan.kv_restores_overlap`)
+    overlaps_restores: bool
 
     @property
     def state(self) -> StatePool | None:

@@ -21,7 +21,7 @@ from arle.executor.distributed import TPRanks, peer_inputs, rank_memory
 from arle.executor.paged import KVCache, StatePool, StepInputs, kv_format
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import logprobs_of, prompt_scores_of
-from arle.executor.step import StepState, eager_forward, run_step_body
+from arle.executor.step import StepState, copy_pages, eager_forward, run_step_body
 from arle.logging import get_logger
 from arle.model.decoder import DecoderLM
 from arle.threads import ThreadGovernor, torch_thread
@@ -33,6 +33,8 @@ log = get_logger("arle.executor")
 class CPUExecutor:
     #: rank 0 of a tensor-parallel group: the other ranks (None: one rank)
     ranks: TPRanks | None = None
+    #: host-tier copies run in the step (one thread: nothing to overlap them with)
+    overlaps_restores = False
 
     def __init__(self, model: DecoderLM, num_pages: int, page_size: int, num_slots: int,
                  kv_dtype: torch.dtype, max_positions: int, seed: int = 0,
@@ -78,6 +80,7 @@ class CPUExecutor:
         """One step, on the calling thread (the worker thread; a TP rank's main thread)."""
         t0, cpu0 = time.perf_counter(), time.process_time()
         meta = torch.tensor(inputs.packed.meta, dtype=torch.int32)
+        copy_pages(self.dev, inputs)
         out, scored = run_step_body(self.dev, inputs, meta, inputs.sampling,
                                     lambda: eager_forward(self.dev, inputs, meta, num_splits=1))
         scores = (prompt_scores_of(scored, inputs.packed.segment("score_targets"),

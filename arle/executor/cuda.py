@@ -44,7 +44,7 @@ from arle.executor.sampler import (
     logprobs_of,
     prompt_scores_of,
 )
-from arle.executor.step import Forward, eager_forward, run_step_body
+from arle.executor.step import Forward, copy_pages, eager_forward, run_step_body
 from arle.model.decoder import DecoderLM
 from arle.threads import torch_thread
 from arle_kernels.ops import ops_for
@@ -80,6 +80,8 @@ class CUDAExecutor:
 
     #: rank 0 of a tensor-parallel group: the other ranks (None: one GPU)
     ranks: TPRanks | None = None
+    #: host-tier restores no row of their step reads run beside it (`_copy_pages`)
+    overlaps_restores = True
 
     def __init__(self, model: DecoderLM, config: CUDAExecutorConfig) -> None:
         self.model, self.config = model, config
@@ -92,6 +94,10 @@ class CUDAExecutor:
         # two steps' kernels on `self.stream` (see `_copy_in`, `_copy_out`)
         self.copy_in_stream = torch.cuda.Stream(self.device)
         self.copy_out_stream = torch.cuda.Stream(self.device)
+        #: the host KV tier's restores that no row of their step reads (`_copy_pages`), and
+        #: the event the next step waits for
+        self.tier_stream = torch.cuda.Stream(self.device)
+        self._restored: torch.cuda.Event | None = None
         model.ops = ops_for(self.device)
         started = start_up(model, config, self.stream)
         self.dev = started.dev
@@ -174,6 +180,7 @@ class CUDAExecutor:
             meta, batch = self._copy_in(h)
             with torch.cuda.stream(self.stream):
                 start.record(self.stream)
+                self._copy_pages(h.inputs)
                 out, scored = run_step_body(self.dev, h.inputs, meta, batch,
                                             lambda: self._forward(h, meta))
             pending = _Pending(start, h.inputs.want_logprobs)
@@ -187,6 +194,24 @@ class CUDAExecutor:
                 # consumed by the next grammar step's mask job, once the copy is done
                 self.dev.grammar_masks.sampled(grammars, pending.out.token_ids, event.synchronize)
         return event, pending
+
+    def _copy_pages(self, inputs: StepInputs) -> None:
+        """The host tier's copies: the last step's restores waited for, then this step's
+        offloads on our stream (its kernels may write the pages they read); its restores on
+        the tier stream, beside its kernels, where no row of it reads them
+        (`kv_restores_overlap`: the next step waits for them), else on ours."""
+        if self._restored is not None:
+            self.stream.wait_event(self._restored)
+            self._restored = None
+        overlap = inputs.kv_restores_overlap and bool(inputs.kv_restores)
+        copy_pages(self.dev, inputs, restores=not overlap)
+        if overlap:
+            self.tier_stream.wait_stream(self.stream)  # NOTE: after the offloads: a restore
+            with torch.cuda.stream(self.tier_stream):  # may write a page one of them reads
+                assert self.dev.host_kv is not None
+                self.dev.host_kv.copy(self.dev.kv, [], inputs.kv_restores)
+                self._restored = torch.cuda.Event()
+                self._restored.record(self.tier_stream)
 
     def _forward(self, h: HostStep, meta: torch.Tensor) -> Forward:
         """The step's forward: a graph's replay where one fits the step, else eager."""

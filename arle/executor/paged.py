@@ -574,6 +574,7 @@ class StepInputs:
     #: the host tier's page copies, run first (`StepPlan`)
     kv_offloads: list[tuple[int, int]] = field(default_factory=list)
     kv_restores: list[tuple[int, int]] = field(default_factory=list)
+    kv_restores_overlap: bool = False
 
     @property
     def score_top(self) -> int:
@@ -598,7 +599,8 @@ class StepInputs:
                    [(i, r.grammar) for i, (r, _) in enumerate(rows) if r.grammar is not None],
                    [(len(r.score_targets), r.params.prompt_logprobs or 0)
                     for r in plan.rows if r.score_targets],
-                   list(plan.state_restores), list(plan.kv_offloads), list(plan.kv_restores))
+                   list(plan.state_restores), list(plan.kv_offloads), list(plan.kv_restores),
+                   plan.kv_restores_overlap)
 
     def start_states(self, state: StatePool | None) -> None:
         """Before the step: the states the last verify step kept (speculative decoding), the

@@ -101,6 +101,9 @@ class StepPlan:
     #: offloads, then (host page, device page) restores (`CacheManager.take_copies`)
     kv_offloads: list[tuple[int, int]] = field(default_factory=list)
     kv_restores: list[tuple[int, int]] = field(default_factory=list)
+    #: no row of this step reads the restored pages: their copy may run beside its kernels
+    #: (the next step waits for it)
+    kv_restores_overlap: bool = False
     schedule_us: float = 0.0
 
     @property

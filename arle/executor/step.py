@@ -180,6 +180,14 @@ def _chain_step(table: Tensor, positions: Tensor, page_size: int) -> DeviceStep:
                       (positions + 1).int(), table.new_zeros(1), table, n, 1, 1)
 
 
+def copy_pages(dev: StepState, inputs: StepInputs, restores: bool = True) -> None:
+    """The host tier's page copies a step owes, before anything else of it: the offloads,
+    then (restores) the restores (`CacheManager.take_copies`)."""
+    if inputs.kv_offloads or (restores and inputs.kv_restores):
+        assert dev.host_kv is not None
+        dev.host_kv.copy(dev.kv, inputs.kv_offloads, inputs.kv_restores if restores else [])
+
+
 def run_step_body(dev: StepState, inputs: StepInputs, meta: Tensor,
                   batch: SamplingBatch | None, forward: Callable[[], Forward]
                   ) -> tuple[SampleOutput | None, ScoreOutput | None]:
@@ -190,9 +198,6 @@ def run_step_body(dev: StepState, inputs: StepInputs, meta: Tensor,
     # NOTE: the grammar rows' masks are filled on their own thread while the forward runs.
     masks = (dev.grammar_masks.start(inputs.grammars, batch.size)
              if inputs.grammars and batch is not None else None)
-    if inputs.kv_offloads or inputs.kv_restores:
-        assert dev.host_kv is not None
-        dev.host_kv.copy(dev.kv, inputs.kv_offloads, inputs.kv_restores)
     for new_slot in inputs.new_slots:
         dev.penalties.start_slot(*new_slot)
     inputs.start_states(dev.state)
