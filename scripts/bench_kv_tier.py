@@ -85,7 +85,11 @@ async def one_setting(args: argparse.Namespace, setting: str) -> dict[str, Any]:
             "device_hit_tokens": sum(x["prefix"]["device_hit_tokens"] for x in traces),
             "host_hit_tokens": sum(x["prefix"]["host_hit_tokens"] for x in traces),
             "offloaded_pages": snap["kv_offloaded_pages"],
-            "restored_pages": snap["kv_restored_pages"], "requests": len(traces)}
+            "restored_pages": snap["kv_restored_pages"], "requests": len(traces),
+            # the tier's copies: bytes both ways and their device time
+            "copy_bytes": (snap["kv_offloaded_pages"] + snap["kv_restored_pages"])
+            * snap["kv_host_page_bytes"],
+            "copy_s": snap["kv_host_copy_us"] / 1e6}
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import asyncio
 import random
 from typing import Any
 
+import pytest
 from conftest import cancel_mid_stream, run, tokens_of
 
 from arle.engine.async_engine import AsyncEngine
@@ -117,6 +118,11 @@ async def test_a_full_host_tier_drops_its_oldest_pages(tiny: LoadedModel,
     assert offloaded in text, text
     moved = (snap["kv_offloaded_pages"] + snap["kv_restored_pages"]) * TINY_PAGE_BYTES
     assert f"arle_kv_host_copy_bytes_total {float(moved)}" in text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("arle_kv_host_copy")}
+    seconds = snap["kv_host_copy_us"] / 1e6
+    assert seconds > 0 and values["arle_kv_host_copy_seconds_total"] == pytest.approx(seconds)
+    assert values["arle_kv_host_copy_bandwidth_bytes"] == pytest.approx(moved / seconds)
 
 
 async def test_hybrid_host_tier_answers_equal_an_unbounded_pool(make_engine: Any,

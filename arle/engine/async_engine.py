@@ -439,6 +439,7 @@ class AsyncEngine:
         # the host (scheduling, HTTP, the client) left the device idle (`arle bench` reports it)
         self.stats["steps"] += 1
         self.stats["device_us"] += round(exec_us)
+        self.stats["kv_host_copy_us"] += round(out.copy_s * 1e6)
         admitted = {ns.slot for ns in plan.new_slots}
         k = scored = chained = 0
         for row in plan.rows:

@@ -30,6 +30,9 @@ class StepOutput:
     prompt_scores: list[list[TokenLogprob]] = field(default_factory=list)
     #: per row that chains MTP drafts (`Row.mtp_drafts`), in row order: the drafts
     drafts: list[list[int]] = field(default_factory=list)
+    #: seconds the host KV tier's page copies took on the device (those this step waited
+    #: for; CUDA: also the restores the step before ran beside itself)
+    copy_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -80,18 +80,22 @@ class CPUExecutor:
         """One step, on the calling thread (the worker thread; a TP rank's main thread)."""
         t0, cpu0 = time.perf_counter(), time.process_time()
         meta = torch.tensor(inputs.packed.meta, dtype=torch.int32)
-        copy_pages(self.dev, inputs)
+        copy_s = 0.0
+        if inputs.kv_offloads or inputs.kv_restores:
+            t_copy = time.perf_counter()
+            copy_pages(self.dev, inputs)
+            copy_s = time.perf_counter() - t_copy
         out, scored = run_step_body(self.dev, inputs, meta, inputs.sampling,
                                     lambda: eager_forward(self.dev, inputs, meta, num_splits=1))
         scores = (prompt_scores_of(scored, inputs.packed.segment("score_targets"),
                                    inputs.score_rows) if scored is not None else [])
         if out is None:
-            return StepOutput([], [], self._timed(t0, cpu0), scores)
+            return StepOutput([], [], self._timed(t0, cpu0), scores, copy_s=copy_s)
         if inputs.grammars:
             self.dev.grammar_masks.sampled(inputs.grammars, out.token_ids)
         tokens, logprobs = out.token_ids.tolist(), logprobs_of(out, inputs.want_logprobs)
         return StepOutput(tokens, logprobs, self._timed(t0, cpu0), scores,
-                          out.drafts.tolist() if out.drafts is not None else [])
+                          out.drafts.tolist() if out.drafts is not None else [], copy_s)
 
     def _timed(self, t0: float, cpu0: float) -> float:
         """The step's seconds; the governor told of them (it may change the threads)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +97,7 @@ class CUDAExecutor:
         #: the host KV tier's restores that no row of their step reads (`_copy_pages`), and
         #: the event the next step waits for
         self.tier_stream = torch.cuda.Stream(self.device)
-        self._restored: torch.cuda.Event | None = None
+        self._restored: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         model.ops = ops_for(self.device)
         started = start_up(model, config, self.stream)
         self.dev = started.dev
@@ -180,10 +180,10 @@ class CUDAExecutor:
             meta, batch = self._copy_in(h)
             with torch.cuda.stream(self.stream):
                 start.record(self.stream)
-                self._copy_pages(h.inputs)
+                copies = self._copy_pages(h.inputs)
                 out, scored = run_step_body(self.dev, h.inputs, meta, batch,
                                             lambda: self._forward(h, meta))
-            pending = _Pending(start, h.inputs.want_logprobs)
+            pending = _Pending(start, h.inputs.want_logprobs, copies=copies)
             event = torch.cuda.Event(enable_timing=True, blocking=True)
             pending.out, pending.scores = self._copy_out(out, scored, event)
             if scored is not None:
@@ -195,23 +195,28 @@ class CUDAExecutor:
                 self.dev.grammar_masks.sampled(grammars, pending.out.token_ids, event.synchronize)
         return event, pending
 
-    def _copy_pages(self, inputs: StepInputs) -> None:
+    def _copy_pages(self, inputs: StepInputs) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
         """The host tier's copies: the last step's restores waited for, then this step's
         offloads on our stream (its kernels may write the pages they read); its restores on
         the tier stream, beside its kernels, where no row of it reads them
-        (`kv_restores_overlap`: the next step waits for them), else on ours."""
+        (`kv_restores_overlap`: the next step waits for them), else on ours. -> the timing
+        events of the copies done by the end of this step (the tier's of the step before)."""
+        done = []
         if self._restored is not None:
-            self.stream.wait_event(self._restored)
+            self.stream.wait_event(self._restored[1])
+            done.append(self._restored)
             self._restored = None
         overlap = inputs.kv_restores_overlap and bool(inputs.kv_restores)
-        copy_pages(self.dev, inputs, restores=not overlap)
+        if inputs.kv_offloads or (inputs.kv_restores and not overlap):
+            done.append(_timed(self.stream, lambda: copy_pages(self.dev, inputs,
+                                                              restores=not overlap)))
         if overlap:
             self.tier_stream.wait_stream(self.stream)  # NOTE: after the offloads: a restore
-            with torch.cuda.stream(self.tier_stream):  # may write a page one of them reads
-                assert self.dev.host_kv is not None
-                self.dev.host_kv.copy(self.dev.kv, [], inputs.kv_restores)
-                self._restored = torch.cuda.Event()
-                self._restored.record(self.tier_stream)
+            host = self.dev.host_kv  # may write a page one of them reads
+            assert host is not None
+            self._restored = _timed(self.tier_stream,
+                                    lambda: host.copy(self.dev.kv, [], inputs.kv_restores))
+        return done
 
     def _forward(self, h: HostStep, meta: torch.Tensor) -> Forward:
         """The step's forward: a graph's replay where one fits the step, else eager."""
@@ -275,14 +280,15 @@ class CUDAExecutor:
     def _wait(event: torch.cuda.Event, pending: _Pending) -> StepOutput:
         event.synchronize()  # NOTE: a blocking-sync event: the thread sleeps, the GIL is free
         exec_s = pending.start.elapsed_time(event) / 1e3
+        copy_s = sum(a.elapsed_time(b) for a, b in pending.copies) / 1e3
         scores = (prompt_scores_of(pending.scores, pending.score_targets, pending.score_rows)
                   if pending.scores is not None else [])
         if pending.out is None:
-            return StepOutput([], [], exec_s, scores)
+            return StepOutput([], [], exec_s, scores, copy_s=copy_s)
         out = pending.out.host()
         return StepOutput(out.token_ids.tolist(), logprobs_of(out, pending.want_logprobs),
                           exec_s, scores,
-                          out.drafts.tolist() if out.drafts is not None else [])
+                          out.drafts.tolist() if out.drafts is not None else [], copy_s)
 
     def close(self) -> None:
         self._launcher.submit(lambda: None).result()
@@ -332,4 +338,17 @@ class _Pending:
     scores: ScoreOutput | None = None
     score_targets: list[int] = field(default_factory=list)
     score_rows: list[tuple[int, int]] = field(default_factory=list)
+    #: (start, end) events of host-tier copies done when this step is (`_copy_pages`)
+    copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+
+def _timed(stream: torch.cuda.Stream, work: Callable[[], None]
+           ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """work() queued on `stream` between two timing events (the second marks it done)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        work()
+        end.record(stream)
+    return start, end
 

@@ -69,8 +69,9 @@ class _EngineCollector(Collector):
             ("arle_kv_host_restored_pages", "KV pages copied back from the host tier.",
              snap.get("kv_restored_pages", 0)),
             ("arle_kv_host_copy_bytes", "Bytes the host tier's copies moved, both ways.",
-             (snap.get("kv_offloaded_pages", 0) + snap.get("kv_restored_pages", 0))
-             * snap.get("kv_host_page_bytes", 0)),
+             _tier_bytes(snap)),
+            ("arle_kv_host_copy_seconds", "Device time of the host tier's copies.",
+             snap.get("kv_host_copy_us", 0) / 1e6),
             ("arle_kv_device_hit_tokens", "Prompt tokens admitted from cached device pages.",
              snap.get("kv_device_hit_tokens", 0)),
             ("arle_kv_host_hit_tokens", "Prompt tokens admitted from host-tier pages.",
@@ -80,6 +81,16 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("arle_spec_acceptance_rate", "Accepted / verified draft tokens "
                                 "since start (0: none verified).",
                                 value=accepted / drafted if drafted else 0.0)
+        seconds = snap.get("kv_host_copy_us", 0) / 1e6
+        yield GaugeMetricFamily("arle_kv_host_copy_bandwidth_bytes", "The host tier's copies: "
+                                "bytes moved per second of their device time, since start "
+                                "(0: none).", value=_tier_bytes(snap) / seconds if seconds else 0.0)
+
+
+def _tier_bytes(snap: dict[str, Any]) -> float:
+    """Bytes the host KV tier's copies moved since start, both ways."""
+    pages = snap.get("kv_offloaded_pages", 0) + snap.get("kv_restored_pages", 0)
+    return float(pages * snap.get("kv_host_page_bytes", 0))
 
 
 class _GCCollector(Collector):
