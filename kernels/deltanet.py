@@ -833,18 +833,19 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
                   ) -> None:
         work = nrows * hv
         launch = DECODE_SMALL if work < 64 else DECODE_MID if work < 512 else DECODE_LARGE
+        # the kept rows read their real slots; without them, the keep arguments are unused
+        row_slots = slots
+        keeps: tuple[object, ...] = (slots, conv_state, ssm_state, 0, 0, 0, 0)
         if kept is not None:  # a step's few verify rows, however many rows the grid spans
             launch = DECODE_SMALL
-        bv = block_v or _block_v(launch, dv)
-        nv = triton.cdiv(dv, bv)
-        if kept is not None:
+            row_slots = all_slots
             keeps = (kept.entries, kept.conv, kept.ssm, *kept.conv.stride()[:2],
                      *kept.ssm.stride()[:2])
-        else:
-            keeps = (slots, conv_state, ssm_state, 0, 0, 0, 0)
+        bv = block_v or _block_v(launch, dv)
+        nv = triton.cdiv(dv, bv)
         _recurrent_kernel[(nrows, hv, nv)](
-            mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_state, ssm_state,
-            all_slots if kept is not None else slots, seq_lens, cu_q_lens, out, bcs, bss,
+            mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_state, ssm_state, row_slots,
+            seq_lens, cu_q_lens, out, bcs, bss,
             _counter_buffer(out.device, rows * hk), *keeps[:3], row0, num_decode, page_size,
             dk ** -0.5, L2_EPS, mixed_qkv.stride(0), a.stride(0), b.stride(0),
             conv_weight.stride(0), *strides, out.stride(0), out.stride(1), *keeps[3:],

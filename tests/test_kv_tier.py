@@ -61,6 +61,13 @@ async def chat(engine: AsyncEngine, firsts: list[list[int]], turns: int, wave: i
     return answers, traces
 
 
+def small_pool(make_engine: Any, loaded: LoadedModel, host_pages: int = 0) -> AsyncEngine:
+    """The tiny model over a device pool of 20 pages, 4 requests at a time, with a host tier of
+    `host_pages` pages (0: none)."""
+    return make_engine(loaded, kv_cache_tokens=320, max_running_requests=4,
+                       kv_host_cache_gb=host_pages * TINY_PAGE_BYTES / 2**30)
+
+
 async def test_host_tier_answers_equal_an_unbounded_pool(tiny: LoadedModel,
                                                          make_engine: Any) -> None:
     """12 conversations x 3 turns over a device pool of 20 pages (a few conversations' worth;
@@ -70,8 +77,7 @@ async def test_host_tier_answers_equal_an_unbounded_pool(tiny: LoadedModel,
     firsts = conversations(tiny.config.vocab_size, 12, seed=1)
     roomy = make_engine(tiny, kv_cache_tokens=8192)
     want, _ = await chat(roomy, firsts, turns=3, wave=4, seed=2, max_tokens=30)
-    tiered = make_engine(tiny, kv_cache_tokens=320, max_running_requests=4,
-                         kv_host_cache_gb=400 * TINY_PAGE_BYTES / 2**30)
+    tiered = small_pool(make_engine, tiny, host_pages=400)
     assert tiered.cache.num_host_pages == 400
     got, traces = await chat(tiered, firsts, turns=3, wave=4, seed=2, cancel=True,
                              max_tokens=30)
@@ -84,7 +90,7 @@ async def test_host_tier_answers_equal_an_unbounded_pool(tiny: LoadedModel,
     assert all(t["prefix"]["device_hit_tokens"] + t["prefix"]["host_hit_tokens"]
                + t["prefix"]["computed_tokens"] == t["prompt_tokens"] for t in traces)
     # without the tier the same pool recomputes those prefixes
-    plain = make_engine(tiny, kv_cache_tokens=320, max_running_requests=4)
+    plain = small_pool(make_engine, tiny)
     again, plain_traces = await chat(plain, firsts, turns=3, wave=4, seed=2, max_tokens=30)
     assert again == want
     computed = [sum(t["prefix"]["computed_tokens"] for t in ts) for ts in (traces, plain_traces)]
@@ -98,8 +104,7 @@ async def test_a_full_host_tier_drops_its_oldest_pages(tiny: LoadedModel,
     firsts = conversations(tiny.config.vocab_size, 10, seed=4)
     want, _ = await chat(make_engine(tiny, kv_cache_tokens=8192), firsts, turns=3, wave=4,
                          seed=5)
-    small = make_engine(tiny, kv_cache_tokens=320, max_running_requests=4,
-                        kv_host_cache_gb=4 * TINY_PAGE_BYTES / 2**30)
+    small = small_pool(make_engine, tiny, host_pages=4)
     got, _ = await chat(small, firsts, turns=3, wave=4, seed=5)
     assert got == want
     assert small.cache.num_host_pages == 4
@@ -158,8 +163,7 @@ async def test_restored_prefixes_wait_a_step_beside_the_others(tiny: LoadedModel
     firsts = conversations(tiny.config.vocab_size, 10, seed=11)
     want, _ = await chat(make_engine(tiny, kv_cache_tokens=8192), firsts, turns=3, wave=4,
                          seed=12)
-    tiered = make_engine(tiny, kv_cache_tokens=320, max_running_requests=4,
-                         kv_host_cache_gb=400 * TINY_PAGE_BYTES / 2**30)
+    tiered = small_pool(make_engine, tiny, host_pages=400)
     tiered.scheduler.config = replace(tiered.scheduler.config, overlap_restores=True)
     seen: list[tuple[set[int], list[set[int]]]] = []
     launch = tiered.executor.launch

@@ -143,8 +143,7 @@ class RadixCache:
                 node.page = -1
             else:
                 assert not node.children, "a dropped node takes its subtree's pages with it"
-                del parent.children[node.key]
-                self.num_pages -= 1
+                self._detach(node)
             if parent is not self.root and self._evictable(parent):
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         return freed
@@ -165,14 +164,27 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
-            del parent.children[node.key]
+            self._detach(node)
             on_drop(node)
-            self.num_pages -= 1
             dropped += 1
             if (parent is not self.root and not parent.on_device and not parent.children
                     and parent.refs == 0):
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         return dropped
+
+    def drop_subtree(self, node: RadixNode, on_drop: Callable[[RadixNode], None]) -> None:
+        """A host node and everything below it (host nodes) leave the tree (`on_drop` sees
+        each, children first)."""
+        assert not node.on_device and node.refs == 0
+        for child in list(node.children.values()):
+            self.drop_subtree(child, on_drop)
+        self._detach(node)
+        on_drop(node)
+
+    def _detach(self, node: RadixNode) -> None:
+        assert node.parent is not None
+        del node.parent.children[node.key]
+        self.num_pages -= 1
 
     def all_nodes(self) -> list[RadixNode]:
         out, stack = [], list(self.root.children.values())
@@ -254,6 +266,9 @@ class CacheManager:
             return None
         short = n - self.pages.num_free
         if short > 0:
+            if self.num_host_pages and short > self.host.num_free:
+                # NOTE: room for the pages moving down, made in one pass over the tree
+                self.radix.drop_host(short - self.host.num_free, self._dropped_host)
             self.pages.free(self.radix.evict(short, self._evicted))
         return self.pages.alloc(n)
 
@@ -267,7 +282,7 @@ class CacheManager:
             self.stats["offloaded_pages"] += 1
             return True
         for child in list(node.children.values()):
-            self._drop_subtree(child)
+            self.radix.drop_subtree(child, self._dropped_host)
         self._drop_snapshot(node)
         return False
 
@@ -275,16 +290,6 @@ class CacheManager:
         self.host.free([node.host])
         node.host = -1
         self._drop_snapshot(node)
-
-    def _drop_subtree(self, node: RadixNode) -> None:
-        """A host node and everything below it leave the tree (host nodes only)."""
-        assert not node.on_device and node.refs == 0
-        for child in list(node.children.values()):
-            self._drop_subtree(child)
-        assert node.parent is not None
-        del node.parent.children[node.key]
-        self.radix.num_pages -= 1
-        self._dropped_host(node)
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The page copies owed to the next step: (offloads, restores). NOTE: run in that
@@ -461,7 +466,7 @@ class CacheManager:
             assert n.refs == refs.get(id(n), 0), "radix ref count out of step"
         assert self.radix.num_evictable == sum(1 for n in nodes if n.refs == 0 and n.on_device)
         assert len(self._free_slots) + len(live) == self.num_slots
-        carried = [n.snapshot for n in self.radix.all_nodes() if n.snapshot is not None]
+        carried = [n.snapshot for n in nodes if n.snapshot is not None]
         assert sorted(carried) == sorted(self._snapshot_nodes), "a snapshot lost its node"
         assert (sorted(self._free_snapshots + carried) == list(range(self.num_snapshots))), \
             "a snapshot is lost or in two states"

@@ -33,13 +33,24 @@ def bytes_of(*tensors: torch.Tensor | None) -> int:
 
 
 @dataclass
-class KVCache:
-    """Every layer's K and V pages (and, for FP8, one fp32 scale per token and KV head)."""
+class _KVTensors:
+    """K and V pages (and, for FP8, one fp32 scale per token and KV head), in the layout of
+    the pool that holds them."""
 
-    k: torch.Tensor  # [layers, pages, page_size, kv_heads, head_dim]
+    k: torch.Tensor
     v: torch.Tensor
-    k_scale: torch.Tensor | None  # [layers, pages, page_size, kv_heads] float32 (FP8 only)
+    k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return bytes_of(self.k, self.v, self.k_scale, self.v_scale)
+
+
+@dataclass
+class KVCache(_KVTensors):
+    """Every layer's K and V pages: k, v [layers, pages, page_size, kv_heads, head_dim], FP8's
+    scales [layers, pages, page_size, kv_heads] float32."""
 
     @classmethod
     def allocate(cls, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int,
@@ -72,10 +83,6 @@ class KVCache:
     def page_size(self) -> int:
         return self.k.shape[2]
 
-    @property
-    def nbytes(self) -> int:
-        return bytes_of(self.k, self.v, self.k_scale, self.v_scale)
-
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                      torch.Tensor | None]:
         ks = self.k_scale[i] if self.k_scale is not None else None
@@ -84,16 +91,11 @@ class KVCache:
 
 
 @dataclass
-class HostKV:
+class HostKV(_KVTensors):
     """The host tier's K/V pages (`CacheManager`'s host pages): [pages, layers, page_size,
     kv_heads, head_dim] per K and V (and FP8's scales), so a page is one contiguous block;
-    pinned where the device pool is on CUDA (the copies run on the step's stream, without a
-    wait on the host)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None
-    v_scale: torch.Tensor | None
+    pinned where the device pool is on CUDA (its copies are queued on a stream, never waited
+    for on the host)."""
 
     @classmethod
     def beside(cls, kv: KVCache, nbytes: int) -> HostKV | None:
@@ -114,10 +116,6 @@ class HostKV:
     @property
     def num_pages(self) -> int:
         return self.k.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return bytes_of(self.k, self.v, self.k_scale, self.v_scale)
 
     def copy(self, kv: KVCache, offloads: list[tuple[int, int]],
              restores: list[tuple[int, int]]) -> None:
