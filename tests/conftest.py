@@ -113,6 +113,22 @@ async def run_many(engine: AsyncEngine, prompts: list[Any], **params: Any) -> li
     return list(await asyncio.gather(*(run(engine, p, **params) for p in prompts)))
 
 
+async def run_together(engine: AsyncEngine, prompts: list[Any],
+                       **params: Any) -> list[list[Delta]]:
+    """`run_many`, with every request queued before the engine's first step. Tokenizing happens
+    in threads, so a batch otherwise reaches the scheduler in pieces whose split follows the
+    machine's load, and a step's row count picks kernels (packed int4 up to PACKED_MAX_ROWS,
+    bf16-expanded above) whose numbers differ: a test comparing two engines' logprobs needs
+    the same steps in both."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine, "_ensure_loop", lambda: None)
+        tasks = [asyncio.ensure_future(run(engine, p, **params)) for p in prompts]
+        while len(engine.scheduler.waiting) < len(prompts) and not any(t.done() for t in tasks):
+            await asyncio.sleep(0.001)
+    engine._ensure_loop()
+    return list(await asyncio.gather(*tasks))
+
+
 async def cancel_mid_stream(engine: AsyncEngine, req: GenerateRequest, timeout: float = 30,
                             check: Callable[[], None] | None = None) -> None:
     """Stream `req` until its first output, cancel it 50 ms later (`check` runs just before),

@@ -21,7 +21,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_all_pages_back, cancel_mid_stream, run, run_many, tokens_of
+from conftest import (
+    assert_all_pages_back,
+    cancel_mid_stream,
+    run,
+    run_many,
+    run_together,
+    tokens_of,
+)
 from helpers import (
     Oracle,
     load_script,
@@ -358,10 +365,11 @@ async def test_int4_default_model_equals_off(make_engine: Any) -> None:
     of the three benchmark tasks, speculation on (K = 8) against off, the same tokens and
     logprobs. It holds because a verify row's tokens attend as decode rows, one row at a time
     (kernels/extend_attention.py), and the packed kernels give a row the same numbers
-    whatever the rows beside it; a batched, padded attention flipped near-ties here. Prefix
-    cache off: a prefix another request prefilled in a long chunk (bf16-expanded weights)
-    has other numbers than one a short chunk (the packed kernel) computes, and which one a
-    request meets depends on when it arrives."""
+    whatever the rows beside it; a batched, padded attention flipped near-ties here. The
+    prefills are not row-invariant: a long step runs bf16-expanded weights, a short one
+    (PACKED_MAX_ROWS) the packed kernel. So the three requests arrive together in both engines
+    (`run_together`), and the prefix cache is off (a prefix one request computed in another's
+    step would carry that step's numbers)."""
     loaded = load_model(require_smollm2_gguf(), "auto")
     tasks = load_script("bench_speculative").TASKS
     prompts = [loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(
@@ -369,9 +377,9 @@ async def test_int4_default_model_equals_off(make_engine: Any) -> None:
     params = {"max_tokens": 100, "ignore_eos": True, "logprobs": 1}
     # NOTE: a fixed thread count (no governor): a bf16 GEMM's sums follow its threads
     fixed = {"enable_prefix_cache": False, "num_threads": torch.get_num_threads()}
-    want = await run_many(make_engine(loaded, **fixed), prompts, **params)
-    got = await run_many(make_engine(loaded, speculative="ngram", num_speculative_tokens=8,
-                                     **fixed), prompts, **params)
+    want = await run_together(make_engine(loaded, **fixed), prompts, **params)
+    got = await run_together(make_engine(loaded, speculative="ngram", num_speculative_tokens=8,
+                                         **fixed), prompts, **params)
     assert_same(got, want)
     assert sum(spec_of(d)["accepted"] for d in got) > 50
 
