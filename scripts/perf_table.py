@@ -209,6 +209,8 @@ SOURCES = (
     Source("cpu/kv_tier_smollm2.json", "python3 scripts/bench_kv_tier.py --conversations 16 "
            "--turns 4 --doc-tokens 512 --pool-share 0.25 --host-gb 1 "
            "--out docs/results/cpu/kv_tier_smollm2.json"),
+    Source("cpu/cpu_attention.json", "python3 scripts/bench_cpu_attention.py "
+           "--contexts 512,2048,6144 --out docs/results/cpu/cpu_attention.json"),
     Source("cpu/bench_cpu_qwen3.5.json",
            "python3 scripts/make_random_model.py tiny-qwen3.5 /tmp/models/tiny-qwen3.5 && "
            "python3 scripts/bench_cpu.py --model /tmp/models/tiny-qwen3.5 --rounds 5 "
@@ -224,6 +226,7 @@ _NO_OVERLAP = "h200/serve_qwen3-4b_disable-overlap.json"
 _NO_GRAPH = "h200/serve_qwen3-4b_disable-cuda-graph.json"
 _HF = "h200/hf_qwen3-4b.json"
 _CPU = "cpu/bench_cpu.json"
+_CPU_ATT = "cpu/cpu_attention.json"
 _CPU_Q35 = "cpu/bench_cpu_qwen3.5.json"
 _SPEC = "cpu/speculative_smollm2.json"
 _SPEC_OFF = "speculation off, the same requests in the same run"
@@ -587,9 +590,9 @@ def machine_section(res: Results, machine: Machine) -> list[str]:
         data = ", ".join(f"[{Path(f).name}](results/{f})" for f in files)
         lines.append("| " + " | ".join(_cell(c) for c in (
             fig.workload, fig.model, arle, base, ratio, dates, commits, data)) + " |")
-    lines += ["", "Commands, from the repository root (the data column's files):", "", "```sh",
-              *machine.setup]
-    for name in (s.file for s in SOURCES if s.file in used):
+    lines += ["", "Commands, from the repository root (the data column's files and the ones the "
+              "bounds below cite):", "", "```sh", *machine.setup]
+    for name in (s.file for s in SOURCES if s.file in used or s.file.startswith(machine.key)):
         lines += [f"# {Path(name).name}", _command(name)]
     return [*lines, "```", ""]
 
@@ -653,7 +656,27 @@ def _cpu_bounds(res: Results) -> list[str]:
         f"on 2 threads but the model's small ones (0.2-0.9 MB) slower: a fixed cost a call. "
         f"What would close it: fewer, fused ops per layer (`torch.compile` of a layer's MLP "
         f"half came out level, after an 18 s compile) and a cheaper call into the packed "
-        f"kernel.", ""]
+        f"kernel.", "", *_cpu_attention_bound(res, s)]
+
+
+def _cpu_attention_bound(res: Results, s: Any) -> list[str]:
+    """Why CPU decode slows with the context: attention's read rate (cpu_attention.json)."""
+    att = res.load(_CPU_ATT)["contexts"]
+    n = max(att, key=int)
+    a = att[n]
+    return [
+        f"**Batch-1 decode at long contexts, the CPU** ([{Path(_CPU_ATT).name}]"
+        f"(results/{_CPU_ATT})): at {int(n):,} tokens a step reads "
+        f"{a['arle']['bytes'] / 1e6:.0f} MB of fp32 K/V for its 30 layers; arle's attention "
+        f"takes {a['arle']['ms']:.1f} ms of it, {a['arle']['gb_s']:.1f} GB/s, where a plain read "
+        f"of the same bytes (`sum`) runs at {a['read']['gb_s']:.1f} GB/s "
+        f"({a['read']['ms']:.1f} ms); decode there is "
+        f"{s['arle']['contexts'][n]['decode_tok_s']:.1f} tok/s. The products are GEMMs with 3 "
+        f"columns (the query heads of a KV head); one GEMM over all heads (9 columns, "
+        f"{a['one_gemm']['gb_s']:.1f} GB/s) reads no faster: torch's CPU GEMM at so few columns "
+        f"streams at under half the read rate on 2 threads. What would close it: a product that streams K and V once at "
+        f"read bandwidth (a fused dot-softmax-dot, which torch's CPU ops do not offer), or "
+        f"fewer bytes (bf16 or FP8 K/V: on the CPU those take a gathering path today).", ""]
 
 
 def _kernel_ms(decode: Any, batch: int, *names: str) -> float:
