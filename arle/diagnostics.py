@@ -329,9 +329,13 @@ def memory_plan(engine: AsyncEngine) -> dict[str, Any]:
             "kv_pool": {"tokens": pool.num_tokens, "pages": pool.num_pages,
                         "page_size": pool.page_size, "bytes": pool.bytes,
                         "dtype": pool.dtype},
-            # the host tier (--kv-host-cache-gb): pages and bytes, 0 when off
+            # the host tier (--kv-host-cache-gb): pages and bytes, 0 when off; a hybrid
+            # model's state snapshots beside them
             "kv_host_tier": {"pages": pool.host_pages, "bytes": pool.host_bytes,
-                             "tokens": pool.host_pages * pool.page_size},
+                             "tokens": pool.host_pages * pool.page_size,
+                             **({"snapshots": pool.host_snapshots,
+                                 "snapshot_bytes": pool.host_snapshot_bytes}
+                                if pool.host_snapshots else {})},
             "state_pool": engine.state_pool(),
             # NOTE: the CPU executor allocates activations per step; the CUDA one measures its
             # peak in a profile run at start-up (and its CUDA graphs' capture).

@@ -183,7 +183,8 @@ def test_a_match_can_be_capped() -> None:
 def _run_copies(cm: CacheManager, device: dict[int, tuple[int, ...]],
                 host: dict[int, tuple[int, ...]]) -> None:
     """A step's page copies, as the executor runs them: offloads, then restores."""
-    offloads, restores = cm.take_copies()
+    offloads, restores, snapshots = cm.take_copies()
+    assert snapshots == []  # a dense model's
     for d, h in offloads:
         host[h] = device[d]
     for h, d in restores:
@@ -252,3 +253,87 @@ def test_host_tier_random_operations_keep_every_page_right() -> None:
         cm.check([rc for rc, _ in live])
     assert cm.stats["offloaded_pages"] > 20 and cm.stats["restored_pages"] > 10
     assert cm.stats["host_hit_tokens"] > 0
+
+
+def test_a_snapshot_moves_down_with_its_page_and_restores_from_the_host() -> None:
+    """Hybrid: a node whose page moves to the host takes its snapshot along (its device entry
+    is free again); a later match of the prefix starts from the host's copy."""
+    cm = CacheManager(num_pages=4, page_size=4, num_slots=2, hybrid=True, num_snapshots=1,
+                      host_pages=4, host_snapshots=2)
+    tokens = list(range(9))
+    a, saves = _run_prompt(cm, tokens, chunk=16)
+    (_, snap), = saves
+    cm.release(a, tokens, 9)
+    b = cm.admit(list(range(100, 116)), 16)  # every device page: a's move down
+    assert b is not None
+    offloads, _, snapshots = cm.take_copies()
+    assert len(offloads) == 2 and snapshots == [(snap, 0)]
+    node = cm.radix.match(tokens)[-1]
+    assert node.snapshot is None and node.host_snapshot == 0
+    assert cm.stats["offloaded_snapshots"] == 1
+    cm.check([b])
+    cm.release(b, list(range(100, 116)), 0)
+    c = cm.admit(tokens, 10)
+    assert c is not None and len(c.shared) == 2 and c.restored == 2
+    assert c.restore is None and c.restore_host == 0
+    assert cm.stats["host_snapshot_hits"] == 1
+    cm.check([c])
+    cm.release(c, tokens, 9)
+    cm.check([])
+
+
+def test_hybrid_host_tier_random_operations_restore_the_right_state() -> None:
+    """Random conversations over small device pools (pages and snapshots) and host pools,
+    run as a step runs its copies: page and snapshot offloads, page restores, the released
+    requests' saves, the new requests' starts, the prefill, its saves. Every request starts
+    from the state of exactly its cached prefix (a state here is the tokens it has seen),
+    whichever tier holds it, and the invariant holds after every operation."""
+    rng = random.Random(5)
+    ps = 4
+    cm = CacheManager(num_pages=20, page_size=ps, num_slots=4, hybrid=True, num_snapshots=3,
+                      host_pages=12, host_snapshots=4)
+    pages: dict[int, tuple[int, ...]] = {}
+    host: dict[int, tuple[int, ...]] = {}
+    snaps: dict[int, tuple[int, ...]] = {}
+    host_snaps: dict[int, tuple[int, ...]] = {}
+    boundary: dict[int, tuple[int, ...]] = {}  # each slot's state at its last page boundary
+    prompts = [[1000 * s + i for i in range(rng.randrange(4, 13))] for s in range(3)]
+    convs = [list(rng.choice(prompts)) for _ in range(8)]
+    live: list[tuple[RequestCache, list[int]]] = []
+    for _ in range(1500):
+        if live and (rng.random() < 0.45 or len(live) == 4):
+            rc, tokens = live.pop(rng.randrange(len(live)))
+            cm.release(rc, tokens, len(tokens))
+        else:
+            conv = rng.choice(convs)
+            conv += [rng.randrange(50) for _ in range(rng.randrange(1, 7))]
+            tokens = list(conv)
+            rc = cm.admit(tokens, len(tokens) + 1, headroom_pages=len(live))
+            if rc is None:
+                continue
+            start = len(rc.shared) * ps
+            cm.reached(rc, start, len(tokens) - start)  # one prefill of the rest
+            cm.publish(rc, tokens, len(tokens))
+            after = cm.snapshot(rc, tokens, len(tokens))
+            offloads, restores, snapshot_offloads = cm.take_copies()
+            for d, h in offloads:
+                host[h] = pages[d]
+            for h, d in restores:
+                pages[d] = host[h]
+            for d, h in snapshot_offloads:
+                host_snaps[h] = snaps[d]
+            for slot, snap in cm.take_saves():
+                snaps[snap] = boundary[slot]
+            state = (snaps[rc.restore] if rc.restore is not None else
+                     host_snaps[rc.restore_host] if rc.restore_host is not None else ())
+            assert state == tuple(tokens[:start])
+            for i, node in enumerate(rc.shared[:start // ps]):
+                assert pages[node.page] == tuple(tokens[i * ps:(i + 1) * ps])
+            for i in range(start // ps, len(tokens) // ps):
+                pages[rc.pages[i]] = tuple(tokens[i * ps:(i + 1) * ps])
+            boundary[rc.slot] = tuple(tokens[:rc.boundary])
+            if after is not None:
+                snaps[after] = boundary[rc.slot]
+            live.append((rc, tokens))
+        cm.check([rc for rc, _ in live])
+    assert cm.stats["offloaded_snapshots"] > 10 and cm.stats["host_snapshot_hits"] > 5

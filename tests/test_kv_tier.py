@@ -11,6 +11,7 @@ import random
 from typing import Any
 
 import pytest
+import torch
 from conftest import cancel_mid_stream, run, tokens_of
 
 from arle.engine.async_engine import AsyncEngine
@@ -132,24 +133,40 @@ async def test_a_full_host_tier_drops_its_oldest_pages(tiny: LoadedModel,
 
 async def test_hybrid_host_tier_answers_equal_an_unbounded_pool(make_engine: Any,
                                                                 tmp_path: Any) -> None:
-    """Qwen3.5 (Gated DeltaNet layers): a host hit needs the node's state snapshot too, which
-    stays in its own pool; the answers equal a pool that evicts nothing."""
+    """Qwen3.5 (Gated DeltaNet layers): a host hit needs the node's state snapshot too. With
+    3 device snapshots for 6 conversations, snapshots move to the host tier (with their pages,
+    or as the device's run out) and returning turns start from them there; the answers equal
+    a pool that evicts nothing."""
     from model_dirs import write_qwen3_5_dir
 
+    from arle.diagnostics import memory_plan
+    from arle.executor.paged import StatePool
     from arle.model.loader import load_model
+    from arle.server.metrics import ServerMetrics
 
     write_qwen3_5_dir(tmp_path, seed=3, vocab_size=259)
     hybrid = load_model(tmp_path, "float32")
     firsts = conversations(259, 6, seed=7)
     want, _ = await chat(make_engine(hybrid, kv_cache_tokens=8192), firsts, turns=3, wave=3,
                          seed=8)
-    page = hybrid.model.rank_config.kv_bytes_per_token(4) * 16
-    tiered = make_engine(hybrid, kv_cache_tokens=256, max_running_requests=3,
-                         kv_host_cache_gb=200 * page / 2**30, state_snapshots=24)
+    cfg = hybrid.model.rank_config
+    pages, snapshots = 16, 3
+    state = StatePool.for_model(cfg, 1, 1, hybrid.model.dtype, torch.device("cpu"))
+    assert state is not None
+    # the host tier 8x the device's pools: 128 pages and 24 snapshots (`host_tier` splits it)
+    device = pages * cfg.kv_bytes_per_token(4) * 16 + snapshots * state.slot_bytes
+    tiered = make_engine(hybrid, kv_cache_tokens=pages * 16, max_running_requests=3,
+                         kv_host_cache_gb=8 * device / 2**30, state_snapshots=snapshots)
+    assert tiered.cache.num_host_snapshots == 8 * snapshots
+    assert memory_plan(tiered)["kv_host_tier"]["snapshots"] == 8 * snapshots
     got, traces = await chat(tiered, firsts, turns=3, wave=3, seed=8)
     assert got == want
-    assert tiered.cache.stats["offloaded_pages"] > 0
+    stats = tiered.cache.stats
+    assert stats["offloaded_pages"] > 0 and stats["offloaded_snapshots"] > 0
+    assert stats["host_snapshot_hits"] > 0
     assert sum(t["prefix"]["host_hit_tokens"] for t in traces) > 0
+    text = ServerMetrics(tiered.snapshot).prometheus_text().decode()
+    assert f"arle_kv_host_snapshot_hits_total {float(stats['host_snapshot_hits'])}" in text
 
 
 async def test_restored_prefixes_wait_a_step_beside_the_others(tiny: LoadedModel,

@@ -455,8 +455,9 @@ def test_a_tp2_server_listens_on_loopback_only(model_dirs: dict[str, Path],
 
 async def test_a_host_tier_hit_is_a_hit_on_every_rank(model_dirs: dict[str, Path]) -> None:
     """Qwen3.5 at TP=2 with a host KV tier and a device pool of 6 pages: a first prompt's pages
-    move to the host (each rank its own heads of them) while others run, come back for the
-    prompt that extends it, and the answer is TP=1's without any reuse."""
+    move to the host (each rank its own heads of them, and its own state snapshot) while
+    others run, come back for the prompt that extends it, and the answer is TP=1's without
+    any reuse."""
     turn1 = [(13 * j + 5) % 250 for j in range(64)]
     base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, kv_cache_tokens=96,
                         max_running_requests=1, kv_host_cache_gb=0.01, state_snapshots=8)
@@ -471,6 +472,8 @@ async def test_a_host_tier_hit_is_a_hit_on_every_rank(model_dirs: dict[str, Path
         assert hit[-1].trace is not None
         prefix = hit[-1].trace["prefix"]
         assert prefix["host_hit_tokens"] > 0 and prefix["state_restored"], prefix
+        # its state snapshot moved down with its pages: each rank starts from its own copy
+        assert engine.cache.stats["host_snapshot_hits"] == 1
         assert_all_pages_back(engine)
     finally:
         await engine.close()

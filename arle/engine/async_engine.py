@@ -138,7 +138,8 @@ class AsyncEngine:
         self.cache = CacheManager(pool.num_pages, pool.page_size, executor.num_slots,
                                   config.enable_prefix_cache, hybrid=executor.state is not None,
                                   num_snapshots=executor.num_snapshots,
-                                  host_pages=pool.host_pages)
+                                  host_pages=pool.host_pages,
+                                  host_snapshots=pool.host_snapshots)
         # NOTE: the device defaults are filled in already (`EngineConfig.for_device`).
         assert config.max_running_requests is not None and config.max_batched_tokens is not None
         assert config.chunked_prefill_size is not None

@@ -11,14 +11,15 @@ match that reaches host nodes brings their pages back to device pages as the req
 admitted. The copies are owed to the next step (`take_copies`): offloads (device -> host)
 before restores (host -> device), both before the step's kernels. One LRU clock orders both
 tiers: the device evicts its least recently used unreferenced pages that hold no device page
-below them; the host drops its least recently used leaves. A hybrid node keeps its snapshot
-(the snapshot pool is its own) wherever its page is.
+below them; the host drops its least recently used leaves. A hybrid node's snapshot moves to
+the host's snapshots with its page, or when the device's snapshots run out, and a request
+that matches it starts from it there (the copy goes straight into its slot's state).
 
 NOTE (invariants, `check()` asserts them): every page is in exactly one state: free, published
 in the radix tree (shared, read-only, possibly referenced by requests), or private to one
 request; so is every host page: free, a host node's, or read by a restore not yet run. A node
 holds a device page or a host page, never both; a host node's children are host nodes. Every
-snapshot is free or carried by exactly one node.
+snapshot, on either tier, is free or carried by exactly one node, which carries one at most.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class RadixNode:
     snapshot: int | None = None
     #: the host page holding this node's K/V while it is off the device (-1: on the device)
     host: int = -1
+    #: the snapshot's entry in the host tier, where it moved (-1: none)
+    host_snapshot: int = -1
+
+    @property
+    def has_snapshot(self) -> bool:
+        return self.snapshot is not None or self.host_snapshot >= 0
 
     @property
     def on_device(self) -> bool:
@@ -207,8 +214,10 @@ class RequestCache:
     slot: int
     pages: list[int] = field(default_factory=list)
     shared: list[RadixNode] = field(default_factory=list)
-    #: hybrid models: the snapshot the slot's state starts from (None: zero)
+    #: hybrid models: the snapshot the slot's state starts from (None: zero), or the host
+    #: tier's
     restore: int | None = None
+    restore_host: int | None = None
     #: hybrid models: the last page boundary its scheduled rows reached (the executor keeps
     #: the state there), and the last one a snapshot was taken at
     boundary: int = 0
@@ -222,7 +231,7 @@ class CacheManager:
 
     def __init__(self, num_pages: int, page_size: int, num_slots: int,
                  enable_prefix_cache: bool = True, hybrid: bool = False,
-                 num_snapshots: int = 0, host_pages: int = 0) -> None:
+                 num_snapshots: int = 0, host_pages: int = 0, host_snapshots: int = 0) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         self.pages = PageAllocator(num_pages)
@@ -236,7 +245,7 @@ class CacheManager:
         self._restore_reads: list[int] = []
         #: pages moved each way, and tokens admitted from each tier (`stats`)
         self.stats = {"offloaded_pages": 0, "restored_pages": 0, "device_hit_tokens": 0,
-                      "host_hit_tokens": 0}
+                      "host_hit_tokens": 0, "offloaded_snapshots": 0, "host_snapshot_hits": 0}
         self.enable_prefix_cache = enable_prefix_cache
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self.num_slots = num_slots
@@ -244,6 +253,11 @@ class CacheManager:
         self.num_snapshots = num_snapshots if hybrid and enable_prefix_cache else 0
         self._free_snapshots = list(range(self.num_snapshots - 1, -1, -1))
         self._snapshot_nodes: dict[int, RadixNode] = {}
+        self.num_host_snapshots = host_snapshots if self.num_snapshots and self.num_host_pages else 0
+        self._free_host_snapshots = list(range(self.num_host_snapshots - 1, -1, -1))
+        self._host_snapshot_nodes: dict[int, RadixNode] = {}
+        #: (snapshot, host snapshot) copies owed to the next step, before its saves
+        self._snapshot_offloads: list[tuple[int, int]] = []
         #: (slot, snapshot) copies owed by requests released since the last step; the next
         #: step's plan takes them (`take_saves`)
         self._pending_saves: list[tuple[int, int]] = []
@@ -280,6 +294,7 @@ class CacheManager:
             node.host = self.host.alloc(1)[0]
             self._offloads.append((node.page, node.host))
             self.stats["offloaded_pages"] += 1
+            self._demote_snapshot(node)
             return True
         for child in list(node.children.values()):
             self.radix.drop_subtree(child, self._dropped_host)
@@ -291,13 +306,15 @@ class CacheManager:
         node.host = -1
         self._drop_snapshot(node)
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The page copies owed to the next step: (offloads, restores). NOTE: run in that
-        order, before the step's kernels: a restore may write a device page an offload of the
-        same step reads; the host pages the restores read are free from now on, as the next
-        copies into them run after these."""
-        copies = (self._offloads, self._restores)
-        self._offloads, self._restores = [], []
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]],
+                                   list[tuple[int, int]]]:
+        """The copies owed to the next step: (page offloads, page restores, snapshot
+        offloads). NOTE: the pages' in that order, before the step's kernels: a restore may
+        write a device page an offload of the same step reads; the host pages the restores
+        read are free from now on, as the next copies into them run after these. The
+        snapshots' before the step's saves (`StepPlan.snapshot_offloads`)."""
+        copies = (self._offloads, self._restores, self._snapshot_offloads)
+        self._offloads, self._restores, self._snapshot_offloads = [], [], []
         self.host.free(self._restore_reads)
         self._restore_reads = []
         return copies
@@ -313,7 +330,7 @@ class CacheManager:
         limit = len(tokens) - 1 if max_match is None else min(len(tokens) - 1, max_match)
         nodes = self.radix.match(tokens[:limit])
         if self.hybrid:
-            while nodes and nodes[-1].snapshot is None:
+            while nodes and not nodes[-1].has_snapshot:
                 nodes.pop()
         return nodes
 
@@ -337,15 +354,18 @@ class CacheManager:
         assert new is not None
         self._restore(on_host, new[:len(on_host)])
         new = new[len(on_host):]
-        restore = shared[-1].snapshot if self.hybrid and shared else None
-        if restore is not None:
-            shared[-1].last_used = next(_clock)
+        last = shared[-1] if self.hybrid and shared else None
+        restore, restore_host = (last.snapshot, last.host_snapshot) if last else (None, -1)
+        if last is not None:
+            last.last_used = next(_clock)
+            self.stats["host_snapshot_hits"] += restore_host >= 0
         reached = len(shared) * self.page_size
         self.stats["device_hit_tokens"] += (len(shared) - len(on_host)) * self.page_size
         self.stats["host_hit_tokens"] += len(on_host) * self.page_size
         return RequestCache(slot=self._free_slots.pop(), pages=[n.page for n in shared] + new,
-                            shared=shared, restore=restore, boundary=reached, saved=reached,
-                            restored=len(on_host))
+                            shared=shared, restore=restore,
+                            restore_host=restore_host if restore_host >= 0 else None,
+                            boundary=reached, saved=reached, restored=len(on_host))
 
     def _restore(self, nodes: list[RadixNode], pages: list[int]) -> None:
         """Host nodes (locked) back onto these device pages, by copies owed to the next step."""
@@ -420,11 +440,10 @@ class CacheManager:
             return None
         rc.saved = b
         nodes = self.radix.match(tokens[:b])
-        if len(nodes) * self.page_size != b or nodes[-1].snapshot is not None:
+        if len(nodes) * self.page_size != b or nodes[-1].has_snapshot:
             return None
         if not self._free_snapshots:
-            oldest = min(self._snapshot_nodes.values(), key=lambda n: n.last_used)
-            self._drop_snapshot(oldest)
+            self._demote_snapshot(min(self._snapshot_nodes.values(), key=lambda n: n.last_used))
         snapshot = self._free_snapshots.pop()
         nodes[-1].snapshot = snapshot
         nodes[-1].last_used = next(_clock)
@@ -436,11 +455,40 @@ class CacheManager:
         saves, self._pending_saves = self._pending_saves, []
         return saves
 
+    def _demote_snapshot(self, node: RadixNode) -> None:
+        """A node's device snapshot gives up its entry: to the host tier where it has (or can
+        make) room, by a copy owed to the next step; else dropped. NOTE: a host entry read by
+        a request admitted this step (its node locked) is never the one made room in."""
+        if node.snapshot is None:
+            return
+        if self.num_host_snapshots and not self._free_host_snapshots:
+            idle = [n for n in self._host_snapshot_nodes.values() if n.refs == 0]
+            if idle:
+                self._drop_host_snapshot(min(idle, key=lambda n: n.last_used))
+        if not self._free_host_snapshots:
+            self._drop_snapshot(node)
+            return
+        node.host_snapshot = self._free_host_snapshots.pop()
+        self._host_snapshot_nodes[node.host_snapshot] = node
+        self._snapshot_offloads.append((node.snapshot, node.host_snapshot))
+        self.stats["offloaded_snapshots"] += 1
+        del self._snapshot_nodes[node.snapshot]
+        self._free_snapshots.append(node.snapshot)
+        node.snapshot = None
+
     def _drop_snapshot(self, node: RadixNode) -> None:
+        """The node's snapshot, on either tier, is gone."""
         if node.snapshot is not None:
             del self._snapshot_nodes[node.snapshot]
             self._free_snapshots.append(node.snapshot)
             node.snapshot = None
+        self._drop_host_snapshot(node)
+
+    def _drop_host_snapshot(self, node: RadixNode) -> None:
+        if node.host_snapshot >= 0:
+            del self._host_snapshot_nodes[node.host_snapshot]
+            self._free_host_snapshots.append(node.host_snapshot)
+            node.host_snapshot = -1
 
     # ---- checks -----------------------------------------------------------------------------
     def check(self, live: Sequence[RequestCache] = ()) -> None:
@@ -470,3 +518,10 @@ class CacheManager:
         assert sorted(carried) == sorted(self._snapshot_nodes), "a snapshot lost its node"
         assert (sorted(self._free_snapshots + carried) == list(range(self.num_snapshots))), \
             "a snapshot is lost or in two states"
+        hosted_snaps = [n.host_snapshot for n in nodes if n.host_snapshot >= 0]
+        assert sorted(hosted_snaps) == sorted(self._host_snapshot_nodes), \
+            "a host snapshot lost its node"
+        assert (sorted(self._free_host_snapshots + hosted_snaps)
+                == list(range(self.num_host_snapshots))), "a host snapshot lost or doubled"
+        assert not any(n.snapshot is not None and n.host_snapshot >= 0 for n in nodes), \
+            "a node carries two snapshots"

@@ -93,11 +93,12 @@ class Scheduler:
             return None
         saves_after = self._commit(rows)
         self._step_ids += 1
-        offloads, restores = self.cache.take_copies()
+        offloads, restores, snapshot_offloads = self.cache.take_copies()
         plan = StepPlan(self._step_ids, rows, new_slots, saves_before=self.cache.take_saves(),
                         saves_after=saves_after, state_restores=list(self._restores.values()),
                         mtp=self.drafter is not None and self.drafter.chains,
                         kv_offloads=offloads, kv_restores=restores,
+                        snapshot_offloads=snapshot_offloads,
                         kv_restores_overlap=deferred)
         self._restores.clear()
         plan.schedule_us = (time.perf_counter() - t0) * 1e6
@@ -258,11 +259,11 @@ class Scheduler:
             if seq.matched_tokens < 0:
                 seq.matched_tokens = seq.num_scheduled
                 seq.host_hit_tokens = rc.restored * self.cache.page_size
-                seq.state_restored = rc.restore is not None
+                seq.state_restored = rc.restore is not None or rc.restore_host is not None
                 seq.timeline.admitted = time.perf_counter()
             self.running.append(seq)
             new_slots.append(NewSlot(rc.slot, list(seq.tokens), seq.num_prompt, seq.params,
-                                     rc.restore))
+                                     rc.restore, rc.restore_host))
             if rc.restored and self.config.overlap_restores and (others or rows):
                 continue  # its first chunk goes next step (`_running_prefill_rows`)
             deferred = deferred and not rc.restored

@@ -41,9 +41,12 @@ class KVPoolInfo:
     page_size: int
     bytes: int
     dtype: str  # "float32", "bfloat16", ... (no "torch." prefix)
-    #: the host tier's pages and bytes (0: none)
+    #: the host tier's pages and their bytes (0: none), and its state snapshots and theirs
+    #: (hybrid models)
     host_pages: int = 0
     host_bytes: int = 0
+    host_snapshots: int = 0
+    host_snapshot_bytes: int = 0
 
     @property
     def num_tokens(self) -> int:

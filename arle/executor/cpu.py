@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from arle.executor.base import KVPoolInfo, StepOutput
+from arle.executor.base import StepOutput
 from arle.executor.distributed import TPRanks, peer_inputs, rank_memory
-from arle.executor.paged import KVCache, StatePool, StepInputs, kv_format
+from arle.executor.paged import KVCache, StatePool, StepInputs
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import logprobs_of, prompt_scores_of
 from arle.executor.step import StepState, copy_pages, eager_forward, run_step_body
@@ -49,9 +49,7 @@ class CPUExecutor:
                                torch.device("cpu"))
         self.dev = StepState.build(model, kv, num_slots, num_snapshots, max_positions, seed,
                                    kv_dtype, spec, host_kv_bytes)
-        host = self.dev.host_kv
-        self.kv_pool = KVPoolInfo(num_pages, page_size, kv.nbytes, kv_format(kv_dtype),
-                                  host.num_pages if host else 0, host.nbytes if host else 0)
+        self.kv_pool = self.dev.pool_info()
         # NOTE: one worker thread: steps run in launch order, as on a CUDA stream.
         self._worker = torch_thread()
         #: the torch thread count follows the cores this process gets (`ThreadGovernor`);

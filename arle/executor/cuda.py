@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from arle.executor.base import KVPoolInfo, StepOutput
+from arle.executor.base import StepOutput
 from arle.executor.cuda_startup import CUDAExecutorConfig, start_up
 from arle.executor.distributed import TPRanks, peer_inputs, rank_memory
-from arle.executor.paged import FP8_KV, PackedStep, StatePool, StepInputs, kv_format
+from arle.executor.paged import FP8_KV, PackedStep, StatePool, StepInputs
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import (
     SampleOutput,
@@ -106,11 +106,7 @@ class CUDAExecutor:
         self.num_splits_for = started.splits
         #: What start-up measured, for `arle warmup` and the model info.
         self.startup_info = started.report
-        kv = self.dev.kv
-        host = self.dev.host_kv
-        self.kv_pool = KVPoolInfo(kv.k.shape[1], config.page_size, kv.nbytes,
-                                  kv_format(config.kv_dtype), host.num_pages if host else 0,
-                                  host.nbytes if host else 0)
+        self.kv_pool = self.dev.pool_info()
         self._launcher = torch_thread()
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="arle-wait")
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from arle.errors import ArleError
 from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, DecodeGraphs, ExtendGraphs, graph_reserve
-from arle.executor.paged import FP8_KV, DeviceStep, HostKV, KVCache, kv_format
+from arle.executor.paged import FP8_KV, DeviceStep, KVCache, host_tier, kv_format
 from arle.executor.sampler import SamplingBatch, sample
 from arle.executor.step import StepState, attention_backend
 from arle.logging import get_logger
@@ -152,9 +152,8 @@ def start_up(model: DecoderLM, config: CUDAExecutorConfig, stream: torch.cuda.St
         plan, built, profile_s = profile(scratch, config, graphs, extend_graphs, splits)
         kv = KVCache.for_model(model.rank_config, plan.num_pages, config.page_size,
                                config.kv_dtype, device)
-        dev = replace(scratch, kv=kv,
-                      host_kv=HostKV.beside(kv, config.host_kv_bytes) if config.host_kv_bytes
-                      else None)
+        host_kv, host_states = host_tier(kv, scratch.state, config.host_kv_bytes)
+        dev = replace(scratch, kv=kv, host_kv=host_kv, host_states=host_states)
         del scratch
     report = memory_report(plan, kv, config, profile_s)
     capture(dev, graphs, extend_graphs, splits, stream)

@@ -132,6 +132,61 @@ class HostKV(_KVTensors):
 
 
 @dataclass
+class HostStates:
+    """The host tier's state snapshots (a hybrid model's, beside `HostKV`): conv and ssm
+    [snapshots, linear layers, ...], a snapshot one contiguous block; pinned where the state
+    pool is on CUDA. A snapshot moves here from the pool's `snap_*` and is read back straight
+    into a request's slot."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    @classmethod
+    def beside(cls, state: StatePool, nbytes: int) -> HostStates | None:
+        """Snapshots of `state` in `nbytes` (None: too small for one)."""
+        count = nbytes // max(state.slot_bytes, 1)
+        if count < 1:
+            return None
+        pin = state.conv.device.type == "cuda"
+
+        def like(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty((count, t.shape[0], *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
+        return cls(like(state.snap_conv), like(state.snap_ssm))
+
+    @property
+    def num_snapshots(self) -> int:
+        return self.conv.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return bytes_of(self.conv, self.ssm)
+
+    def offload(self, state: StatePool, pairs: list[tuple[int, int]]) -> None:
+        """(device snapshot, host snapshot): the pool's snapshot down to the host."""
+        for d, h in pairs:
+            self.conv[h].copy_(state.snap_conv[:, d], non_blocking=True)
+            self.ssm[h].copy_(state.snap_ssm[:, d], non_blocking=True)
+
+    def start(self, state: StatePool, slot: int, h: int) -> None:
+        """A request starts on `slot` from host snapshot `h`."""
+        state.conv[:, slot].copy_(self.conv[h], non_blocking=True)
+        state.ssm[:, slot].copy_(self.ssm[h], non_blocking=True)
+
+
+def host_tier(kv: KVCache, state: StatePool | None, nbytes: int
+              ) -> tuple[HostKV | None, HostStates | None]:
+    """The host tier of `nbytes` (`--kv-host-cache-gb`) beside these pools: K/V pages and, for
+    a hybrid model, state snapshots, the bytes split as the device pools split theirs (a
+    page moving down takes its snapshot with it)."""
+    if not nbytes:
+        return None, None
+    snaps = bytes_of(state.snap_conv, state.snap_ssm) if state is not None else 0
+    share = nbytes * snaps // max(snaps + kv.nbytes, 1)
+    states = HostStates.beside(state, share) if state is not None else None
+    return HostKV.beside(kv, nbytes - share), states
+
+
+@dataclass
 class StatePool:
     """A hybrid model's recurrent state, per Gated DeltaNet layer: one entry per request slot
     (and a spare: start-up's profile step runs there; padding rows run with slot -1 and touch
@@ -559,8 +614,9 @@ class StepInputs:
     want_logprobs: list[int | None]
     #: (slot, tokens, num_prompt, penalized) of each request starting this step
     new_slots: list[tuple[int, list[int], int, bool]]
-    #: (slot, snapshot to restore or None) of each request starting this step (hybrid models)
-    state_starts: list[tuple[int, int | None]]
+    #: (slot, snapshot to restore or None, host snapshot to restore or None) of each request
+    #: starting this step (hybrid models)
+    state_starts: list[tuple[int, int | None, int | None]]
     saves_before: list[tuple[int, int]]
     saves_after: list[tuple[int, int]]
     #: (index among the sampling rows, matcher) of each grammar row (arle.executor.grammar)
@@ -573,6 +629,8 @@ class StepInputs:
     kv_offloads: list[tuple[int, int]] = field(default_factory=list)
     kv_restores: list[tuple[int, int]] = field(default_factory=list)
     kv_restores_overlap: bool = False
+    #: (device snapshot, host snapshot): state snapshots down to the host tier (`StepPlan`)
+    snapshot_offloads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def score_top(self) -> int:
@@ -592,27 +650,37 @@ class StepInputs:
                    [r.params.logprobs for r, _ in rows],
                    [(n.slot, n.token_ids, n.num_prompt, n.params.has_penalties)
                     for n in plan.new_slots],
-                   [(n.slot, n.restore) for n in plan.new_slots],
+                   [(n.slot, n.restore, n.restore_host) for n in plan.new_slots],
                    list(plan.saves_before), list(plan.saves_after),
                    [(i, r.grammar) for i, (r, _) in enumerate(rows) if r.grammar is not None],
                    [(len(r.score_targets), r.params.prompt_logprobs or 0)
                     for r in plan.rows if r.score_targets],
                    list(plan.state_restores), list(plan.kv_offloads), list(plan.kv_restores),
-                   plan.kv_restores_overlap)
+                   plan.kv_restores_overlap, list(plan.snapshot_offloads))
 
-    def start_states(self, state: StatePool | None) -> None:
+    def start_states(self, state: StatePool | None, host: HostStates | None = None) -> None:
         """Before the step: the states the last verify step kept (speculative decoding), the
-        snapshots of requests released since the last step, then the new requests' states (zero, or restored from a snapshot). NOTE: in this order: a new
-        request may restore the snapshot a release just took (a save never targets a
-        snapshot a later restore reads: taking one detaches it from the radix tree first)."""
+        snapshots moving to the host tier, the snapshots of requests released since the last
+        step, then the new requests' states (zero, or restored from a snapshot on either
+        tier). NOTE: in this order: a snapshot moving down frees its entry for a save of
+        this step; a new request may restore the snapshot a release just took (a save never
+        targets a snapshot a later restore reads: taking one detaches it from the radix tree
+        first)."""
         if state is None:
             return
         for slot, entry, index in self.state_restores:
             state.restore(slot, entry, index)
+        if self.snapshot_offloads:
+            assert host is not None
+            host.offload(state, self.snapshot_offloads)
         for slot, snapshot in self.saves_before:
             state.save(slot, snapshot)
-        for slot, restore in self.state_starts:
-            state.start(slot, restore)
+        for slot, restore, restore_host in self.state_starts:
+            if restore_host is not None:
+                assert host is not None
+                host.start(state, slot, restore_host)
+            else:
+                state.start(slot, restore)
 
     def save_states(self, state: StatePool | None) -> None:
         """After the step: the snapshots at page boundaries its prefill rows reached."""

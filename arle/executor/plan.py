@@ -78,6 +78,8 @@ class NewSlot:
     num_prompt: int
     params: SamplingParams
     restore: int | None = None
+    #: the host tier's snapshot to restore instead (None: `restore`)
+    restore_host: int | None = None
 
 
 @dataclass
@@ -104,6 +106,9 @@ class StepPlan:
     #: no row of this step reads the restored pages: their copy may run beside its kernels
     #: (the next step waits for it)
     kv_restores_overlap: bool = False
+    #: (device snapshot, host snapshot): a hybrid model's state snapshots moving to the host
+    #: tier, before the step's saves (which may reuse those entries)
+    snapshot_offloads: list[tuple[int, int]] = field(default_factory=list)
     schedule_us: float = 0.0
 
     @property

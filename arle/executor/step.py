@@ -15,16 +15,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from arle.executor.base import KVPoolInfo
 from arle.executor.distributed import sample_on_first_rank
 from arle.executor.grammar import GrammarMasks
 from arle.executor.paged import (
     DeviceStep,
     HostKV,
+    HostStates,
     KVCache,
     PackedStep,
     PagedAttention,
     StatePool,
     StepInputs,
+    host_tier,
+    kv_format,
     step_views,
 )
 from arle.executor.sampler import (
@@ -54,8 +58,9 @@ class StepState:
     penalties: PenaltyState
     generator: torch.Generator
     grammar_masks: GrammarMasks
-    #: the host KV tier's pages (None: no tier)
+    #: the host tier's K/V pages and state snapshots (None: no tier; `host_tier`)
     host_kv: HostKV | None = None
+    host_states: HostStates | None = None
 
     @classmethod
     def build(cls, model: DecoderLM, kv: KVCache, num_slots: int, num_snapshots: int,
@@ -66,20 +71,29 @@ class StepState:
         rows and positions whose recurrent states a step keeps, `StatePool.for_model`)."""
         device = kv.k.device
         cfg = model.config
+        state = StatePool.for_model(model.rank_config, num_slots + 1, num_snapshots, dtype,
+                                    device, spec)
+        host_kv, host_states = host_tier(kv, state, host_kv_bytes)
         return cls(
-            model=model, kv=kv,
-            state=StatePool.for_model(model.rank_config, num_slots + 1, num_snapshots,
-                                      dtype, device, spec),
+            model=model, kv=kv, state=state,
             rotary=model.rotary_table(max_positions),
             token_buffer=torch.zeros(num_slots + 1, dtype=torch.int32, device=device),
             penalties=PenaltyState(num_slots, cfg.vocab_size, device),
             generator=torch.Generator(device).manual_seed(seed),
             grammar_masks=GrammarMasks(cfg.vocab_size, pin_memory=device.type == "cuda"),
-            host_kv=HostKV.beside(kv, host_kv_bytes) if host_kv_bytes else None)
+            host_kv=host_kv, host_states=host_states)
 
     @property
     def page_size(self) -> int:
         return self.kv.page_size
+
+    def pool_info(self) -> KVPoolInfo:
+        """The KV pool and host tier as the engine sizes its cache manager by them."""
+        kv, host, states = self.kv, self.host_kv, self.host_states
+        return KVPoolInfo(kv.k.shape[1], kv.page_size, kv.nbytes, kv_format(kv.k.dtype),
+                          host.num_pages if host else 0, host.nbytes if host else 0,
+                          states.num_snapshots if states else 0,
+                          states.nbytes if states else 0)
 
     @property
     def num_slots(self) -> int:
@@ -200,7 +214,7 @@ def run_step_body(dev: StepState, inputs: StepInputs, meta: Tensor,
              if inputs.grammars and batch is not None else None)
     for new_slot in inputs.new_slots:
         dev.penalties.start_slot(*new_slot)
-    inputs.start_states(dev.state)
+    inputs.start_states(dev.state, dev.host_states)
     fwd = forward()
     inputs.save_states(dev.state)
     out = _sample(dev, inputs, meta, batch, fwd, masks)

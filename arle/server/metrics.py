@@ -76,6 +76,10 @@ class _EngineCollector(Collector):
              snap.get("kv_device_hit_tokens", 0)),
             ("arle_kv_host_hit_tokens", "Prompt tokens admitted from host-tier pages.",
              snap.get("kv_host_hit_tokens", 0)),
+            ("arle_kv_host_offloaded_snapshots", "Recurrent-state snapshots moved to the host "
+             "tier since start (hybrid models).", snap.get("kv_offloaded_snapshots", 0)),
+            ("arle_kv_host_snapshot_hits", "Requests that started from a host-tier snapshot.",
+             snap.get("kv_host_snapshot_hits", 0)),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("arle_spec_acceptance_rate", "Accepted / verified draft tokens "
