@@ -86,6 +86,9 @@ async def one_setting(args: argparse.Namespace, setting: str) -> dict[str, Any]:
             "host_hit_tokens": sum(x["prefix"]["host_hit_tokens"] for x in traces),
             "offloaded_pages": snap["kv_offloaded_pages"],
             "restored_pages": snap["kv_restored_pages"], "requests": len(traces),
+            # a hybrid model's state snapshots: moved to the host, and requests started there
+            "offloaded_snapshots": snap["kv_offloaded_snapshots"],
+            "host_snapshot_hits": snap["kv_host_snapshot_hits"],
             # the tier's copies: bytes both ways and their device time
             "copy_bytes": (snap["kv_offloaded_pages"] + snap["kv_restored_pages"])
             * snap["kv_host_page_bytes"],
