@@ -4,6 +4,7 @@ sequence of admissions, growth, publication and releases."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from arle.engine.cache import CacheManager, RequestCache
 
@@ -219,38 +220,50 @@ def test_host_tier_moves_pages_down_and_back() -> None:
     cm.check([])
 
 
-def test_host_tier_random_operations_keep_every_page_right() -> None:
-    """Random conversations (shared system prompts, growing turns) over a small device pool
-    and a smaller host pool: after every operation the invariant holds on both tiers, and
-    every cached page a request is admitted with holds its tokens (the copies ran in order:
-    nothing read twice, nothing overwritten while it is needed)."""
-    rng = random.Random(3)
-    ps = 4
-    cm = CacheManager(num_pages=20, page_size=ps, num_slots=4, host_pages=12)
-    device: dict[int, tuple[int, ...]] = {}
-    host: dict[int, tuple[int, ...]] = {}
+def random_turns(cm: CacheManager, rng: random.Random,
+                 step: Callable[[RequestCache, list[int]], None], partial: bool = False) -> None:
+    """1500 random operations over 8 conversations that share 3 system prompts, at most 4
+    requests live: a release (`partial`: a fifth publish only half their tokens), or a
+    conversation's next turn admitted and its step run (`step`); the invariant after each."""
     prompts = [[1000 * s + i for i in range(rng.randrange(4, 13))] for s in range(3)]
     convs = [list(rng.choice(prompts)) for _ in range(8)]
     live: list[tuple[RequestCache, list[int]]] = []
     for _ in range(1500):
         if live and (rng.random() < 0.45 or len(live) == 4):
             rc, tokens = live.pop(rng.randrange(len(live)))
-            cm.release(rc, tokens, len(tokens) if rng.random() < 0.8 else len(tokens) // 2)
+            half = partial and rng.random() >= 0.8
+            cm.release(rc, tokens, len(tokens) // 2 if half else len(tokens))
         else:
             conv = rng.choice(convs)
             conv += [rng.randrange(50) for _ in range(rng.randrange(1, 7))]
             tokens = list(conv)
-            rc = cm.admit(tokens, len(tokens) + 1, headroom_pages=len(live))
-            if rc is None:
+            admitted = cm.admit(tokens, len(tokens) + 1, headroom_pages=len(live))
+            if admitted is None:
                 continue
-            _run_copies(cm, device, host)  # the step's copies, before its kernels
-            for i, node in enumerate(rc.shared):
-                assert device[node.page] == tuple(tokens[i * ps:(i + 1) * ps])
-            for i in range(len(rc.shared), len(tokens) // ps):  # the step computes the rest
-                device[rc.pages[i]] = tuple(tokens[i * ps:(i + 1) * ps])
-            cm.publish(rc, tokens, len(tokens))
-            live.append((rc, tokens))
+            step(admitted, tokens)
+            live.append((admitted, tokens))
         cm.check([rc for rc, _ in live])
+
+
+def test_host_tier_random_operations_keep_every_page_right() -> None:
+    """Random conversations (shared system prompts, growing turns) over a small device pool
+    and a smaller host pool: after every operation the invariant holds on both tiers, and
+    every cached page a request is admitted with holds its tokens (the copies ran in order:
+    nothing read twice, nothing overwritten while it is needed)."""
+    ps = 4
+    cm = CacheManager(num_pages=20, page_size=ps, num_slots=4, host_pages=12)
+    device: dict[int, tuple[int, ...]] = {}
+    host: dict[int, tuple[int, ...]] = {}
+
+    def step(rc: RequestCache, tokens: list[int]) -> None:
+        _run_copies(cm, device, host)  # the step's copies, before its kernels
+        for i, node in enumerate(rc.shared):
+            assert device[node.page] == tuple(tokens[i * ps:(i + 1) * ps])
+        for i in range(len(rc.shared), len(tokens) // ps):  # the step computes the rest
+            device[rc.pages[i]] = tuple(tokens[i * ps:(i + 1) * ps])
+        cm.publish(rc, tokens, len(tokens))
+
+    random_turns(cm, random.Random(3), step, partial=True)
     assert cm.stats["offloaded_pages"] > 20 and cm.stats["restored_pages"] > 10
     assert cm.stats["host_hit_tokens"] > 0
 
@@ -288,7 +301,6 @@ def test_hybrid_host_tier_random_operations_restore_the_right_state() -> None:
     requests' saves, the new requests' starts, the prefill, its saves. Every request starts
     from the state of exactly its cached prefix (a state here is the tokens it has seen),
     whichever tier holds it, and the invariant holds after every operation."""
-    rng = random.Random(5)
     ps = 4
     cm = CacheManager(num_pages=20, page_size=ps, num_slots=4, hybrid=True, num_snapshots=3,
                       host_pages=12, host_snapshots=4)
@@ -297,43 +309,31 @@ def test_hybrid_host_tier_random_operations_restore_the_right_state() -> None:
     snaps: dict[int, tuple[int, ...]] = {}
     host_snaps: dict[int, tuple[int, ...]] = {}
     boundary: dict[int, tuple[int, ...]] = {}  # each slot's state at its last page boundary
-    prompts = [[1000 * s + i for i in range(rng.randrange(4, 13))] for s in range(3)]
-    convs = [list(rng.choice(prompts)) for _ in range(8)]
-    live: list[tuple[RequestCache, list[int]]] = []
-    for _ in range(1500):
-        if live and (rng.random() < 0.45 or len(live) == 4):
-            rc, tokens = live.pop(rng.randrange(len(live)))
-            cm.release(rc, tokens, len(tokens))
-        else:
-            conv = rng.choice(convs)
-            conv += [rng.randrange(50) for _ in range(rng.randrange(1, 7))]
-            tokens = list(conv)
-            rc = cm.admit(tokens, len(tokens) + 1, headroom_pages=len(live))
-            if rc is None:
-                continue
-            start = len(rc.shared) * ps
-            cm.reached(rc, start, len(tokens) - start)  # one prefill of the rest
-            cm.publish(rc, tokens, len(tokens))
-            after = cm.snapshot(rc, tokens, len(tokens))
-            offloads, restores, snapshot_offloads = cm.take_copies()
-            for d, h in offloads:
-                host[h] = pages[d]
-            for h, d in restores:
-                pages[d] = host[h]
-            for d, h in snapshot_offloads:
-                host_snaps[h] = snaps[d]
-            for slot, snap in cm.take_saves():
-                snaps[snap] = boundary[slot]
-            state = (snaps[rc.restore] if rc.restore is not None else
-                     host_snaps[rc.restore_host] if rc.restore_host is not None else ())
-            assert state == tuple(tokens[:start])
-            for i, node in enumerate(rc.shared[:start // ps]):
-                assert pages[node.page] == tuple(tokens[i * ps:(i + 1) * ps])
-            for i in range(start // ps, len(tokens) // ps):
-                pages[rc.pages[i]] = tuple(tokens[i * ps:(i + 1) * ps])
-            boundary[rc.slot] = tuple(tokens[:rc.boundary])
-            if after is not None:
-                snaps[after] = boundary[rc.slot]
-            live.append((rc, tokens))
-        cm.check([rc for rc, _ in live])
+
+    def step(rc: RequestCache, tokens: list[int]) -> None:
+        start = len(rc.shared) * ps
+        cm.reached(rc, start, len(tokens) - start)  # one prefill of the rest
+        cm.publish(rc, tokens, len(tokens))
+        after = cm.snapshot(rc, tokens, len(tokens))
+        offloads, restores, snapshot_offloads = cm.take_copies()
+        for d, h in offloads:
+            host[h] = pages[d]
+        for h, d in restores:
+            pages[d] = host[h]
+        for d, h in snapshot_offloads:
+            host_snaps[h] = snaps[d]
+        for slot, snap in cm.take_saves():
+            snaps[snap] = boundary[slot]
+        state = (snaps[rc.restore] if rc.restore is not None else
+                 host_snaps[rc.restore_host] if rc.restore_host is not None else ())
+        assert state == tuple(tokens[:start])
+        for i, node in enumerate(rc.shared[:start // ps]):
+            assert pages[node.page] == tuple(tokens[i * ps:(i + 1) * ps])
+        for i in range(start // ps, len(tokens) // ps):
+            pages[rc.pages[i]] = tuple(tokens[i * ps:(i + 1) * ps])
+        boundary[rc.slot] = tuple(tokens[:rc.boundary])
+        if after is not None:
+            snaps[after] = boundary[rc.slot]
+
+    random_turns(cm, random.Random(5), step)
     assert cm.stats["offloaded_snapshots"] > 10 and cm.stats["host_snapshot_hits"] > 5
