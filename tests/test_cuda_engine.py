@@ -227,3 +227,29 @@ def test_served_with_fp8_kv_survives_a_disconnect(model_dir: Path, tmp_path: Pat
                                                    "ignore_eos": True, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
+
+
+async def test_host_kv_tier_on_the_gpu(loaded: LoadedModel, tie: float,
+                                       make_engine: Any) -> None:
+    """Six 120-token conversations over a 20-page device pool with a host tier (pinned
+    memory, its copies on the executor's streams, restores beside other steps): their second
+    turns find their prefixes on the host (a hybrid model's snapshots too) and answer as a
+    pool that evicts nothing does, up to bf16 near-ties; every page comes back."""
+    firsts = [prompt(120, 40 + i) for i in range(6)]
+    seconds = [f + prompt(20, 60 + i) for i, f in enumerate(firsts)]
+    roomy = make_engine(loaded, max_running_requests=2)
+    tiered = make_engine(loaded, max_running_requests=2, kv_cache_tokens=320,
+                         kv_host_cache_gb=0.5, state_snapshots=2)
+    assert tiered.cache.num_host_pages > 48
+    for engine in (roomy, tiered):
+        await greedy_with_margins(engine, firsts, 8)
+    want = await greedy_with_margins(roomy, seconds, 16)
+    got = await greedy_with_margins(tiered, seconds, 16)
+    for a, b in zip(want, got, strict=True):
+        assert_same_up_to_near_ties(a, b, tie)
+    stats = tiered.cache.stats
+    assert stats["offloaded_pages"] > 0 and stats["host_hit_tokens"] > 0, stats
+    if tiered.executor.state is not None:
+        assert stats["host_snapshot_hits"] > 0, stats
+    assert tiered.snapshot()["kv_host_copy_us"] > 0
+    assert_all_pages_back(tiered)
