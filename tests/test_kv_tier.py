@@ -196,3 +196,32 @@ async def test_restored_prefixes_wait_a_step_beside_the_others(tiny: LoadedModel
     assert seen, "no restore ran beside a step"
     for restored, tables in seen:
         assert all(not restored & table for table in tables)
+
+
+def test_batched_copies_equal_page_by_page() -> None:
+    """`HostKV.copy` moves runs of consecutive host pages in one gather or scatter each: the
+    pools end as copying one page at a time in order leaves them, for offloads in any order,
+    a host page offloaded twice in one step (the later copy holds), and restores."""
+    from arle.executor.paged import HostKV, KVCache
+
+    gen = torch.Generator().manual_seed(0)
+    kv = KVCache.allocate(3, 12, 4, 2, 8, torch.float32, torch.device("cpu"))
+    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    host = HostKV.beside(kv, 9 * kv.nbytes // 12)
+    assert host is not None and host.num_pages == 9
+    host.k.zero_()
+    host.v.zero_()
+    offloads = [(9, 2), (1, 3), (7, 4), (2, 8), (5, 2), (0, 0), (3, 7)]  # host page 2 twice
+    restores = [(4, 10), (3, 1), (8, 6), (0, 11)]
+    want_host = (host.k.clone(), host.v.clone())
+    want_kv = (kv.k.clone(), kv.v.clone())
+    for d, h in offloads:
+        for hk, dk in zip(want_host, want_kv, strict=True):
+            hk[h] = dk[:, d]
+    for h, d in restores:
+        for hk, dk in zip(want_host, want_kv, strict=True):
+            dk[:, d] = hk[h]
+    host.copy(kv, offloads, restores)
+    for got, want in zip((host.k, host.v, kv.k, kv.v), (*want_host, *want_kv), strict=True):
+        assert torch.equal(got, want)
