@@ -198,11 +198,16 @@ async def test_restored_prefixes_wait_a_step_beside_the_others(tiny: LoadedModel
         assert all(not restored & table for table in tables)
 
 
-def test_batched_copies_equal_page_by_page() -> None:
-    """`HostKV.copy` moves runs of consecutive host pages in one gather or scatter each: the
-    pools end as copying one page at a time in order leaves them, for offloads in any order,
-    a host page offloaded twice in one step (the later copy holds), and restores."""
+@pytest.mark.parametrize("run_pages", [1, 2, 64])
+def test_batched_copies_equal_page_by_page(run_pages: int, monkeypatch: Any) -> None:
+    """`HostKV.copy` moves runs of consecutive host pages (at most `COPY_RUN_BYTES` a run) in
+    one gather or scatter each: the pools end as copying one page at a time in order leaves
+    them, for offloads in any order, a host page offloaded twice in one step (the later copy
+    holds), and restores."""
+    from arle.executor import paged
     from arle.executor.paged import HostKV, KVCache
+
+    monkeypatch.setattr(paged, "COPY_RUN_BYTES", run_pages * 3 * 4 * 2 * 8 * 4)  # K's bytes
 
     gen = torch.Generator().manual_seed(0)
     kv = KVCache.allocate(3, 12, 4, 2, 8, torch.float32, torch.device("cpu"))

@@ -90,6 +90,10 @@ class KVCache(_KVTensors):
         return self.k[i], self.v[i], ks, vs
 
 
+#: the most bytes of K (or V) one host-tier copy moves at once (`HostKV.copy`)
+COPY_RUN_BYTES = 32 << 20
+
+
 @dataclass
 class HostKV(_KVTensors):
     """The host tier's K/V pages (`CacheManager`'s host pages): [pages, layers, page_size,
@@ -124,19 +128,22 @@ class HostKV(_KVTensors):
         pairs = [(h, d) for h, d in ((self.k, kv.k), (self.v, kv.v), (self.k_scale, kv.k_scale),
                                      (self.v_scale, kv.v_scale)) if h is not None and d is not None]
         device = kv.k.device
-        for h, index in _host_runs([(h, d) for d, h in offloads], device):
+        # NOTE: a run's temporary on the device is bounded: it is memory the plan never saw
+        longest = max(1, COPY_RUN_BYTES // (self.k[0].numel() * self.k.element_size()))
+        for h, index in _host_runs([(h, d) for d, h in offloads], device, longest):
             for host, dev in pairs:
                 host[h].copy_(dev.index_select(1, index).transpose(0, 1), non_blocking=True)
-        for h, index in _host_runs(restores, device):
+        for h, index in _host_runs(restores, device, longest):
             for host, dev in pairs:
                 dev.index_copy_(1, index, host[h].to(device, non_blocking=True).transpose(0, 1))
 
 
-def _host_runs(pairs: list[tuple[int, int]], device: torch.device
+def _host_runs(pairs: list[tuple[int, int]], device: torch.device, longest: int
                ) -> list[tuple[slice, torch.Tensor]]:
     """(host page, device page) pairs as runs of consecutive host pages, each with its device
-    pages (an index on `device`): a run is one gather or scatter on the device and one copy
-    of a contiguous host block, where a page at a time was two launches and a copy a page.
+    pages (an index on `device`), at most `longest` pages a run: a run is one gather or
+    scatter on the device and one copy of a contiguous host block, where a page at a time
+    was two launches and a copy a page.
     NOTE: a host page may take two offloads of one step (the host dropped the first node to
     make room for the second): the last one holds, as it would copied in order. Otherwise the
     pages of a batch are distinct on each side, so their order is free."""
@@ -144,7 +151,8 @@ def _host_runs(pairs: list[tuple[int, int]], device: torch.device
     ordered = sorted(dict(pairs).items())
     start = 0
     for i in range(1, len(ordered) + 1):
-        if i == len(ordered) or ordered[i][0] != ordered[i - 1][0] + 1:
+        if (i == len(ordered) or ordered[i][0] != ordered[i - 1][0] + 1
+                or i - start == longest):
             pages = [d for _, d in ordered[start:i]]
             runs.append((slice(ordered[start][0], ordered[i - 1][0] + 1),
                          torch.tensor(pages, dtype=torch.long, device=device)))
