@@ -209,6 +209,8 @@ SOURCES = (
     Source("cpu/kv_tier_smollm2.json", "python3 scripts/bench_kv_tier.py --conversations 16 "
            "--turns 4 --doc-tokens 512 --pool-share 0.25 --host-gb 1 "
            "--out docs/results/cpu/kv_tier_smollm2.json"),
+    Source("cpu/cpu_step.json", "python3 scripts/bench_cpu_step.py "
+           "--out docs/results/cpu/cpu_step.json"),
     Source("cpu/cpu_attention.json", "python3 scripts/bench_cpu_attention.py "
            "--contexts 512,2048,6144 --out docs/results/cpu/cpu_attention.json"),
     Source("cpu/kv_tier_qwen3.5.json",
@@ -232,6 +234,7 @@ _NO_GRAPH = "h200/serve_qwen3-4b_disable-cuda-graph.json"
 _HF = "h200/hf_qwen3-4b.json"
 _CPU = "cpu/bench_cpu.json"
 _CPU_ATT = "cpu/cpu_attention.json"
+_CPU_STEP = "cpu/cpu_step.json"
 _CPU_Q35 = "cpu/bench_cpu_qwen3.5.json"
 _SPEC = "cpu/speculative_smollm2.json"
 _SPEC_OFF = "speculation off, the same requests in the same run"
@@ -667,7 +670,28 @@ def _cpu_bounds(res: Results) -> list[str]:
         f"on 2 threads but the model's small ones (0.2-0.9 MB) slower: a fixed cost a call. "
         f"What would close it: fewer, fused ops per layer (`torch.compile` of a layer's MLP "
         f"half came out level, after an 18 s compile) and a cheaper call into the packed "
-        f"kernel.", "", *_cpu_attention_bound(res, s)]
+        f"kernel.", "", *_cpu_step_bound(res), *_cpu_attention_bound(res, s)]
+
+
+def _cpu_step_bound(res: Results) -> list[str]:
+    """A replayed CPU decode step with and without its integer matmuls (cpu_step.json)."""
+    st = res.load(_CPU_STEP)
+    inside = st["step_ms"] - st["without_int_ms"]
+    return [
+        f"**One batch-1 decode step, replayed** ([{Path(_CPU_STEP).name}](results/{_CPU_STEP})):"
+        f" {st['step_ms']:.1f} ms; {st['without_int_ms']:.1f} ms of it with its "
+        f"{st['int_calls']} integer matmuls replaced by empty outputs (norms, rotary, the cache "
+        f"write, attention, the glue), so the matmuls and their casts cost {inside:.1f} ms "
+        f"inside the step, where the same calls back to back take {st['int_alone_ms']:.1f} ms "
+        f"({inside / st['int_alone_ms']:.2f}x). 3x arle's fp32 path needs about "
+        f"{st['step_ms'] * _goal_share(res):.1f} ms a step: the matmuls alone plus the rest already "
+        f"come to {st['int_alone_ms'] + st['without_int_ms']:.1f} ms.", ""]
+
+
+def _goal_share(res: Results) -> float:
+    """The step time 3x arle's fp32 decode asks, as a share of today's (bench_cpu.json)."""
+    s = res.load(_CPU)["summary"]
+    return s["arle"]["decode_tok_s"] / (3 * s["arle_fp32"]["decode_tok_s"])
 
 
 def _cpu_attention_bound(res: Results, s: Any) -> list[str]:
