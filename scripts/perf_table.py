@@ -209,10 +209,8 @@ SOURCES = (
     Source("cpu/kv_tier_smollm2.json", "python3 scripts/bench_kv_tier.py --conversations 16 "
            "--turns 4 --doc-tokens 512 --pool-share 0.25 --host-gb 1 "
            "--out docs/results/cpu/kv_tier_smollm2.json"),
-    Source("cpu/cpu_step.json", "python3 scripts/bench_cpu_step.py "
-           "--out docs/results/cpu/cpu_step.json"),
-    Source("cpu/cpu_attention.json", "python3 scripts/bench_cpu_attention.py "
-           "--contexts 512,2048,6144 --out docs/results/cpu/cpu_attention.json"),
+    Source("cpu/cpu_bounds.json", "python3 scripts/bench_cpu_bounds.py "
+           "--contexts 512,2048,6144 --out docs/results/cpu/cpu_bounds.json"),
     Source("cpu/kv_tier_qwen3.5.json",
            "python3 scripts/make_random_model.py tiny-qwen3.5 /tmp/models/tiny-qwen3.5 && "
            "python3 scripts/bench_kv_tier.py --model /tmp/models/tiny-qwen3.5 --conversations 16 "
@@ -233,8 +231,7 @@ _NO_OVERLAP = "h200/serve_qwen3-4b_disable-overlap.json"
 _NO_GRAPH = "h200/serve_qwen3-4b_disable-cuda-graph.json"
 _HF = "h200/hf_qwen3-4b.json"
 _CPU = "cpu/bench_cpu.json"
-_CPU_ATT = "cpu/cpu_attention.json"
-_CPU_STEP = "cpu/cpu_step.json"
+_CPU_BOUNDS = "cpu/cpu_bounds.json"
 _CPU_Q35 = "cpu/bench_cpu_qwen3.5.json"
 _SPEC = "cpu/speculative_smollm2.json"
 _SPEC_OFF = "speculation off, the same requests in the same run"
@@ -674,11 +671,12 @@ def _cpu_bounds(res: Results) -> list[str]:
 
 
 def _cpu_step_bound(res: Results) -> list[str]:
-    """A replayed CPU decode step with and without its integer matmuls (cpu_step.json)."""
-    st = res.load(_CPU_STEP)
+    """A replayed CPU decode step with and without its integer matmuls (cpu_bounds.json)."""
+    st = res.load(_CPU_BOUNDS)["step"]
     inside = st["step_ms"] - st["without_int_ms"]
     return [
-        f"**One batch-1 decode step, replayed** ([{Path(_CPU_STEP).name}](results/{_CPU_STEP})):"
+        f"**One batch-1 decode step, replayed** ([{Path(_CPU_BOUNDS).name}]"
+        f"(results/{_CPU_BOUNDS})):"
         f" {st['step_ms']:.1f} ms; {st['without_int_ms']:.1f} ms of it with its "
         f"{st['int_calls']} integer matmuls replaced by empty outputs (norms, rotary, the cache "
         f"write, attention, the glue), so the matmuls and their casts cost {inside:.1f} ms "
@@ -695,13 +693,13 @@ def _goal_share(res: Results) -> float:
 
 
 def _cpu_attention_bound(res: Results, s: Any) -> list[str]:
-    """Why CPU decode slows with the context: attention's read rate (cpu_attention.json)."""
-    att = res.load(_CPU_ATT)["contexts"]
+    """Why CPU decode slows with the context: attention's read rate (cpu_bounds.json)."""
+    att = res.load(_CPU_BOUNDS)["attention"]
     n = max(att, key=int)
     a = att[n]
     return [
-        f"**Batch-1 decode at long contexts, the CPU** ([{Path(_CPU_ATT).name}]"
-        f"(results/{_CPU_ATT})): at {int(n):,} tokens a step reads "
+        f"**Batch-1 decode at long contexts, the CPU** ([{Path(_CPU_BOUNDS).name}]"
+        f"(results/{_CPU_BOUNDS})): at {int(n):,} tokens a step reads "
         f"{a['arle']['bytes'] / 1e6:.0f} MB of fp32 K/V for its 30 layers; arle's attention "
         f"takes {a['arle']['ms']:.1f} ms of it, {a['arle']['gb_s']:.1f} GB/s, where a plain read "
         f"of the same bytes (`sum`) runs at {a['read']['gb_s']:.1f} GB/s "
