@@ -189,8 +189,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("mem_fraction_static", "--mem-fraction-static", min=0.05, max=0.99,
                  help="CUDA: share of GPU memory for weights, activations and the KV pool."),
     EngineOption("kv_host_cache_gb", "--kv-host-cache-gb", min=0,
-                 help="A host-memory KV tier of this many GB: evicted prefix pages move there "
-                      "and prefix hits copy them back (default 0: off)."),
+                 help="A host-memory KV tier of this many GB: evicted prefix pages (and a "
+                      "hybrid model's state snapshots) move there and prefix hits copy them "
+                      "back (default 0: off)."),
     EngineOption("kv_cache_dtype", "--kv-cache-dtype",
                  help="CUDA: KV cache format (auto: the model dtype)."),
     EngineOption("quantization", "--quantization",

@@ -117,8 +117,10 @@ def _print_report(r: dict[str, Any]) -> None:
             f"{_size(kv['bytes'])} ({kv['dtype']})")
         host = mem.get("kv_host_tier") or {}
         if host.get("pages"):
+            snaps = (f", {host['snapshots']} state snapshots {_size(host['snapshot_bytes'])}"
+                     if host.get("snapshots") else "")
             out(f"  host tier  {host['tokens']} tokens = {host['pages']} pages, "
-                f"{_size(host['bytes'])} (--kv-host-cache-gb)")
+                f"{_size(host['bytes'])}{snaps} (--kv-host-cache-gb)")
         out(f"  step       {mem['max_batched_tokens']} tokens, chunks of "
             f"{mem['chunked_prefill_size']} ({'arle serve' if mem['serving'] else 'engine'} "
             f"settings)")
