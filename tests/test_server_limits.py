@@ -469,7 +469,7 @@ def test_a_burst_of_huge_prompts_is_refused_before_tokenizing(server: ServerProc
                                           for path, body, _ in cases for _ in range(8)))
 
     after: list[float] = []
-    for _ in range(3):
+    for _ in range(5):
         answers = asyncio.run(burst())
         for r, (path, _, param) in zip(answers, [c for c in cases for _ in range(8)],
                                        strict=True):
@@ -480,8 +480,11 @@ def test_a_burst_of_huge_prompts_is_refused_before_tokenizing(server: ServerProc
     peak = _rss_mb(pid)[1]
     print(f"server RSS MB: before {before:.0f}, peak {peak:.0f}, after each burst {after}")
     # NOTE: what stays is the allocator's high-water mark of a burst (its 128 MB of bodies at
-    # once, placed as the requests interleave), not a share of each burst: it levels off, and
-    # the third burst leaves no more than the second (tokenized, each burst kept ~1 GB more)
-    assert after[2] - after[1] < 64, (before, peak, after)
-    assert after[2] - before < 400 and peak - before < 800, (before, peak, after)
+    # once, placed as the requests interleave), not a share of each burst. That mark wanders
+    # from burst to burst (seen over 7 bursts: 416, 428, 500, 500, 448, 448, 448 MB), so the
+    # check is that its floor does not rise: the least the last three bursts leave is within
+    # 96 MB of the most the first two left, under one burst's 128 MB of bodies (a kept share
+    # of each burst would lift every later one; tokenized, each burst kept ~1 GB more)
+    assert min(after[2:]) - max(after[:2]) < 96, (before, peak, after)
+    assert max(after) - before < 400 and peak - before < 800, (before, peak, after)
     still_serving(server)
