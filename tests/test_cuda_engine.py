@@ -229,18 +229,23 @@ def test_served_with_fp8_kv_survives_a_disconnect(model_dir: Path, tmp_path: Pat
         assert r.json()["usage"]["completion_tokens"] == 8
 
 
-async def test_host_kv_tier_on_the_gpu(loaded: LoadedModel, tie: float,
-                                       make_engine: Any) -> None:
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+async def test_host_kv_tier_on_the_gpu(loaded: LoadedModel, tie: float, make_engine: Any,
+                                       kv_dtype: str) -> None:
     """Six 120-token conversations over a 20-page device pool with a host tier (pinned
     memory, its copies on the executor's streams, restores beside other steps): their second
     turns find their prefixes on the host (a hybrid model's snapshots too) and answer as a
-    pool that evicts nothing does, up to bf16 near-ties; every page comes back."""
+    pool that evicts nothing does, up to bf16 near-ties; every page comes back. FP8 KV stays
+    FP8 on the host, its scales beside it."""
     firsts = [prompt(120, 40 + i) for i in range(6)]
     seconds = [f + prompt(20, 60 + i) for i, f in enumerate(firsts)]
-    roomy = make_engine(loaded, max_running_requests=2)
+    roomy = make_engine(loaded, max_running_requests=2, kv_cache_dtype=kv_dtype)
     tiered = make_engine(loaded, max_running_requests=2, kv_cache_tokens=320,
-                         kv_host_cache_gb=0.5, state_snapshots=2)
+                         kv_host_cache_gb=0.5, state_snapshots=2, kv_cache_dtype=kv_dtype)
     assert tiered.cache.num_host_pages > 48
+    host = tiered.executor.dev.host_kv
+    assert host is not None and host.k.dtype == tiered.executor.dev.kv.k.dtype
+    assert (host.k_scale is not None) == (kv_dtype == "fp8_e4m3")
     for engine in (roomy, tiered):
         await greedy_with_margins(engine, firsts, 8)
     want = await greedy_with_margins(roomy, seconds, 16)

@@ -199,34 +199,40 @@ async def test_restored_prefixes_wait_a_step_beside_the_others(tiny: LoadedModel
 
 
 @pytest.mark.parametrize("run_pages", [1, 2, 64])
-def test_batched_copies_equal_page_by_page(run_pages: int, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("fp8", [False, True])
+def test_batched_copies_equal_page_by_page(run_pages: int, fp8: bool, monkeypatch: Any) -> None:
     """`HostKV.copy` moves runs of consecutive host pages (at most `COPY_RUN_BYTES` a run) in
     one gather or scatter each: the pools end as copying one page at a time in order leaves
     them, for offloads in any order, a host page offloaded twice in one step (the later copy
-    holds), and restores."""
+    holds), and restores. FP8 pages move as bytes, their scales beside them."""
     from arle.executor import paged
-    from arle.executor.paged import HostKV, KVCache
+    from arle.executor.paged import FP8_KV, HostKV, KVCache
 
-    monkeypatch.setattr(paged, "COPY_RUN_BYTES", run_pages * 3 * 4 * 2 * 8 * 4)  # K's bytes
-
+    dtype = FP8_KV if fp8 else torch.float32
+    kv = KVCache.allocate(3, 12, 4, 2, 8, dtype, torch.device("cpu"))
+    monkeypatch.setattr(paged, "COPY_RUN_BYTES", run_pages * kv.k[:, 0].nbytes)
     gen = torch.Generator().manual_seed(0)
-    kv = KVCache.allocate(3, 12, 4, 2, 8, torch.float32, torch.device("cpu"))
-    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    tensors = [t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     host = HostKV.beside(kv, 9 * kv.nbytes // 12)
-    assert host is not None and host.num_pages == 9
-    host.k.zero_()
-    host.v.zero_()
+    assert host is not None and host.num_pages == 9 and (host.k_scale is not None) == fp8
+    hosted = [t for t in (host.k, host.v, host.k_scale, host.v_scale) if t is not None]
+    for t in hosted:
+        t.view(torch.uint8).zero_()
     offloads = [(9, 2), (1, 3), (7, 4), (2, 8), (5, 2), (0, 0), (3, 7)]  # host page 2 twice
     restores = [(4, 10), (3, 1), (8, 6), (0, 11)]
-    want_host = (host.k.clone(), host.v.clone())
-    want_kv = (kv.k.clone(), kv.v.clone())
+
+    def raw(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.view(torch.uint8).clone() for t in ts]
+
+    want_host, want_kv = raw(hosted), raw(tensors)
     for d, h in offloads:
-        for hk, dk in zip(want_host, want_kv, strict=True):
-            hk[h] = dk[:, d]
+        for ht, dt in zip(want_host, want_kv, strict=True):
+            ht[h] = dt[:, d]
     for h, d in restores:
-        for hk, dk in zip(want_host, want_kv, strict=True):
-            dk[:, d] = hk[h]
+        for ht, dt in zip(want_host, want_kv, strict=True):
+            dt[:, d] = ht[h]
     host.copy(kv, offloads, restores)
-    for got, want in zip((host.k, host.v, kv.k, kv.v), (*want_host, *want_kv), strict=True):
+    for got, want in zip(raw(hosted + tensors), want_host + want_kv, strict=True):
         assert torch.equal(got, want)

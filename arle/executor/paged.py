@@ -125,8 +125,10 @@ class HostKV(_KVTensors):
              restores: list[tuple[int, int]]) -> None:
         """A step's page copies, in this order (`CacheManager.take_copies`): (device page,
         host page) offloads, then (host page, device page) restores."""
-        pairs = [(h, d) for h, d in ((self.k, kv.k), (self.v, kv.v), (self.k_scale, kv.k_scale),
-                                     (self.v_scale, kv.v_scale)) if h is not None and d is not None]
+        # NOTE: FP8 pages move as bytes: index_copy_ has no float8 kernel
+        pairs = [(_as_bytes(h), _as_bytes(d)) for h, d in (
+            (self.k, kv.k), (self.v, kv.v), (self.k_scale, kv.k_scale),
+            (self.v_scale, kv.v_scale)) if h is not None and d is not None]
         device = kv.k.device
         # NOTE: a run's temporary on the device is bounded: it is memory the plan never saw
         longest = max(1, COPY_RUN_BYTES // (self.k[0].numel() * self.k.element_size()))
@@ -136,6 +138,10 @@ class HostKV(_KVTensors):
         for h, index in _host_runs(restores, device, longest):
             for host, dev in pairs:
                 dev.index_copy_(1, index, host[h].to(device, non_blocking=True).transpose(0, 1))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8_KV else t
 
 
 def _host_runs(pairs: list[tuple[int, int]], device: torch.device, longest: int
