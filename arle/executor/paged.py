@@ -148,8 +148,8 @@ def _host_runs(pairs: list[tuple[int, int]], device: torch.device, longest: int
                ) -> list[tuple[slice, torch.Tensor]]:
     """(host page, device page) pairs as runs of consecutive host pages, each with its device
     pages (an index on `device`), at most `longest` pages a run: a run is one gather or
-    scatter on the device and one copy of a contiguous host block, where a page at a time
-    was two launches and a copy a page.
+    scatter on the device and one copy of a contiguous host block (a page at a time would be
+    two launches and a copy a page).
     NOTE: a host page may take two offloads of one step (the host dropped the first node to
     make room for the second): the last one holds, as it would copied in order. Otherwise the
     pages of a batch are distinct on each side, so their order is free."""
