@@ -472,17 +472,18 @@ class CacheManager:
         self._host_snapshot_nodes[node.host_snapshot] = node
         self._snapshot_offloads.append((node.snapshot, node.host_snapshot))
         self.stats["offloaded_snapshots"] += 1
-        del self._snapshot_nodes[node.snapshot]
-        self._free_snapshots.append(node.snapshot)
-        node.snapshot = None
+        self._drop_device_snapshot(node)
 
     def _drop_snapshot(self, node: RadixNode) -> None:
         """The node's snapshot, on either tier, is gone."""
+        self._drop_device_snapshot(node)
+        self._drop_host_snapshot(node)
+
+    def _drop_device_snapshot(self, node: RadixNode) -> None:
         if node.snapshot is not None:
             del self._snapshot_nodes[node.snapshot]
             self._free_snapshots.append(node.snapshot)
             node.snapshot = None
-        self._drop_host_snapshot(node)
 
     def _drop_host_snapshot(self, node: RadixNode) -> None:
         if node.host_snapshot >= 0:

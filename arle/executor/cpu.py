@@ -21,7 +21,7 @@ from arle.executor.distributed import TPRanks, peer_inputs, rank_memory
 from arle.executor.paged import KVCache, StatePool, StepInputs
 from arle.executor.plan import StepPlan
 from arle.executor.sampler import logprobs_of, prompt_scores_of
-from arle.executor.step import StepState, copy_pages, eager_forward, run_step_body
+from arle.executor.step import StepState, eager_forward, run_step_body
 from arle.logging import get_logger
 from arle.model.decoder import DecoderLM
 from arle.threads import ThreadGovernor, torch_thread
@@ -79,9 +79,9 @@ class CPUExecutor:
         t0, cpu0 = time.perf_counter(), time.process_time()
         meta = torch.tensor(inputs.packed.meta, dtype=torch.int32)
         copy_s = 0.0
-        if inputs.kv_offloads or inputs.kv_restores:
+        if inputs.kv_offloads or inputs.kv_restores:  # (timed only where there are copies)
             t_copy = time.perf_counter()
-            copy_pages(self.dev, inputs)
+            self.dev.copy_pages(inputs.kv_offloads, inputs.kv_restores)
             copy_s = time.perf_counter() - t_copy
         out, scored = run_step_body(self.dev, inputs, meta, inputs.sampling,
                                     lambda: eager_forward(self.dev, inputs, meta, num_splits=1))

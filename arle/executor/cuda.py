@@ -44,7 +44,7 @@ from arle.executor.sampler import (
     logprobs_of,
     prompt_scores_of,
 )
-from arle.executor.step import Forward, copy_pages, eager_forward, run_step_body
+from arle.executor.step import Forward, eager_forward, run_step_body
 from arle.model.decoder import DecoderLM
 from arle.threads import torch_thread
 from arle_kernels.ops import ops_for
@@ -202,16 +202,15 @@ class CUDAExecutor:
             self.stream.wait_event(self._restored[1])
             done.append(self._restored)
             self._restored = None
-        overlap = inputs.kv_restores_overlap and bool(inputs.kv_restores)
-        if inputs.kv_offloads or (inputs.kv_restores and not overlap):
-            done.append(_timed(self.stream, lambda: copy_pages(self.dev, inputs,
-                                                              restores=not overlap)))
+        offloads, restores = inputs.kv_offloads, inputs.kv_restores
+        overlap = inputs.kv_restores_overlap and bool(restores)
+        if offloads or (restores and not overlap):
+            done.append(_timed(self.stream, lambda: self.dev.copy_pages(
+                offloads, [] if overlap else restores)))
         if overlap:
-            self.tier_stream.wait_stream(self.stream)  # NOTE: after the offloads: a restore
-            host = self.dev.host_kv  # may write a page one of them reads
-            assert host is not None
-            self._restored = _timed(self.tier_stream,
-                                    lambda: host.copy(self.dev.kv, [], inputs.kv_restores))
+            # NOTE: after the offloads: a restore may write a page one of them reads
+            self.tier_stream.wait_stream(self.stream)
+            self._restored = _timed(self.tier_stream, lambda: self.dev.copy_pages([], restores))
         return done
 
     def _forward(self, h: HostStep, meta: torch.Tensor) -> Forward:

@@ -107,15 +107,8 @@ class HostKV(_KVTensors):
         pages = nbytes * kv.k.shape[1] // max(kv.nbytes, 1)
         if pages < 1:
             return None
-        pin = kv.k.device.type == "cuda"
-
-        def like(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            return torch.empty((pages, t.shape[0], *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
-        k, v = like(kv.k), like(kv.v)
-        assert k is not None and v is not None
-        return cls(k, v, like(kv.k_scale), like(kv.v_scale))
+        scales = (None if t is None else _host_blocks(t, pages) for t in (kv.k_scale, kv.v_scale))
+        return cls(_host_blocks(kv.k, pages), _host_blocks(kv.v, pages), *scales)
 
     @property
     def num_pages(self) -> int:
@@ -138,6 +131,13 @@ class HostKV(_KVTensors):
         for h, index in _host_runs(restores, device, longest):
             for host, dev in pairs:
                 dev.index_copy_(1, index, host[h].to(device, non_blocking=True).transpose(0, 1))
+
+
+def _host_blocks(pool: torch.Tensor, n: int) -> torch.Tensor:
+    """n host entries of a device pool [layers, entries, ...] as [n, layers, ...], an entry one
+    contiguous block; pinned where the pool is on CUDA (its copies queue on a stream)."""
+    return torch.empty((n, pool.shape[0], *pool.shape[2:]), dtype=pool.dtype,
+                       pin_memory=pool.device.type == "cuda")
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -182,11 +182,7 @@ class HostStates:
         count = nbytes // max(state.slot_bytes, 1)
         if count < 1:
             return None
-        pin = state.conv.device.type == "cuda"
-
-        def like(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty((count, t.shape[0], *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
-        return cls(like(state.snap_conv), like(state.snap_ssm))
+        return cls(_host_blocks(state.snap_conv, count), _host_blocks(state.snap_ssm, count))
 
     @property
     def num_snapshots(self) -> int:

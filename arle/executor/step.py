@@ -87,6 +87,14 @@ class StepState:
     def page_size(self) -> int:
         return self.kv.page_size
 
+    def copy_pages(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]
+                   ) -> None:
+        """Host-tier page copies (`CacheManager.take_copies`): the offloads, then the
+        restores."""
+        if offloads or restores:
+            assert self.host_kv is not None
+            self.host_kv.copy(self.kv, offloads, restores)
+
     def pool_info(self) -> KVPoolInfo:
         """The KV pool and host tier as the engine sizes its cache manager by them."""
         kv, host, states = self.kv, self.host_kv, self.host_states
@@ -192,14 +200,6 @@ def _chain_step(table: Tensor, positions: Tensor, page_size: int) -> DeviceStep:
     n = positions.shape[0]
     return DeviceStep(positions, positions.int(), (page * page_size + positions % page_size).int(),
                       (positions + 1).int(), table.new_zeros(1), table, n, 1, 1)
-
-
-def copy_pages(dev: StepState, inputs: StepInputs, restores: bool = True) -> None:
-    """The host tier's page copies a step owes, before anything else of it: the offloads,
-    then (restores) the restores (`CacheManager.take_copies`)."""
-    if inputs.kv_offloads or (restores and inputs.kv_restores):
-        assert dev.host_kv is not None
-        dev.host_kv.copy(dev.kv, inputs.kv_offloads, inputs.kv_restores if restores else [])
 
 
 def run_step_body(dev: StepState, inputs: StepInputs, meta: Tensor,
