@@ -71,11 +71,18 @@ class Keep:
     the state at the last accepted draft is restored from here): `entries` [R] int32, each
     row's entry in the buffers (-1: none; decode rows have none); `conv` [E, P, C, K-1] and
     `ssm` [E, P, Hv, dk, dv] fp32, the state after the row's token i at [entry, i]. The slot's
-    state still ends at the row's end."""
+    state still ends at the row's end. `others`: the step's slots with the kept rows' at -1,
+    what the other launches run (None: made here; a step makes it once for all its layers)."""
 
     entries: Tensor
     conv: Tensor
     ssm: Tensor
+    others: Tensor | None = None
+
+
+def kept_out(slots: Tensor, entries: Tensor) -> Tensor:
+    """The slots with those of rows that keep their states (entries >= 0) at -1."""
+    return torch.where(entries >= 0, -1, slots)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -818,7 +825,7 @@ def gated_delta(mixed_qkv: Tensor, a: Tensor, b: Tensor, conv_weight: Tensor, a_
     if keep is not None:
         assert keep.conv.stride()[2:] == conv_state.stride()[1:]
         assert keep.ssm.stride()[2:] == ssm_state.stride()[1:]
-        slots = torch.where(keep.entries >= 0, -1, slots)
+        slots = keep.others if keep.others is not None else kept_out(slots, keep.entries)
     rows = slots.shape[0]
     n_ext = rows - num_decode
     out = torch.empty(t, hv, dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)

@@ -32,8 +32,6 @@ from torch import Tensor
 from arle_kernels.jit import jit_varying
 from arle_kernels.quant import Int4Groups
 
-#: the packed weight's dtype (its words)
-W4_WORDS = torch.int32
 #: most rows of x the GEMV takes (more: the GEMM)
 GEMV_MAX_ROWS = 8
 #: the K tile of both kernels: group sizes up to it are whole within a tile, larger ones
@@ -77,11 +75,17 @@ def pack_w4(w: Int4Groups) -> Tensor:
     return attach_w4(words.contiguous(), fmt)
 
 
+def nibbles(words: Tensor) -> Tensor:
+    """int32 [..., C] -> uint8 [..., C, 8]: nibble i is bits 4i..4i+3 (AWQ's, GPTQ's and our
+    words)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    return ((words[..., None] >> shifts) & 15).to(torch.uint8)
+
+
 def unpack_w4(words: Tensor, fmt: W4Format, dtype: torch.dtype = torch.float32) -> Tensor:
     """The weight [N, K] in `dtype` (q * scale + offset in fp32)."""
     n = words.shape[0]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
-    q = ((words[..., None] >> shifts) & 0xF).view(n, -1).float()
+    q = nibbles(words).view(n, -1).float()
     g = fmt.group
     w = q.view(n, -1, g) * fmt.scale.float()[..., None] + fmt.offset.float()[..., None]
     return w.view(n, -1).to(dtype)

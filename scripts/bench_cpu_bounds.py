@@ -37,7 +37,7 @@ from stamp import stamp
 from arle_kernels.decode_attention import decode_attention_ref
 
 
-def best_ms(fn: Callable[[], Any], rounds: int) -> float:
+def median_ms(fn: Callable[[], Any], rounds: int) -> float:
     """The median of `rounds` timed calls after 10 warm ones, in ms."""
     for _ in range(10):
         fn()
@@ -92,19 +92,19 @@ async def replay_step(args: argparse.Namespace) -> dict[str, Any]:
             return x.new_empty(*x.shape[:-1], fmt.n if name == "int4_linear" else w.shape[0])
         return call
 
-    def timed() -> dict[str, float]:
-        out = {"step_ms": best_ms(forward, args.step_rounds)}
+    def measure() -> dict[str, float]:
+        out = {"step_ms": median_ms(forward, args.step_rounds)}
         with (patch.object(quant, "int4_linear", stand_in("int4_linear")),
               patch.object(quant, "int8_linear", stand_in("int8_linear"))):
             forward()  # one forward's calls, in order
             recording[0] = False
-            out["without_int_ms"] = best_ms(forward, args.step_rounds)
-        out["int_alone_ms"] = best_ms(lambda: [f(*a) for f, a in calls], args.step_rounds)
+            out["without_int_ms"] = median_ms(forward, args.step_rounds)
+        out["int_alone_ms"] = median_ms(lambda: [f(*a) for f, a in calls], args.step_rounds)
         out["int_calls"] = len(calls)
         return out
 
     try:
-        result = torch_thread().submit(timed).result()
+        result = torch_thread().submit(measure).result()
     finally:
         await engine.close()
     return {"model": args.model or "default", "context": args.context, **result}

@@ -41,16 +41,15 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], list
 
 async def one_setting(args: argparse.Namespace, setting: str) -> dict[str, Any]:
     from arle.config import EngineConfig
-    from arle.engine.build import build_engine
+    from arle.engine.build import create_engine
     from arle.engine.request import GenerateRequest, SamplingParams
-    from arle.threads import torch_thread
 
     per_conv = args.doc_tokens + args.turns * (args.user_tokens + args.max_tokens)
     pool = int(args.conversations * per_conv * args.pool_share)
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           kv_cache_tokens=pool, max_running_requests=args.concurrency,
                           kv_host_cache_gb=args.host_gb if setting == "host_tier" else 0.0)
-    engine = await asyncio.wrap_future(torch_thread().submit(build_engine, config))
+    engine = await create_engine(config)
     vocab = engine.model_info.get("vocab_size", 32000)
     convs = workload(args, vocab)
     history = [list(doc) for doc, _ in convs]

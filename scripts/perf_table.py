@@ -667,13 +667,15 @@ def _cpu_bounds(res: Results) -> list[str]:
         f"on 2 threads but the model's small ones (0.2-0.9 MB) slower: a fixed cost a call. "
         f"What would close it: fewer, fused ops per layer (`torch.compile` of a layer's MLP "
         f"half came out level, after an 18 s compile) and a cheaper call into the packed "
-        f"kernel.", "", *_cpu_step_bound(res), *_cpu_attention_bound(res, s)]
+        f"kernel.", "", *_cpu_step_bound(res, s), *_cpu_attention_bound(res, s)]
 
 
-def _cpu_step_bound(res: Results) -> list[str]:
+def _cpu_step_bound(res: Results, s: Any) -> list[str]:
     """A replayed CPU decode step with and without its integer matmuls (cpu_bounds.json)."""
     st = res.load(_CPU_BOUNDS)["step"]
     inside = st["step_ms"] - st["without_int_ms"]
+    # the step time 3x arle's fp32 decode asks (bench_cpu.json's rates)
+    goal = st["step_ms"] * s["arle"]["decode_tok_s"] / (3 * s["arle_fp32"]["decode_tok_s"])
     return [
         f"**One batch-1 decode step, replayed** ([{Path(_CPU_BOUNDS).name}]"
         f"(results/{_CPU_BOUNDS})):"
@@ -682,14 +684,8 @@ def _cpu_step_bound(res: Results) -> list[str]:
         f"write, attention, the glue), so the matmuls and their casts cost {inside:.1f} ms "
         f"inside the step, where the same calls back to back take {st['int_alone_ms']:.1f} ms "
         f"({inside / st['int_alone_ms']:.2f}x). 3x arle's fp32 path needs about "
-        f"{st['step_ms'] * _goal_share(res):.1f} ms a step: the matmuls alone plus the rest already "
+        f"{goal:.1f} ms a step: the matmuls alone plus the rest already "
         f"come to {st['int_alone_ms'] + st['without_int_ms']:.1f} ms.", ""]
-
-
-def _goal_share(res: Results) -> float:
-    """The step time 3x arle's fp32 decode asks, as a share of today's (bench_cpu.json)."""
-    s = res.load(_CPU)["summary"]
-    return s["arle"]["decode_tok_s"] / (3 * s["arle_fp32"]["decode_tok_s"])
 
 
 def _cpu_attention_bound(res: Results, s: Any) -> list[str]:

@@ -15,7 +15,7 @@ from arle.executor.plan import Row, StepPlan
 from arle.executor.sampler import SamplingBatch
 from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
-from arle_kernels.deltanet import Keep
+from arle_kernels.deltanet import Keep, kept_out
 from arle_kernels.extend_attention import plan_blocks
 from arle_kernels.split_sums import SplitSums
 
@@ -333,6 +333,9 @@ class PagedAttention:
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
         la = cfg.linear_attention
         self.num_k_heads = la.num_key_heads if la is not None else 0
+        #: verify rows: the other rows' slots, made once for every layer (`Keep.others`)
+        self.kept_out = (kept_out(step.slots, step.keep)
+                         if step.keep is not None and step.slots is not None else None)
 
     def attend(self, layer: int, qkv: torch.Tensor | SplitSums, q_norm: torch.Tensor | None,
                k_norm: torch.Tensor | None) -> torch.Tensor:
@@ -359,7 +362,7 @@ class PagedAttention:
         keep = None
         if s.keep is not None:  # verify rows: the state after each token kept (restore)
             assert st.spec_conv is not None and st.spec_ssm is not None
-            keep = Keep(s.keep, st.spec_conv[layer], st.spec_ssm[layer])
+            keep = Keep(s.keep, st.spec_conv[layer], st.spec_ssm[layer], self.kept_out)
         out = self.ops.gated_delta(
             mixed_qkv, a, b, conv_weight, a_log, dt_bias, st.conv[layer], st.ssm[layer],
             s.slots, s.seq_lens, s.cu_q_lens, s.num_decode, s.max_q_len, self.num_k_heads,

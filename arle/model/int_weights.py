@@ -37,7 +37,7 @@ from arle_kernels.quant import (
     pack_int4,
     quantize_int8_rows,
 )
-from arle_kernels.w4a16 import attach_w4, pack_w4, unpack_w4, w4_format
+from arle_kernels.w4a16 import attach_w4, nibbles, pack_w4, unpack_w4, w4_format
 
 
 class Kind(Enum):
@@ -211,15 +211,9 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _INT4_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [..., C] -> uint8 [..., C, 8]: nibble i is bits 4i..4i+3."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    return ((packed[..., None] >> shifts) & 15).to(torch.uint8)
-
-
 def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     """AWQ's [rows, N / 8] int32 -> [rows, N] uint8, columns in order."""
-    nib = _nibbles(packed)
+    nib = nibbles(packed)
     cols = torch.empty_like(nib)
     cols[..., list(_AWQ_ORDER)] = nib
     return cols.flatten(-2)
@@ -250,8 +244,8 @@ def gptq_groups(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     if not torch.equal(g_idx.long(), torch.arange(k) // group):
         raise ValueError("g_idx is not row // group_size (an act-order checkpoint: "
                          "desc_act is not read)")
-    q_kn = _nibbles(qweight).permute(0, 2, 1).reshape(k, -1)
-    zeros = _nibbles(qzeros).flatten(-2).to(torch.int16) + zero_offset
+    q_kn = nibbles(qweight).permute(0, 2, 1).reshape(k, -1)
+    zeros = nibbles(qzeros).flatten(-2).to(torch.int16) + zero_offset
     return _groups_from(q_kn, zeros, scales, group)
 
 

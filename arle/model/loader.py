@@ -507,13 +507,11 @@ def _load_weights(model: DecoderLM, tensors: Iterator[tuple[str, Any, Path]],
         try:
             loader = getattr(param, "weight_loader", load_whole)
             if to_device is not None:
-                if isinstance(tensor, Int4Groups):
-                    tensor = (tensor.dequantize(param.dtype)
-                              if getattr(param, "staged", None) is None
-                              else Int4Groups(to_device(tensor.q), to_device(tensor.scale),
-                                              to_device(tensor.zero), tensor.group))
-                else:
-                    tensor = to_device(tensor)
+                if isinstance(tensor, Int4Groups) and getattr(param, "staged", None) is None:
+                    tensor = tensor.dequantize(param.dtype)  # not kept 4-bit here
+                tensor = (Int4Groups(to_device(tensor.q), to_device(tensor.scale),
+                                     to_device(tensor.zero), tensor.group)
+                          if isinstance(tensor, Int4Groups) else to_device(tensor))
             if at_load:
                 assert quant is not None
                 tensor = _quantize_at(name, tensor, targets, quant.block)
