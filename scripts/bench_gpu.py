@@ -293,6 +293,30 @@ def prefill(args: argparse.Namespace) -> None:
     _write(args.out, asyncio.run(_prefill(args)))
 
 
+async def _context(args: argparse.Namespace) -> dict[str, Any]:
+    """How batch-1 cost grows with context: for each length, one prompt's prefill time (its
+    TTFT, the whole prompt in one chunk) and its decode TPOT after it. Each length runs twice
+    (the first builds the kernels for its shapes); the second is reported."""
+    longest = max(args.contexts)
+    engine = await _engine(args, max_running_requests=8, chunked_prefill_size=longest,
+                           max_batched_tokens=longest + 8, enable_prefix_cache=False)
+    vocab = engine.tokenizer.vocab_size
+    out: dict[str, Any] = {"phase": "context", "model": args.model,
+                           "output_len": args.output_len, "runs": {}}
+    for n in args.contexts:
+        for i in range(2):
+            run = await _generate(engine, _prompts(1, n, vocab, 1000 * i + n)[0], args.output_len)
+        (ttft,), (tpot,) = _latencies([run])
+        out["runs"][str(n)] = {"ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3}
+        print(f"context {n}: prefill {ttft * 1e3:.1f} ms, TPOT {tpot * 1e3:.3f} ms", flush=True)
+    await engine.close()
+    return out
+
+
+def context(args: argparse.Namespace) -> None:
+    _write(args.out, asyncio.run(_context(args)))
+
+
 async def _extend(args: argparse.Namespace) -> dict[str, Any]:
     """The device time of each extend graph (a prefill or mixed step padded up to the graph's
     token count): a replay of each, on the padding start-up left in it (its GEMMs, norms and
@@ -631,7 +655,9 @@ def serve(args: argparse.Namespace) -> None:
         for conc in args.concurrency:
             # NOTE: new prompts for each run (and its warm-up, seed + 1): the prompts of an
             # earlier run would be served from the prefix cache
-            cfg = BenchConfig(base_url=f"http://127.0.0.1:{port}", num_prompts=args.num_prompts,
+            # NOTE: at least one prompt per client, or a high concurrency measures fewer clients
+            cfg = BenchConfig(base_url=f"http://127.0.0.1:{port}",
+                              num_prompts=max(args.num_prompts, conc),
                               input_len=args.input_len, output_len=args.output_len,
                               max_concurrency=conc, warmup_requests=2, seed=10 * conc + 1)
             s = asyncio.run(run_bench(cfg))
@@ -750,7 +776,8 @@ def main() -> None:
     c.set_defaults(fn=launch)
     for name, fn in (("decode", decode), ("prefill", prefill), ("offline", offline),
                      ("host", host), ("timeline", timeline), ("startup", startup),
-                     ("extend", extend), ("chat", chat)):
+                     ("extend", extend), ("chat", chat),
+                     ("context", context)):
         s = sub.add_parser(name)
         s.add_argument("model")
         s.add_argument("--out", required=True)
@@ -779,6 +806,8 @@ def main() -> None:
         s.add_argument("--max-batched-tokens", type=int, default=None,
                        help="the engine's step token budget (default: the engine's; "
                             "prefill sets its own, one step for the whole prompt)")
+        s.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768],
+                       help="context: the prompt lengths")
         s.set_defaults(fn=fn)
     s = sub.add_parser("serve")
     s.add_argument("model")

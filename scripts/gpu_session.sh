@@ -3,6 +3,11 @@
 # under a timeout; each figure's JSON under the name docs/results/h200/ gives it.
 #   bash scripts/gpu_session.sh PHASE...
 #     tests     the GPU test files (pytest.txt)
+#     all       the whole suite but the Triton-interpreter tests (CI runs those): the files that
+#               touch the GPU in 4 processes (pytest.txt) beside the rest in 6 (pytest_cpu.txt)
+#     context   batch-1 prefill time and TPOT at 1k, 8k and 32k tokens of context (Qwen3-4B,
+#               Qwen3.5-4B)
+#     scale     arle serve on Qwen3-4B at concurrency 1, 8, 64 and 256
 #     ceilings decode decode8b prefill parity serve ablation hf offline smol   the figures
 #     kernels   the kernel micro-benchmarks (scripts/bench_kernels.py)
 #     parity35 paritymoe paritymoefp8   Qwen3.5-4B / Qwen3-30B-A3B (4 of its layers) logits
@@ -63,20 +68,35 @@ phase() {  # name timeout command...
   tar -cf "$OUT/results.tar" -C $RES .
 }
 BENCH=(python3 scripts/bench_gpu.py)
+GPU_FILES=(tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py
+  tests/test_kernels_extend_attention.py tests/test_kernels_fused.py tests/test_kernels_gemv.py
+  tests/test_split_sums.py tests/test_kernels_greedy.py tests/test_kernels_embed.py
+  tests/test_kernels_jit.py tests/test_loader.py tests/test_step_path.py tests/test_layers.py
+  tests/test_cuda_engine.py tests/test_qwen3_5.py tests/test_moe.py tests/test_fp8_weights.py
+  tests/test_kernels_deltanet.py tests/test_kernels_moe.py tests/test_kernels_fp8.py
+  tests/test_quantize_fp8.py tests/test_kernels_w4a16.py tests/test_int4_checkpoints.py)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
   case $p in
     tests) say tests; timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -n 4 -v -p no:cacheprovider -rfE \
              --tb=short --durations=15 -k "not interpreter and not cli_reports_a_bad_model" \
-             tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py \
-             tests/test_kernels_extend_attention.py tests/test_kernels_fused.py \
-             tests/test_kernels_gemv.py tests/test_split_sums.py tests/test_kernels_greedy.py \
-             tests/test_kernels_embed.py tests/test_kernels_jit.py tests/test_loader.py \
-             tests/test_step_path.py tests/test_layers.py tests/test_cuda_engine.py \
-             tests/test_qwen3_5.py tests/test_moe.py tests/test_fp8_weights.py \
-             tests/test_kernels_deltanet.py tests/test_kernels_moe.py tests/test_kernels_fp8.py \
-             tests/test_quantize_fp8.py tests/test_kernels_w4a16.py tests/test_int4_checkpoints.py \
-             >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"; tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;
+             "${GPU_FILES[@]}" >"$OUT/pytest.txt" 2>&1; say "tests rc=$?"
+           tail -5 "$OUT/pytest.txt" | tee -a "$LOG" ;;
+    all) say all  # the GPU files in 4 processes (GPU memory), beside the rest of the suite
+         mapfile -t rest < <(ls tests/test_*.py | grep -vxF -f <(printf '%s\n' "${GPU_FILES[@]}"))
+         timeout "${TESTS_TIMEOUT:-480}" python3 -m pytest -n 6 -p no:cacheprovider -rfEs -q \
+           --tb=short --durations=10 -k "not interpreter" "${rest[@]}" >"$OUT/pytest_cpu.txt" 2>&1 &
+         cpu=$!
+         timeout "${TESTS_TIMEOUT:-480}" python3 -m pytest -n 4 -v -p no:cacheprovider -rfEs \
+           --tb=short --durations=15 -k "not interpreter" "${GPU_FILES[@]}" >"$OUT/pytest.txt" 2>&1
+         say "all: GPU files rc=$?"; wait $cpu; say "all: the rest rc=$?"
+         tail -3 "$OUT/pytest.txt" "$OUT/pytest_cpu.txt" | tee -a "$LOG" ;;
+    context) for m in qwen3-4b qwen3.5-4b; do d=$(model $m)
+               phase "context_$m" 200 "${BENCH[@]}" context "$d" --output-len 64 \
+                 --out "$RES/context_$m.json"
+             done ;;
+    scale) d=$(model qwen3-4b); phase scale 240 "${BENCH[@]}" serve "$d" \
+             --concurrency 1 8 64 256 --num-prompts 64 --out $RES/serve_qwen3-4b_scale.json ;;
     ceilings) phase ceilings 60 "${BENCH[@]}" ceilings --out $RES/ceilings.json ;;
     decode) d=$(model qwen3-4b); phase decode 100 "${BENCH[@]}" decode "$d" \
               --out $RES/decode_qwen3-4b.json ;;
