@@ -429,7 +429,7 @@ def _gather_index(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: i
             and last[1].shape == seq_lens.shape and last[0].device == page_table.device
             and torch.equal(last[0], page_table) and torch.equal(last[1], seq_lens)):
         return last[3]
-    lens = seq_lens.long()
+    lens = seq_lens.long().to(page_table.device)
     # NOTE: a row of length 0 attends to one slot (a row all masked out would give NaN); its
     # output is replaced by zeros
     gathered = lens.clamp(min=1)

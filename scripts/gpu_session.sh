@@ -5,6 +5,7 @@
 #     tests     the GPU test files (pytest.txt)
 #     all       the whole suite but the Triton-interpreter tests (CI runs those): the files that
 #               touch the GPU in 4 processes (pytest.txt) beside the rest in 6 (pytest_cpu.txt)
+#     rerun     the tests named in $RERUN_TESTS (files or node ids; pytest_rerun.txt)
 #     context   batch-1 prefill time and TPOT at 1k, 8k and 32k tokens of context (Qwen3-4B,
 #               Qwen3.5-4B)
 #     scale     arle serve on Qwen3-4B at concurrency 1, 8, 64 and 256
@@ -91,6 +92,9 @@ for p in "$@"; do
            --tb=short --durations=15 -k "not interpreter" "${GPU_FILES[@]}" >"$OUT/pytest.txt" 2>&1
          say "all: GPU files rc=$?"; wait $cpu; say "all: the rest rc=$?"
          tail -3 "$OUT/pytest.txt" "$OUT/pytest_cpu.txt" | tee -a "$LOG" ;;
+    rerun) say rerun; timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -n 4 -v -p no:cacheprovider \
+             -rfEs --tb=short -k "not interpreter" $RERUN_TESTS >"$OUT/pytest_rerun.txt" 2>&1
+           say "rerun rc=$?"; tail -3 "$OUT/pytest_rerun.txt" | tee -a "$LOG" ;;
     context) for m in qwen3-4b qwen3.5-4b; do d=$(model $m)
                phase "context_$m" 200 "${BENCH[@]}" context "$d" --output-len 64 \
                  --out "$RES/context_$m.json"

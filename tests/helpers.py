@@ -59,6 +59,17 @@ def smollm2_tokenizer() -> Tokenizer:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def arle_env(**extra: str) -> dict[str, str]:
+    """The environment for an `arle` child process: this one's without its ARLE_* settings, the
+    repository first on PYTHONPATH, then EXTRA. NOTE: PYTHONPATH is prepended to, never
+    replaced: a machine whose packages come from PYTHONPATH (the GPU box's carried wheels) must
+    still find them in the child."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
 @functools.cache
 def load_script(name: str) -> ModuleType:
     """scripts/NAME.py as a module (the scripts are not a package), loaded once."""

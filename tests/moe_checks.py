@@ -8,7 +8,6 @@ Imported as `moe_checks` (tests/ is on sys.path).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import httpx
 import torch
 from conftest import run, tokens_of
 from gpu_checks import assert_same_up_to_near_ties
-from helpers import ROOT, load_script
+from helpers import arle_env, load_script
 from served import arle_server
 
 from arle.model.loader import LoadedModel
@@ -125,14 +124,8 @@ async def assert_greedy_matches(loaded: LoadedModel, ref: Any, make_engine: Any)
         assert ours == hf_greedy(ref, ids, 24), f"prompt of {n}"
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
 def arle_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "arle", *args], env=_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "arle", *args], env=arle_env(), capture_output=True,
                           text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 

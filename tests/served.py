@@ -8,7 +8,6 @@ the process is always killed at the end.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import arle_env
 
 from arle.engine.request import Delta, GenerateRequest, SamplingParams, Usage
 
@@ -80,10 +80,7 @@ class ServerProcess:
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
-        full_env.update(env or {})
+        full_env = arle_env(**(env or {}))
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "arle", "serve", "--host", "127.0.0.1", "--port", "0",

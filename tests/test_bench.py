@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,8 +13,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from helpers import require_smollm2_gguf
-from served import ROOT, ServerProcess, arle_server
+from helpers import arle_env, require_smollm2_gguf
+from served import ServerProcess, arle_server
 
 from arle.bench import BenchConfig, RequestResult, _percentile, summarize
 
@@ -39,8 +38,7 @@ def smol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 
 
 def _bench(url: str, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = arle_env()
     return subprocess.run(
         [sys.executable, "-m", "arle", "bench", "--base-url", url, "--output-file", str(out),
          "--quiet", *args], env=env, capture_output=True, text=True, timeout=300,
@@ -143,7 +141,7 @@ def test_bench_unreachable_server_is_one_error_line(tmp_path: Path) -> None:
 def test_bench_imports_no_torch() -> None:
     code = "import sys, arle.bench, arle.cli.bench; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                   env=arle_env())
 
 
 def test_summary_statistics_match_numpy() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import assert_all_pages_back
+from helpers import arle_env
 from prompt_toolkit.completion import CompleteEvent
 from prompt_toolkit.document import Document
 from prompt_toolkit.input import create_pipe_input
@@ -450,9 +451,7 @@ def test_piped_arle_chat_end_to_end(tmp_path: Path) -> None:
     from helpers import require_smollm2_gguf
 
     require_smollm2_gguf()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["XDG_DATA_HOME"] = str(tmp_path)
+    env = arle_env(XDG_DATA_HOME=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, "-m", "arle", "chat", "--temperature", "0", "--max-tokens", "24"],
         input="What is the capital of France?\n/bogus\nAnd of Italy?\n", env=env,

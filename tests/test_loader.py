@@ -7,7 +7,6 @@ each test breaks one thing in a copy of it.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import require_smollm2_gguf
+from helpers import arle_env, require_smollm2_gguf
 from model_dirs import hf_config, write_model_dir
 from safetensors.torch import load_file, save_file
 
@@ -196,7 +195,7 @@ def test_cli_reports_a_bad_model_in_one_line(tmp_path):
     that imports torch)."""
     bad = tmp_path / "empty-model"
     bad.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = arle_env()
     proc = subprocess.run([sys.executable, "-m", "arle", "complete", "-m", str(bad), "hi"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
+from helpers import arle_env
 
 from arle.logging import configure_logging, get_logger
 
@@ -35,8 +35,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run(fmt: str | None, env_format: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = arle_env()
     if env_format:
         env["ARLE_LOG_FORMAT"] = env_format
     return subprocess.run([sys.executable, "-c", SCRIPT.format(fmt=fmt)], env=env,

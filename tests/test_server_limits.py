@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import selectors
 import signal
 import socket
@@ -22,7 +21,8 @@ from typing import Any
 
 import httpx
 import pytest
-from served import ROOT, SPECIALS, OneTokenEngine, ServerProcess, arle_server
+from helpers import arle_env
+from served import SPECIALS, OneTokenEngine, ServerProcess, arle_server
 from tokenizers import Tokenizer as HFTokenizer
 
 from arle.server import MAX_HEADER_BYTES, MAX_HEADERS
@@ -430,8 +430,7 @@ def test_grace_period_over_ends_every_stream_with_an_error_and_done(tiny_dir: Pa
 
 
 def test_complete_stderr_is_quiet(tiny_dir: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
-    env["PYTHONPATH"] = str(ROOT)
+    env = arle_env()
     out = subprocess.run([sys.executable, "-m", "arle", "complete", "--model", str(tiny_dir),
                           "--max-tokens", "3", "--raw", "hello"],
                          capture_output=True, text=True, timeout=120, env=env)

@@ -27,9 +27,9 @@ import pytest
 import torch
 import tp_rank
 from conftest import assert_all_pages_back, cancel_mid_stream, run, run_many, tokens_of
-from helpers import require_smollm2_gguf, with_oracle
+from helpers import arle_env, require_smollm2_gguf, with_oracle
 from model_dirs import hf_config, write_model_dir, write_qwen3_5_dir
-from served import ROOT, ServerProcess
+from served import ServerProcess
 
 from arle.config import EngineConfig
 from arle.engine.build import create_engine
@@ -66,9 +66,9 @@ def _free_port() -> int:
 
 
 def _env(mark: str = "") -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARLE_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
+    # NOTE: these are the CPU (gloo) tests: with no GPU in sight `--device auto` is the CPU on a
+    # GPU machine too, whose one card could not hold 2 ranks
+    env = arle_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     if mark:
         env["ARLE_TP_TEST_MARK"] = mark  # found in the environ of every process it started
     return env
@@ -80,7 +80,8 @@ def _marked_tp2_server(model: Path, tmp_path: Path) -> tuple[ServerProcess, str]
     mark = uuid.uuid4().hex
     server = ServerProcess(["--model", str(model), "--tp", "2", "--threads", "1"],
                            tmp_path / "serve.log", env={"ARLE_TP_TEST_MARK": mark,
-                                                        "OMP_NUM_THREADS": "1"})
+                                                        "OMP_NUM_THREADS": "1",
+                                                        "CUDA_VISIBLE_DEVICES": ""})
     return server, mark
 
 
