@@ -432,7 +432,7 @@ def test_grace_period_over_ends_every_stream_with_an_error_and_done(tiny_dir: Pa
 def test_complete_stderr_is_quiet(tiny_dir: Path) -> None:
     env = arle_env()
     out = subprocess.run([sys.executable, "-m", "arle", "complete", "--model", str(tiny_dir),
-                          "--max-tokens", "3", "--raw", "hello"],
+                          "--device", "cpu", "--max-tokens", "3", "--raw", "hello"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stderr == "", out.stderr

@@ -241,8 +241,8 @@ async def test_cancellation_and_preemption_under_tp(model_dirs: dict[str, Path])
     """A pool too small for every request at once: the newest are preempted and recomputed,
     and give the tokens one rank gives; a request cancelled mid-stream returns its pages;
     rank 0's cache (the one page table every rank's pool follows) ends with every page back."""
-    base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, kv_cache_tokens=96,
-                        max_running_requests=4, state_snapshots=0)
+    base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, device="cpu",
+                        kv_cache_tokens=96, max_running_requests=4, state_snapshots=0)
     prompts = [[(11 * i + 7 * j) % 250 for j in range(20 + 3 * i)] for i in range(4)]
     results = {}
     for tp in (1, 2):
@@ -268,8 +268,8 @@ async def test_cancellation_and_preemption_under_tp(model_dirs: dict[str, Path])
 async def test_speculative_decoding_under_tp(model_dirs: dict[str, Path]) -> None:
     """Qwen3.5 at TP=2 with verify rows (drafts right and wrong, each rank keeping its heads'
     states per position): the greedy tokens one rank gives without speculation."""
-    base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, kv_cache_tokens=1024,
-                        max_running_requests=4)
+    base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, device="cpu",
+                        kv_cache_tokens=1024, max_running_requests=4)
     prompts = [[(7 * i + 5 * j) % 250 for j in range(18 + 5 * i)] for i in range(3)]
     off = await create_engine(base)
     try:
@@ -294,8 +294,8 @@ async def test_a_prefix_hit_restores_every_ranks_state(model_dirs: dict[str, Pat
     snapshot at their end (each rank's heads of it), and answers as TP=1 does without any
     reuse."""
     turn1 = [(13 * j + 5) % 250 for j in range(64)]
-    base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, kv_cache_tokens=1024,
-                        max_running_requests=2)
+    base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, device="cpu",
+                        kv_cache_tokens=1024, max_running_requests=2)
     engine = await create_engine(replace(base, tensor_parallel_size=2))
     try:
         # one token: the 64 prompt tokens computed, a snapshot at their page boundary
@@ -460,8 +460,9 @@ async def test_a_host_tier_hit_is_a_hit_on_every_rank(model_dirs: dict[str, Path
     others run, come back for the prompt that extends it, and the answer is TP=1's without
     any reuse."""
     turn1 = [(13 * j + 5) % 250 for j in range(64)]
-    base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, kv_cache_tokens=96,
-                        max_running_requests=1, kv_host_cache_gb=0.01, state_snapshots=8)
+    base = EngineConfig(model=str(model_dirs["qwen3_5"]), num_threads=1, device="cpu",
+                        kv_cache_tokens=96, max_running_requests=1, kv_host_cache_gb=0.01,
+                        state_snapshots=8)
     engine = await create_engine(replace(base, tensor_parallel_size=2))
     try:
         await run(engine, turn1, max_tokens=1, ignore_eos=True)
