@@ -327,6 +327,16 @@ def test_accepted_drafts_and_the_rule() -> None:
     for n in range(3):  # from the best case again: 2, 1, 0.5; aside for 16 tokens
         drafter.verified(spec, 4, 0, num_output=20 + n)
     assert spec.resume_at == 22 + 16
+    # a verify row's fixed cost (a hybrid model's on CUDA): one-draft rows that keep none go
+    # aside at the third (recent 2, 1, 0.5 < 0.78), where the per-draft cost alone took eight
+    for fixed, aside_at in ((0.75, 3), (0.0, 8)):
+        drafter = Drafter(SpecConfig(num_tokens=4, verify_cost=fixed, draft_cost=0.03))
+        spec = drafter.start()
+        steps = 0
+        while spec.resume_at == 0:
+            steps += 1
+            drafter.verified(spec, 1, 0, num_output=steps)
+        assert steps == aside_at
 
 
 def test_warmup_reports_the_rule(models: dict[str, LoadedModel], make_engine: Any) -> None:
@@ -465,7 +475,7 @@ class Recorder(MTPDrafter):
     drafting whatever they cost (the random head's drafts are nearly all rejected)."""
 
     def __init__(self, config: SpecConfig) -> None:
-        super().__init__(replace(config, draft_cost=0.0))
+        super().__init__(replace(config, verify_cost=0.0, draft_cost=0.0))
         self.seen: list[tuple[list[int], list[int]]] = []
 
     def lookup(self, spec: RequestSpec, tokens: Sequence[int], num_output: int,
@@ -642,3 +652,27 @@ async def test_serve_with_ngram_speculation(smol: LoadedModel, make_engine: Any,
     rate = next(line for line in metrics.splitlines()
                 if line.startswith("arle_spec_acceptance_rate "))
     assert 0 < float(rate.split()[1]) <= 1
+
+
+@pytest.mark.parametrize("spec", [(8, 5), (8, 2)])
+def test_verify_steps_fit_the_extend_graphs(spec: tuple[int, int]) -> None:
+    """A CUDA step of 8 verify rows of K drafts samples 8 (K + 1) positions: its extend graph
+    takes them, where one sized by the slots alone sent it eager (measured on an H100: a verify
+    step at batch 8 then cost 8-13x a decode step, against 1.2x at batch 1 with a graph).
+    The buffers are built on the CPU; only `size_for` is asked."""
+    from arle.executor.cuda_graphs import ExtendGraphs
+    from arle.executor.cuda_startup import CUDAExecutorConfig
+
+    rows, positions = spec
+    base = CUDAExecutorConfig(page_size=16, num_slots=9, max_batched_tokens=2048,
+                              max_model_len=256, kv_dtype=torch.bfloat16)
+
+    def graph(config: CUDAExecutorConfig) -> int:
+        graphs = ExtendGraphs(config.extend_graph_max_tokens, config.extend_graph_rows, 16,
+                              config.max_pages, 32, 0, torch.device("cpu"))
+        return graphs.size_for(rows * positions, rows, rows * positions)
+
+    assert graph(replace(base, spec=spec)) > 0
+    assert graph(base) == 0  # the slots alone: eager
+    # NOTE: never past EXTEND_GRAPH_ROWS (each row costs the graph a page-table row and logits)
+    assert replace(base, num_slots=60, spec=spec).extend_graph_rows == 64

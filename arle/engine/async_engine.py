@@ -149,7 +149,7 @@ class AsyncEngine:
             chunked_prefill_size=min(config.chunked_prefill_size, config.max_batched_tokens),
             max_waiting_requests=config.max_waiting_requests,
             overlap_restores=executor.overlaps_restores), self.cache,
-            drafter=make_drafter(config))
+            drafter=make_drafter(config, hybrid=executor.state is not None))
         self._requests: dict[str, Sequence] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None

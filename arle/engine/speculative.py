@@ -30,8 +30,9 @@ class SpecConfig:
 
     #: most drafts per verify row (--num-speculative-tokens; the device's when not given)
     num_tokens: int = 4
-    #: one draft's share of a decode step's time: a verify row of k drafts pays when it keeps
-    #: more than draft_cost * k of them on average
+    #: what a verify row of k drafts costs beyond a decode row, in decode steps:
+    #: verify_cost + draft_cost * k; it pays when it keeps more drafts than that on average
+    verify_cost: float = 0.0
     draft_cost: float = 0.125
     #: a step's tokens (decode rows + drafts) up to which drafts are added
     step_tokens: int = 72
@@ -51,16 +52,26 @@ class SpecConfig:
 #: leaves the packed int4 kernels for the bf16 expansion (arle_kernels.quant,
 #: PACKED_MAX_ROWS): at batch 8 with 8 drafts each (72 tokens) 5.1x, so drafts stop at 48.
 #: K = 8 was the fastest of 2, 4, 8 on every task.
-#: CUDA: not yet measured on a GPU (the H200 run measures verify against decode steps).
+#: CUDA: the same bench on an H100, random Qwen3-4B, batch 1, graphs: a verify step of 1-4
+#: drafts costs 1.19-1.22x a decode step, almost all of it fixed (the extend step's launches);
+#: the hybrid Qwen3.5-4B 1.78-1.86x (its verify rows keep a recurrent state per position):
+#: HYBRID_RULES.
 DEVICE_RULES = {"cpu": SpecConfig(num_tokens=8, draft_cost=0.23, step_tokens=48),
-                "cuda": SpecConfig(num_tokens=4, draft_cost=0.05, step_tokens=64)}
+                "cuda": SpecConfig(num_tokens=4, verify_cost=0.19, draft_cost=0.01,
+                                   step_tokens=64)}
+#: (verify_cost, draft_cost) of a hybrid model, by device
+HYBRID_RULES = {"cuda": (0.75, 0.03)}
 
 
-def spec_config(config: EngineConfig) -> SpecConfig | None:
-    """The drafting rule of an engine config (its device filled in); None: speculation off."""
+def spec_config(config: EngineConfig, hybrid: bool = False) -> SpecConfig | None:
+    """The drafting rule of an engine config (its device filled in) and model (hybrid: Gated
+    DeltaNet layers); None: speculation off."""
     if config.speculative == "off":
         return None
     rule = DEVICE_RULES.get(config.device, DEVICE_RULES["cpu"])
+    if hybrid and config.device in HYBRID_RULES:
+        verify_cost, draft_cost = HYBRID_RULES[config.device]
+        rule = replace(rule, verify_cost=verify_cost, draft_cost=draft_cost)
     return replace(rule, num_tokens=config.num_speculative_tokens or rule.num_tokens)
 
 
@@ -179,7 +190,7 @@ class Drafter:
         # it aside
         before = c.num_tokens if spec.recent is None else spec.recent
         spec.recent = 0.5 * before + 0.5 * accepted
-        if spec.recent < c.draft_cost * drafts:
+        if spec.recent < c.verify_cost + c.draft_cost * drafts:
             spec.backoff = min(2 * spec.backoff or c.backoff, 64)
             spec.resume_at = num_output + spec.backoff
             spec.recent = None
@@ -202,9 +213,9 @@ class MTPDrafter(Drafter):
         return num_output >= spec.resume_at  # its step in flight brings new drafts
 
 
-def make_drafter(config: EngineConfig) -> Drafter | None:
+def make_drafter(config: EngineConfig, hybrid: bool = False) -> Drafter | None:
     """The drafter of an engine config (its device filled in); None: speculation off."""
-    spec = spec_config(config)
+    spec = spec_config(config, hybrid)
     if spec is None:
         return None
     return MTPDrafter(spec) if config.speculative == "mtp" else Drafter(spec)

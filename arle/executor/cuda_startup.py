@@ -80,6 +80,15 @@ class CUDAExecutorConfig:
     host_kv_bytes: int = 0
 
     @property
+    def extend_graph_rows(self) -> int:
+        """Rows, and sampled positions, an extend graph takes: one per slot, plus each verify
+        row's drafts (a step past them runs eagerly, at ~10x a replay). At most
+        EXTEND_GRAPH_ROWS."""
+        rows, positions = self.spec
+        drafts = min(rows, self.num_slots) * max(positions - 1, 0)
+        return min(EXTEND_GRAPH_ROWS, self.num_slots + drafts)
+
+    @property
     def max_pages(self) -> int:
         """Pages in one request's page table at the longest context (and its next token)."""
         return -(-(self.max_model_len + 1) // self.page_size)
@@ -249,7 +258,7 @@ def graph_buffers(dev: StepState, config: CUDAExecutorConfig
     # NOTE: the logits buffer is this rank's vocabulary range (TP: gathered after)
     return graphs, ExtendGraphs(
         min(config.extend_graph_max_tokens, config.max_batched_tokens),
-        min(EXTEND_GRAPH_ROWS, config.num_slots), block_t, config.max_pages,
+        config.extend_graph_rows, block_t, config.max_pages,
         dev.model.lm_head.weight.shape[0], dev.pad_slot, device,
         keeps=dev.state is not None and dev.state.spec_ssm is not None)
 
@@ -398,7 +407,7 @@ def plan_memory(model: DecoderLM, config: CUDAExecutorConfig, weights: int, stat
     reserve = graph_reserve(
         min(config.cuda_graph_max_bs, config.num_slots) if graphs else 0,
         min(config.extend_graph_max_tokens, config.max_batched_tokens),
-        min(EXTEND_GRAPH_ROWS, config.num_slots), m.vocab_size, peak - weights - states,
+        config.extend_graph_rows, m.vocab_size, peak - weights - states,
         config.max_batched_tokens)
     budget = int(total * config.mem_fraction_static) - peak - reserve
     if config.kv_cache_tokens is None and budget < 2 * config.page_size * per_token:
