@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.."
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}
 mkdir -p .whl
 pkgs=(starlette pydantic pydantic-core annotated-types typing-inspection uvicorn structlog orjson
-      prompt-toolkit wcwidth gguf openai jiter distro sniffio pytest-asyncio llguidance "$@")
+      prompt-toolkit wcwidth gguf openai jiter distro sniffio pytest-asyncio llguidance
+      # the CPU test files' needs (gpu_session.sh all runs them there too); h11 at CI's version
+      jsonschema jsonschema-specifications referencing rpds-py httpx2 h11 "$@")
 platforms=()
 for p in manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 \
          manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do platforms+=(--platform "$p"); done
