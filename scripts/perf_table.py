@@ -970,6 +970,8 @@ def _h100_bounds(res: Results) -> list[str]:
     w4 = _kernel_ms(awq, 1, "_w4_gemv")
     ctx4, ctx35 = (res.load(f"h100/context_{n}.json")["runs"] for n in ("qwen3-4b", "qwen3.5-4b"))
     spec = res.load("h100/speculative_smollm2.json")["tasks"]
+    scale = res.load("h100/serve_qwen3-4b_scale.json")["runs"]
+    c64, c256 = scale["64"], scale["256"]
     return [
         f"**This wave's goals, on the H100.** They were set for an H200 (4.18 TB/s); this card "
         f"reads {read:.2f} TB/s, so each figure stands against its floor here. The kernel times "
@@ -1000,6 +1002,15 @@ def _h100_bounds(res: Results) -> list[str]:
         f"x as fast as off (plain chat the least). At batch 8 the run's verify steps (8 rows of "
         f"K + 1 samples) overflowed extend graphs sized by the engine's 9 slots and ran "
         f"eagerly, 8-13x a decode step; the graphs take them since, not measured yet.",
+        f"- Serving at c = 256 ({_Q4}): {c256['output_throughput']:.0f} tok/s, below c = 64's "
+        f"{c64['output_throughput']:.0f}: {c256['server_steps']} steps at "
+        f"{c256['duration'] / c256['server_steps'] * 1e3:.0f} ms on average (c = 64: "
+        f"{c64['duration'] / c64['server_steps'] * 1e3:.0f} ms). Not profiled; the likely bound: "
+        f"`arle serve` prefills at most 1024 tokens a step beside the running requests' decode "
+        f"rows, and an extend graph takes at most 64 rows (`EXTEND_GRAPH_ROWS`), so from about "
+        f"64 running requests on each mixed step runs eagerly (30-40 ms, as the eager verify "
+        f"steps measured). Graphs of 256 rows would cost each mixed step a 256-row lm_head "
+        f"(~0.25 ms more) and 156 MB of logits: to measure before it lands.",
         f"- Context: batch-1 TPOT from 1k to 32k tokens grows {ctx4['1024']['tpot_ms']:.2f} to "
         f"{ctx4['32768']['tpot_ms']:.2f} ms on {_Q4} (its KV is read every step) and stays "
         f"{ctx35['1024']['tpot_ms']:.2f} to {ctx35['32768']['tpot_ms']:.2f} ms on {_Q35} (24 of "
