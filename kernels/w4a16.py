@@ -180,39 +180,57 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, o_ptr, b_ptr, y_ptr, M, N, K,
     tl.store(ptrs, acc.to(dtype), mask=mmask[:, None] & nmask[None, :])
 
 
-#: GEMV rows per program, and the programs it aims for (H100/H200: 132 SMs, a few programs
-#: each in flight)
-GEMV_BLOCK_N = 16
+@dataclass(frozen=True)
+class W4Tile:
+    """A GEMV program's work: block_n rows of W, block_k columns a step, num_warps warps."""
+
+    block_n: int = 16
+    block_k: int = BLOCK_K
+    num_warps: int = 4
+
+
+#: the GEMV's tile. NOTE: on an H100 it streamed 0.24 TB/s at Qwen3-4B's shapes (1 KB of
+#: words a program a step, ~3 programs an SM): `scripts/bench_kernels.py w4` sweeps others
+GEMV_TILE = W4Tile()
+#: the programs the GEMV aims for (H100/H200: 132 SMs, a few programs each in flight)
 GEMV_PROGRAMS = 528
 #: GEMM tiles (rows x weight rows) and warps
 GEMM_TILE = (64, 64, 4)
 
 
-def _splits(n_blocks: int, k: int) -> int:
+def _splits(n_blocks: int, k: int, block_k: int = BLOCK_K) -> int:
     """K splits of the GEMV: enough programs to fill the GPU, each at least 4 K tiles."""
     want = max(1, GEMV_PROGRAMS // n_blocks)
-    return max(1, min(want, k // (4 * BLOCK_K)))
+    return max(1, min(want, k // (4 * block_k)))
 
 
-def w4_linear(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None) -> Tensor:
-    """`w4_linear_ref` in Triton: the GEMV up to GEMV_MAX_ROWS rows, else the GEMM. x [M, K]
-    fp16/bf16 (contiguous rows) -> [M, N] in x's dtype. Graph-safe (no host reads)."""
+def _whole_groups(group: int, block_k: int) -> bool:
+    """A K tile holds whole groups, or a group whole tiles (`_load_tile`'s scale lookup)."""
+    return group % 8 == 0 and (group % block_k == 0 or block_k % group == 0)
+
+
+def w4_linear(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None,
+              tile: W4Tile = GEMV_TILE) -> Tensor:
+    """`w4_linear_ref` in Triton: the GEMV (in `tile`s) up to GEMV_MAX_ROWS rows, else the
+    GEMM. x [M, K] fp16/bf16 (contiguous rows) -> [M, N] in x's dtype. Graph-safe (no host
+    reads)."""
     m, k = x.shape
     n = weight.shape[0]
     assert k == fmt.k and k % 8 == 0, (x.shape, fmt.k)
-    assert fmt.group % 8 == 0 and (fmt.group % BLOCK_K == 0 or BLOCK_K % fmt.group == 0)
+    assert _whole_groups(fmt.group, BLOCK_K) and _whole_groups(fmt.group, tile.block_k)
     x = x.contiguous()
     if m <= GEMV_MAX_ROWS:
-        blocks = triton.cdiv(n, GEMV_BLOCK_N)
-        splits = _splits(blocks, k)
-        per = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
+        bk = tile.block_k
+        blocks = triton.cdiv(n, tile.block_n)
+        splits = _splits(blocks, k, bk)
+        per = triton.cdiv(triton.cdiv(k, splits), bk) * bk
         splits = triton.cdiv(k, per)
         part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
         _w4_gemv_kernel[(blocks, splits)](
             x, weight, fmt.scale, fmt.offset, part, m, n, k, per, x.stride(0),
             weight.stride(0), fmt.scale.stride(0), part.stride(1), part.stride(0),
-            G=fmt.group, BM=max(2, triton.next_power_of_2(m)), BN=GEMV_BLOCK_N, BK=BLOCK_K,
-            num_warps=4)
+            G=fmt.group, BM=max(2, triton.next_power_of_2(m)), BN=tile.block_n, BK=bk,
+            num_warps=tile.num_warps)
         y = part.sum(dim=0) if splits > 1 else part[0]
         if bias is not None:
             y = y + bias.float()

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stamp import stamp
 
-from arle_kernels import deltanet
+from arle_kernels import deltanet, w4a16
 from arle_kernels import extend_attention as extend
 from arle_kernels import fp8 as fp8_kernels
 from arle_kernels import moe as moe_kernels
@@ -88,6 +88,9 @@ TILES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
             (2, 512, 1, 1), (4, 512, 1, 1), (2, 512, 2, 1), (4, 512, 2, 1), (2, 1024, 4, 1),
             (4, 1024, 4, 1)),
 }
+#: the W4A16 GEMV's tiles (block_n, block_k, num_warps) for `w4`: the default first
+W4_TILES = ((16, 128, 4), (4, 512, 4), (4, 1024, 4), (2, 1024, 2), (8, 512, 4), (2, 512, 1),
+            (1, 1024, 1), (4, 256, 2))
 #: (BLOCK_N, num_warps, num_stages) of decode attention's split kernel tried besides its default
 DECODE_CONFIGS = ((64, 8, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3),
                   (128, 4, 2), (16, 2, 4))
@@ -460,6 +463,43 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
     return out
 
 
+def _w4_weight(n: int, k: int, gen: torch.Generator) -> Tensor:
+    """Random 4-bit words [n, k / 8] with a group-128 format (Qwen's -AWQ layout's)."""
+    words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=gen, device="cuda",
+                          dtype=torch.int32)
+    scale = (torch.rand(n, k // 128, generator=gen, device="cuda") * 0.02).half()
+    return w4a16.attach_w4(words, w4a16.W4Format(scale, -8 * scale, 128))
+
+
+def _w4_call(x: Tensor, tile: w4a16.W4Tile, w: Tensor) -> Tensor:
+    fmt = w4a16.w4_format(w)
+    assert fmt is not None
+    return w4a16.w4_linear(x, w, fmt, tile=tile)
+
+
+def bench_w4(rows: tuple[int, ...], shapes: list[str],
+             tiles: tuple[tuple[int, ...], ...]) -> list[Row]:
+    """The W4A16 GEMV (group 128, Qwen3-4B's shapes) in each tile, in a CUDA graph over weight
+    copies past L2. GB/s counts the words, scales and offsets."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out: list[Row] = []
+    for name in shapes:
+        n, k = LINEARS[name]
+        nbytes = n * k // 2 + 2 * n * (k // 128) * 2
+        copies = [_w4_weight(n, k, gen) for _ in range(_copies(nbytes))]
+        for m in rows:
+            x = _x(m, k, gen)
+            for bn, bk, warps in tiles:
+                tile = w4a16.W4Tile(bn, bk, warps)
+                us = _time_us(partial(_w4_call, x, tile), copies)
+                out.append({"shape": name, "M": m, "tile": [bn, bk, warps], "us": us,
+                            "GBps": nbytes / us / 1e3, "chosen": tile == w4a16.GEMV_TILE})
+    print(f"{'shape':8} {'M':>3} {'tile':>14} {'us':>8} {'GB/s':>7}")
+    for r in out:
+        print(f"{r['shape']:8} {r['M']:3} {tuple(r['tile'])!s:>14} {r['us']:8.1f} "
+              f"{r['GBps']:7.0f}{' *' if r['chosen'] else ''}")
+    return out
+
 # ---------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------
@@ -711,6 +751,8 @@ def run(args: argparse.Namespace) -> list[Row]:
         return bench_moe(tuple(args.tokens), tuple(w == "fp8" for w in args.weights))
     if args.cmd == "fp8":
         return bench_fp8(tuple(args.rows), args.shapes)
+    if args.cmd == "w4":
+        return bench_w4(tuple(args.rows), args.shapes, tuple(args.tiles))
     if args.cmd == "deltanet":
         return bench_deltanet(tuple(args.batches), args.prefill, args.sweep)
     return [row for prefix in args.prefix for kv in args.kv
@@ -755,6 +797,11 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("fp8", help="block-FP8 linears: each kernel kind, and cuBLAS bf16")
     c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 2048])
     c.add_argument("--shapes", nargs="+", choices=list(A3B_LINEARS), default=list(A3B_LINEARS))
+    c = sub.add_parser("w4", help="the W4A16 GEMV (AWQ/GPTQ) in each tile")
+    c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="M")
+    _shapes_arg(c)
+    c.add_argument("--tiles", type=_ints, nargs="+", default=list(W4_TILES),
+                   help="block_n,block_k,num_warps ... (default: W4_TILES)")
     c = sub.add_parser("deltanet", help="Gated DeltaNet (Qwen3.5-4B): decode steps, a prefill")
     c.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode rows")
     c.add_argument("--prefill", type=int, default=4096, help="tokens of the prefill row")

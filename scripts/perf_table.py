@@ -996,7 +996,11 @@ def _h100_bounds(res: Results) -> list[str]:
         f"the goal is 0.8 ms: far from met. The W4 GEMV takes {w4:.2f} ms of it in "
         f"{next(k['per_step'] for k in awq['kernels_bs1']['top'] if k['name'] == '_w4_gemv_kernel'):.0f}"
         f" launches: {awq['weight_bytes'] / w4 * 1e-9:.2f} TB/s. The kernel itself bounds it, not "
-        f"the launches; it needs the bf16 GEMV's tiling (split K, wide loads) before any tuning.",
+        f"the launches: at qkv's shape its tile (16 rows x 128 columns, 1 KB of words a step) "
+        f"makes 384 programs, ~3 an SM with ~3 KB in flight, where an SM's share of the "
+        f"bandwidth needs ~15-20 KB at DRAM latency. `bash scripts/gpu_session.sh w4sweep` "
+        f"times the default against 7 other tiles (all built for sm_90 and checked against the "
+        f"reference on the CPU).",
         f"- Speculation never slower than off: at batch 1, n-gram on the default model decodes "
         f"{min(t['speedup'] for t in spec.values()):.2f}-{max(t['speedup'] for t in spec.values()):.2f}"
         f"x as fast as off (plain chat the least). At batch 8 the run's verify steps (8 rows of "

@@ -46,10 +46,18 @@ SHAPES = [(1, 40, 256, 32), (3, 17, 512, 128), (8, 24, 160, 32), (2, 16, 512, 25
           (20, 33, 256, 64), (70, 24, 160, 32), (9, 64, 384, 128)]
 
 
+#: GEMV tiles besides the default (`scripts/bench_kernels.py w4` times them on a GPU): fewer
+#: rows and a longer K step, with splits of K and a group of 256 inside one step
+OTHER_TILES = (w4a16.W4Tile(4, 512, 4), w4a16.W4Tile(2, 256, 2))
+
+
 def interp_check_w4a16() -> None:
     """Under TRITON_INTERPRET=1: both kernels against the reference, fp16, with a bias and
-    without; output rows and columns that are no multiple of a tile."""
-    for m, n, k, g in SHAPES:
+    without; output rows and columns that are no multiple of a tile; the GEMV in other
+    tiles too."""
+    cases = [(shape, w4a16.GEMV_TILE) for shape in SHAPES]
+    cases += [(shape, tile) for shape in SHAPES[:4] for tile in OTHER_TILES]
+    for (m, n, k, g), tile in cases:
         w = random_groups(n, k, g, seed=m + n)
         words = pack_w4(w)
         fmt = w4_format(words)
@@ -58,10 +66,11 @@ def interp_check_w4a16() -> None:
         x = torch.randn(m, k, generator=gen).to(torch.float16)
         for bias in (None, torch.randn(n, generator=gen).to(torch.float16)):
             want = w4_linear_ref(x, words, fmt, bias).float()
-            got = w4_linear(x, words, fmt, bias).float()
+            got = w4_linear(x, words, fmt, bias, tile).float()
             # fp16 output: one rounding of |y| (2^-11), fp32 sums in another order
             tol = want.abs() * 2**-10 + 1e-3
-            assert ((got - want).abs() <= tol).all(), (m, n, k, g, (got - want).abs().max())
+            assert ((got - want).abs() <= tol).all(), (m, n, k, g, tile,
+                                                         (got - want).abs().max())
 
 
 def test_w4a16_kernels_interpreted() -> None:
@@ -72,7 +81,7 @@ def test_splits_fill_the_gpu_with_whole_tiles() -> None:
     """Qwen3-4B's decode shapes: each split of K whole tiles of at least 4, the programs near
     GEMV_PROGRAMS where K allows."""
     for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)):
-        blocks = -(-n // w4a16.GEMV_BLOCK_N)
+        blocks = -(-n // w4a16.GEMV_TILE.block_n)
         splits = w4a16._splits(blocks, k)
         assert 1 <= splits <= max(1, k // (4 * w4a16.BLOCK_K))
         assert blocks * splits <= max(blocks, w4a16.GEMV_PROGRAMS)
@@ -86,10 +95,12 @@ def test_w4a16_kernels_build_for_sm90() -> None:
         pytest.skip("this triton cannot compile for NVIDIA GPUs")
     types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16",
              "b_ptr": "*bf16"}
+    for tile in (w4a16.GEMV_TILE, *OTHER_TILES):  # the other tiles at Qwen's group only
+        for group in (32, 128, 256) if tile == w4a16.GEMV_TILE else (128,):
+            compile_.compile_for_hopper(w4a16._w4_gemv_kernel, {
+                "G": group, "BM": 2, "BN": tile.block_n, "BK": tile.block_k},
+                **types, y_ptr="*fp32")
     for group in (32, 128, 256):
-        compile_.compile_for_hopper(w4a16._w4_gemv_kernel, {
-            "G": group, "BM": 2, "BN": w4a16.GEMV_BLOCK_N, "BK": w4a16.BLOCK_K},
-            **types, y_ptr="*fp32")
         bm, bn, _ = w4a16.GEMM_TILE
         compile_.compile_for_hopper(w4a16._w4_gemm_kernel, {
             "G": group, "BM": bm, "BN": bn, "BK": w4a16.BLOCK_K, "HAS_BIAS": True},
