@@ -339,6 +339,20 @@ def test_accepted_drafts_and_the_rule() -> None:
         assert steps == aside_at
 
 
+def test_a_hybrid_engine_drafts_by_its_own_rule(models: dict[str, LoadedModel],
+                                                make_engine: Any,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine of Gated DeltaNet layers takes its device's HYBRID_RULES (CUDA's, measured
+    there; here a CPU entry stands in for it), a dense one the device's rule."""
+    import arle.engine.speculative as speculative
+
+    monkeypatch.setitem(speculative.HYBRID_RULES, "cpu", (0.5, 0.07))
+    for name, want in (("hybrid", (0.5, 0.07)), ("dense", (0.0, 0.23))):
+        drafter = make_engine(models[name], speculative="ngram").scheduler.drafter
+        assert drafter is not None
+        assert (drafter.config.verify_cost, drafter.config.draft_cost) == want, name
+
+
 def test_warmup_reports_the_rule(models: dict[str, LoadedModel], make_engine: Any) -> None:
     from arle.diagnostics import memory_plan
 
