@@ -1009,12 +1009,12 @@ def _h100_bounds(res: Results) -> list[str]:
         f"- Serving at c = 256 ({_Q4}): {c256['output_throughput']:.0f} tok/s, below c = 64's "
         f"{c64['output_throughput']:.0f}: {c256['server_steps']} steps at "
         f"{c256['duration'] / c256['server_steps'] * 1e3:.0f} ms on average (c = 64: "
-        f"{c64['duration'] / c64['server_steps'] * 1e3:.0f} ms). Not profiled; the likely bound: "
-        f"`arle serve` prefills at most 1024 tokens a step beside the running requests' decode "
-        f"rows, and an extend graph takes at most 64 rows (`EXTEND_GRAPH_ROWS`), so from about "
-        f"64 running requests on each mixed step runs eagerly (30-40 ms, as the eager verify "
-        f"steps measured). Graphs of 256 rows would cost each mixed step a 256-row lm_head "
-        f"(~0.25 ms more) and 156 MB of logits: to measure before it lands.",
+        f"{c64['duration'] / c64['server_steps'] * 1e3:.0f} ms). `arle serve` prefills at most "
+        f"1024 tokens a step beside the running requests' decode rows, and the extend graphs "
+        f"took at most 64 rows: the same 256 requests through the scheduler on the CPU make 274 "
+        f"steps, 115 of them mixed steps of more than 64 rows, which ran eagerly (30-40 ms, as "
+        f"the eager verify steps measured). The graphs take up to 256 rows since (a graph of t "
+        f"tokens min(t, 256), so small steps keep a small lm_head); not measured on a GPU yet.",
         f"- Context: batch-1 TPOT from 1k to 32k tokens grows {ctx4['1024']['tpot_ms']:.2f} to "
         f"{ctx4['32768']['tpot_ms']:.2f} ms on {_Q4} (its KV is read every step) and stays "
         f"{ctx35['1024']['tpot_ms']:.2f} to {ctx35['32768']['tpot_ms']:.2f} ms on {_Q35} (24 of "

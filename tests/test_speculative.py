@@ -674,7 +674,7 @@ def test_verify_steps_fit_the_extend_graphs(spec: tuple[int, int]) -> None:
     takes them, where one sized by the slots alone sent it eager (measured on an H100: a verify
     step at batch 8 then cost 8-13x a decode step, against 1.2x at batch 1 with a graph).
     The buffers are built on the CPU; only `size_for` is asked."""
-    from arle.executor.cuda_graphs import ExtendGraphs
+    from arle.executor.cuda_graphs import EXTEND_GRAPH_ROWS, ExtendGraphs
     from arle.executor.cuda_startup import CUDAExecutorConfig
 
     rows, positions = spec
@@ -689,4 +689,4 @@ def test_verify_steps_fit_the_extend_graphs(spec: tuple[int, int]) -> None:
     assert graph(replace(base, spec=spec)) > 0
     assert graph(base) == 0  # the slots alone: eager
     # NOTE: never past EXTEND_GRAPH_ROWS (each row costs the graph a page-table row and logits)
-    assert replace(base, num_slots=60, spec=spec).extend_graph_rows == 64
+    assert replace(base, num_slots=250, spec=spec).extend_graph_rows == EXTEND_GRAPH_ROWS

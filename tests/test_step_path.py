@@ -149,11 +149,14 @@ def test_graph_inputs_compute_what_the_eager_step_does(tiny: LoadedModel) -> Non
     torch.testing.assert_close(kv.v, kv_eager.v, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-def test_extend_graph_inputs_compute_what_the_eager_step_does(tiny: LoadedModel) -> None:
+@pytest.mark.parametrize("rows", [8, 200])
+def test_extend_graph_inputs_compute_what_the_eager_step_does(tiny: LoadedModel,
+                                                              rows: int) -> None:
     """A mixed step (decode rows beside prefill rows with and without a cached prefix) through
     an extend graph's static block (every row an extend row, padded to the graph's token count,
     the extend kernel's work as a block list) gives the eager step's logits and K/V. CPU, the
-    kernels' torch references, no capture."""
+    kernels' torch references, no capture. rows 200: more than the 64-token graph's tokens,
+    which bound its rows (and its logits) instead."""
     model, cfg = tiny.model, tiny.config
     plan = _plan([5, 20, 33], [(0, 9), (16, 30), (3, 1)], seed=4, num_pages=64)
     for r in plan.rows:
@@ -176,11 +179,13 @@ def test_extend_graph_inputs_compute_what_the_eager_step_does(tiny: LoadedModel)
     hidden = model(step.input_ids, PagedAttention(kv_eager, step, rotary, model))
     eager = model.logits(hidden[packed.view(meta, "sample_index")])
 
-    graphs = ExtendGraphs(max_tokens=128, rows=8, block_t=4, max_pages=8,
+    graphs = ExtendGraphs(max_tokens=128, rows=rows, block_t=4, max_pages=8,
                           vocab=cfg.vocab_size, pad_slot=15, device=torch.device("cpu"))
     t = graphs.size_for(plan.num_tokens, len(plan.rows))
     assert t == 64 and plan.num_tokens == 43
-    assert graphs.size_for(129, 2) == 0 and graphs.size_for(10, 9) == 0  # too big: eager
+    assert graphs.shapes[t].rows == min(64, rows) and graphs.shapes[32].rows == min(32, rows)
+    assert graphs.size_for(129, 2) == 0  # too many tokens: eager
+    assert (graphs.size_for(10, 9) == 0) == (rows < 9)  # too many rows: eager
     packed = pack_step(plan, PS, pad_slot=15, extend=graphs.shapes[t])
     graphs.load(packed, torch.tensor(packed.meta, dtype=torch.int32), t)
     step, sample_index = graphs.step(t, token_buffer, pad_slot=15)

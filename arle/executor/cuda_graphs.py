@@ -27,9 +27,12 @@ DECODE_GRAPH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 9
 #: Token counts of the extend graphs (the ladder, up to extend_graph_max_tokens).
 EXTEND_GRAPH_TOKENS: tuple[int, ...] = (32, 64, 128, 256, 384, 512, 640, 768, 1024, 1280, 1536,
                                         2048)
-#: Rows an extend graph takes (steps with more run eagerly): the decode rows of 63 requests
-#: beside a prefill.
-EXTEND_GRAPH_ROWS = 64
+#: Rows an extend graph takes (steps with more run eagerly): the decode rows of 255 requests
+#: beside a prefill chunk, as `arle serve`'s mixed steps hold at its 256 running requests
+#: (a CPU replay of the H100's c = 256 run: 115 of its 274 steps had more than 64 rows, and
+#: an eager step costs about 10x a replay). NOTE: a graph of t tokens takes min(t, this) rows
+#: (no step has more rows than tokens), so small graphs keep a small lm_head.
+EXTEND_GRAPH_ROWS = 256
 
 
 def record(run: Callable[[], _T], pool: PoolHandle, stream: torch.cuda.Stream
@@ -142,7 +145,7 @@ class ExtendGraphs:
                  pad_slot: int, device: torch.device, keeps: bool = False) -> None:
         self.sizes = [t for t in EXTEND_GRAPH_TOKENS if t < max_tokens] + [max_tokens]
         self.rows, self.keeps = rows, keeps
-        self.shapes = {t: ExtendGraphShape(t, rows, block_t) for t in self.sizes}
+        self.shapes = {t: ExtendGraphShape(t, min(t, rows), block_t) for t in self.sizes}
         # NOTE: filled with padding (no rows, no token blocks, no K/V writes): what warm-up and
         # capture run on
         self.blocks = {t: torch.tensor(extend_graph_block([], 1, pad_slot, shape)[0],
@@ -225,5 +228,7 @@ def graph_reserve(max_bs: int, extend_tokens: int, extend_rows: int, vocab: int,
         return 0
     reserve = max_bs * vocab * 4 * 2 + (512 << 20)
     if extend_tokens > 0:
-        reserve += activations * extend_tokens // max_batched_tokens + extend_rows * vocab * 4
+        # the shared logits and, inside the largest graph, the lm_head's own output
+        reserve += (activations * extend_tokens // max_batched_tokens
+                    + extend_rows * vocab * 4 * 2)
     return reserve

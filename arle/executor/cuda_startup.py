@@ -285,7 +285,7 @@ def forward_extend(dev: StepState, graphs: ExtendGraphs, t: int) -> None:
     """Extend graph t's forward; its logits go to the graphs' shared buffer."""
     step, sample_index = graphs.step(t, dev.token_buffer, dev.pad_slot)
     hidden = dev.model(step.input_ids, attention_backend(dev, step))
-    graphs.logits.copy_(dev.model.logits(hidden[sample_index]))
+    graphs.logits[:len(sample_index)].copy_(dev.model.logits(hidden[sample_index]))
 
 
 def eager_decode_above(graphs: DecodeGraphs | None, num_slots: int) -> int | None:
