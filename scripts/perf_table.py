@@ -286,13 +286,20 @@ _SPEC = "cpu/speculative_smollm2.json"
 _SPEC_OFF = "speculation off, the same requests in the same run"
 
 
-def _spec_task(task: str, what: str) -> Figure:
-    t = f"tasks.{task}"
-    return Figure("cpu", f"n-gram speculation (`--speculative ngram`, K = 8), batch 1, greedy, "
-                  f"{what}: decode tok/s, tokens per verify step", _SMOL,
-                  (Field(_SPEC, f"{t}.ngram.decode_tok_s", "{:.1f} tok/s"),
-                   Field(_SPEC, f"{t}.ngram.tokens_per_verify", "{:.2f} tokens/verify")),
-                  _SPEC_OFF, (Field(_SPEC, f"{t}.off.decode_tok_s", "{:.1f} tok/s"),))
+#: bench_speculative.py's tasks: (key, what it asks)
+_SPEC_TASKS = (("edit", "rewrite a 300-token code block with one change"),
+               ("quote", "quote the sentences of a document that give numbers"),
+               ("chat", "a short story (plain chat)"))
+
+
+def _spec_tasks(machine: str, file: str, how: str, fmt: str) -> list[Figure]:
+    """n-gram speculation on each task against off, in the same run (`how`: its flags)."""
+    return [Figure(machine, f"n-gram speculation ({how}), batch 1, greedy, {what}: decode "
+                   "tok/s, tokens per verify step", _SMOL,
+                   (Field(file, f"tasks.{task}.ngram.decode_tok_s", f"{fmt} tok/s"),
+                    Field(file, f"tasks.{task}.ngram.tokens_per_verify", "{:.2f} tokens/verify")),
+                   _SPEC_OFF, (Field(file, f"tasks.{task}.off.decode_tok_s", f"{fmt} tok/s"),))
+            for task, what in _SPEC_TASKS]
 
 
 _TIER = "cpu/kv_tier_smollm2.json"
@@ -380,11 +387,12 @@ def _floor(decode: str) -> Quotient:
                     "{:.3f} ms", 1e-9)
 
 
-def _step_floor(decode: str, batch: int) -> Quotient:
+def _step_floor(decode: str, batch: int, ceilings: str | None = None) -> Quotient:
     """A decode step's floor from the bytes it must move (`floor_bytes`: the experts the batch
-    touches, a hybrid model's state) / the read bandwidth measured in the same call, in ms."""
+    touches, a hybrid model's state) / the read bandwidth measured on the same machine
+    (`ceilings`; default: the file `_CEILINGS_OF` gives), in ms."""
     return Quotient(Field(decode, f"floor_bytes.batch{batch}.total", ""),
-                    Field(_CEILINGS_OF[decode], "read_TBps", ""), "{:.3f} ms", 1e-9)
+                    Field(ceilings or _CEILINGS_OF[decode], "read_TBps", ""), "{:.3f} ms", 1e-9)
 
 
 def _parity(file: str, name: str) -> tuple[Field, ...]:
@@ -407,13 +415,6 @@ def _tok_s(file: str, c: int) -> tuple[Field]:
 _RANDOM = "512 in / 128 out"
 
 
-def _h100_floor(decode: str, batch: int, ceilings: str = "h100/ceilings.json") -> Quotient:
-    """An H100 decode step's floor: the bytes it must move / `x.sum()`'s read bandwidth measured
-    on the same machine, in ms."""
-    return Quotient(Field(decode, f"floor_bytes.batch{batch}.total", ""),
-                    Field(ceilings, "read_TBps", ""), "{:.3f} ms", 1e-9)
-
-
 def _h100_decode(what: str, model: str, name: str, batch: int, floor: str,
                  ceilings: str = "h100/ceilings.json") -> Figure:
     """An H100 decode step at a batch size (its graph's replay: the device time of one step)
@@ -422,7 +423,7 @@ def _h100_decode(what: str, model: str, name: str, batch: int, floor: str,
     return Figure("h100", f"decode, batch {batch}: one step's graph replay{what}", model,
                   (Field(f, f"graph_replay_bs{batch}_ms", "{:.3f} ms"),
                    Field(f, f"batch{batch}.mean_tpot_ms", "TPOT {:.3f} ms")), floor,
-                  (_h100_floor(f, batch, ceilings),))
+                  (_step_floor(f, batch, ceilings),))
 
 
 def _h100_context(model: str, name: str) -> list[Figure]:
@@ -441,15 +442,6 @@ def _h100_spec_cost(model: str, name: str, batch: int) -> Figure:
                   tuple(Field(f, f"{c}.k{k}_ms_per_step", "{:.2f}") for k in (1, 2, 3, 4)),
                   "a decode step of the same requests",
                   (Field(f, f"{c}.k0_ms_per_step", "{:.2f} ms"),), sep=" / ")
-
-
-def _h100_spec_task(task: str, what: str) -> Figure:
-    f, t = "h100/speculative_smollm2.json", f"tasks.{task}"
-    return Figure("h100", f"n-gram speculation (K = 4), batch 1, greedy, {what}: decode tok/s, "
-                  "tokens per verify step", _SMOL,
-                  (Field(f, f"{t}.ngram.decode_tok_s", "{:.0f} tok/s"),
-                   Field(f, f"{t}.ngram.tokens_per_verify", "{:.2f} tokens/verify")),
-                  _SPEC_OFF, (Field(f, f"{t}.off.decode_tok_s", "{:.0f} tok/s"),))
 
 
 def _h100_figures() -> list[Figure]:
@@ -491,9 +483,7 @@ def _h100_figures() -> list[Figure]:
                                   "{:.0f}") for c in (1, 8, 64)), sep=" / "),
         *(_h100_spec_cost(m, n, b) for m, n in ((_Q4, "qwen3-4b"), (_Q35, "qwen3.5-4b"))
           for b in (1, 8)),
-        _h100_spec_task("edit", "rewrite a 300-token code block with one change"),
-        _h100_spec_task("quote", "quote the sentences of a document that give numbers"),
-        _h100_spec_task("chat", "a short story (plain chat)"),
+        *_spec_tasks("h100", "h100/speculative_smollm2.json", "K = 4", "{:.0f}"),
         Figure("h100", "host KV tier (`--kv-host-cache-gb 16`), 16 conversations x 4 turns of a "
                "2048-token document + 32-token turns, 4 at a time, the device pool a quarter of "
                "their tokens: mean TTFT of the returning turns, prompt tokens prefilled", _Q4,
@@ -639,9 +629,7 @@ FIGURES = (
            _parity(_PM, "transformers_bf16_vs_fp32")),
     *_h100_figures(),
     *_cpu_figures(),
-    _spec_task("edit", "rewrite a 300-token code block with one change"),
-    _spec_task("quote", "quote the sentences of a document that give numbers"),
-    _spec_task("chat", "a short story (plain chat)"),
+    *_spec_tasks("cpu", _SPEC, "`--speculative ngram`, K = 8", "{:.1f}"),
     _spec_cost(1, 4), _spec_cost(1, 8), _spec_cost(8, 8),
     _kv_tier("mean TTFT of the returning turns", "mean_ttft_ms_returning", "{:.0f} ms"),
     _kv_tier("prompt tokens prefilled", "prefill_tokens_computed", "{:.0f} tokens"),
@@ -961,7 +949,7 @@ def _h100_bounds(res: Results) -> list[str]:
         return res.load(f"h100/decode_{name}.json")
 
     def floor(name: str, batch: int = 1) -> float:
-        return res.value(_h100_floor(f"h100/decode_{name}.json", batch))
+        return res.value(_step_floor(f"h100/decode_{name}.json", batch, "h100/ceilings.json"))
 
     read = float(res.load("h100/ceilings.json")["read_TBps"])
     moe, fp8, awq = dec("qwen3-30b-a3b-fp8"), dec("qwen3-4b_fp8"), dec("qwen3-4b-awq")

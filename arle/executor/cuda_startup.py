@@ -67,7 +67,7 @@ class CUDAExecutorConfig:
     kv_cache_tokens: int | None = None
     #: Largest decode batch captured as a CUDA graph; 0 disables graphs.
     cuda_graph_max_bs: int = 256
-    #: Steps with prefill rows up to this many tokens (and EXTEND_GRAPH_ROWS rows) replay a
+    #: Steps with prefill rows up to this many tokens (and `extend_graph_rows` rows) replay a
     #: CUDA graph too; 0: they run eagerly. Needs cuda_graph_max_bs > 0.
     extend_graph_max_tokens: int = 2048
     seed: int = 0
