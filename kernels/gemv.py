@@ -72,6 +72,8 @@ RUN_BYTES = 16
 FP8_RUN = RUN_BYTES
 #: an FP8 weight's block scales [ceil(N / bn), ceil(K / bk)] and its block (bn, bk)
 Scale = tuple[Tensor, tuple[int, int]]
+#: a 4-bit weight's scales and zeros [N, 2, K / group] (fp16) and its group
+W4 = tuple[Tensor, int]
 _NUM_SMS = 132  # H200; only shapes the choice of split (a guess elsewhere is still correct)
 
 
@@ -223,6 +225,7 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
         gdc_wait()
     x = load_chunk(x_ptrs, k_lo, K, kk, EVEN_K, "evict_last").to(tl.float32)
     acc = run_sums(x, w, s, SCALED)  # [M_PAD, BLOCK_N, BLOCK_K // RUN]
+    acc_up = acc  # GLU: up's sums; otherwise unused
     if GLU:
         acc_up = run_sums(x, w_up, s_up, SCALED)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
@@ -231,7 +234,16 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
         if GLU:
             acc_up += load_run_sums(x, up_ptrs, up_ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED,
                                     SCALE_K)
-    y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
+    store_rows(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), offs_m, offs_n, pid_k, b_ptr,
+               y_ptr, M, N, stride_ym, stride_ys, HAS_BIAS, PARTIAL, GLU)
+
+
+@triton.jit
+def store_rows(y, y_up, offs_m, offs_n, pid_k, b_ptr, y_ptr, M, N, stride_ym, stride_ys,
+               HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, GLU: tl.constexpr):
+    """The FMA GEMVs' epilogue: sums y [M_PAD, BLOCK_N] to y [M, N] (PARTIAL: fp32 into split
+    pid_k's slice) with the bias, or silu(y) * y_up (GLU; y_up is ignored otherwise), in y's
+    dtype."""
     out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if PARTIAL:
         y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -242,9 +254,110 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
             b = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0)
             y += b.to(tl.float32)[None, :]
         if GLU:
-            y = silu_mul(y.to(dtype), tl.sum(acc_up, axis=2).to(dtype))
+            y = silu_mul(y.to(dtype), y_up.to(dtype))
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, y.to(dtype), mask=out_mask)
+
+
+#: a 4-bit weight's run (`_gemv_w4_kernel`): 4 int32 words, one 16-byte load, 32 columns
+W4_RUN = 4
+#: the columns of a 4-bit run
+W4_RUN_COLS = 32
+
+
+@triton.jit
+def load_w4_runs(w_ptrs, s_ptrs, k0, K, kw, cols, EVEN_K: tl.constexpr, GROUP: tl.constexpr):
+    """A chunk of a 4-bit weight at column k0: its runs' words [.., R, W4_RUN] at word offsets
+    kw (streamed), and each run's scale and zero [.., R, 1] (`cols`: each run's first column;
+    s_ptrs at the row's scales, its zeros K / GROUP further). A run lies in one group."""
+    # NOTE: k0 is a whole number of runs: the hint lets the words load in 16 bytes
+    words = load_chunk(w_ptrs, tl.multiple_of(k0 // 8, 4), tl.multiple_of(K // 8, 4), kw,
+                       EVEN_K, "evict_first").to(tl.uint32, bitcast=True)
+    g = (k0 + cols) // GROUP
+    if EVEN_K:
+        s = tl.load(s_ptrs + g)
+        z = tl.load(s_ptrs + K // GROUP + g)
+    else:
+        s = tl.load(s_ptrs + g, mask=k0 + cols < K, other=0.0)
+        z = tl.load(s_ptrs + K // GROUP + g, mask=k0 + cols < K, other=0.0)
+    return words, s, z
+
+
+@triton.jit
+def _nibble_products(x_ptrs, k0, K, kx, words, j: tl.constexpr, EVEN_K: tl.constexpr):
+    """x at nibble j's columns (4j + i of each run) in fp32, and its products with q - 8.
+    NOTE: q - 8 comes exact from the bits: q | 0x4B000000 is the float 2^23 + q."""
+    x = load_chunk(x_ptrs + 4 * j, k0, K, kx + 4 * j, EVEN_K, "evict_last").to(tl.float32)
+    q = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    return x, x * q
+
+
+@triton.jit
+def w4_run_sums(x_ptrs, k0, K, kx, words, s, z, EVEN_K: tl.constexpr):
+    """A chunk of 4-bit runs (`load_w4_runs`) times x ([M_PAD, 1, R, W4_RUN] pointers at each
+    run's columns i) -> [M_PAD, BLOCK_N, R]: per run, scale * sum x (q - 8) + zero * sum x.
+    Nibble j of a run's word i is the run's column 4j + i (kernels/w4a16.py's layout), so
+    each nibble meets 4 contiguous values of x loaded in the words' own register layout: no
+    data moves between threads, and a thread's x serves all its rows of W."""
+    xs, dot = _nibble_products(x_ptrs, k0, K, kx, words, 0, EVEN_K)
+    for j in tl.static_range(1, 8):
+        x, p = _nibble_products(x_ptrs, k0, K, kx, words, j, EVEN_K)
+        xs += x
+        dot += p
+    return (tl.sum(dot, axis=3) * tl.sum(s, axis=3).to(tl.float32)
+            + tl.sum(xs, axis=3) * tl.sum(z, axis=3).to(tl.float32))
+
+
+@triton.jit
+def _gemv_w4_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
+                    stride_xm, stride_wn, stride_wsn, stride_ym, stride_ys,
+                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GLU: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr):
+    """`_gemv_kernel`'s contract for a 4-bit weight (W4A16, kernels/w4a16.py's layout): w_ptr
+    int32 words [N (GLU: 2N), K / 8], ws_ptr fp16 scales and zeros [N, 2, K / GROUP].
+
+    A K chunk is R = BLOCK_K / 32 runs of 4 words; a thread owns a run of each of its BLOCK_N
+    rows (one 16-byte load each), unpacks it with shifts and sums its 32 products
+    (`w4_run_sums`); lanes and warps span the runs.
+    NOTE: BLOCK_K >= 1024 * num_warps keeps every thread on a distinct run, so x [M_PAD, 1,
+    R, 4] and the words [1, BLOCK_N, R, 4] get one register layout (no conversions)."""
+    pid_k, offs_m, offs_n = _program_tile(M_PAD, BLOCK_N, PDL)
+    # NOTE: literals: a run is W4_RUN = 4 words, W4_RUN_COLS = 32 columns
+    runs = tl.arange(0, BLOCK_K // 32)[:, None]
+    i = tl.arange(0, 4)[None, :]
+    kw = (runs * 4 + i)[None, None, :, :]  # [1, 1, R, 4]: word offsets
+    kx = (runs * 32 + i)[None, None, :, :]  # nibble 0's columns
+    cols = (runs * 32)[None, None, :, :]  # [1, 1, R, 1]: each run's first column
+    rows_x = tl.minimum(offs_m, M - 1)  # padded rows / columns re-read the last valid one
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows_x[:, None, None, None] * stride_xm + kx
+    w_ptrs = w_ptr + rows_w[None, :, None, None] * stride_wn + kw
+    s_ptrs = ws_ptr + rows_w[None, :, None, None] * stride_wsn
+    up_ptrs = w_ptrs + N * stride_wn  # GLU only
+    up_s_ptrs = s_ptrs + N * stride_wsn
+    k_lo = pid_k * k_per_split
+    k_hi = k_lo + k_per_split
+    # the first chunk of W before waiting for the kernel before (PDL), as `_gemv_kernel`
+    words, s, z = load_w4_runs(w_ptrs, s_ptrs, k_lo, K, kw, cols, EVEN_K, GROUP)
+    if GLU:
+        words_up, s_up, z_up = load_w4_runs(up_ptrs, up_s_ptrs, k_lo, K, kw, cols, EVEN_K,
+                                            GROUP)
+    if PDL:
+        gdc_wait()
+    acc = w4_run_sums(x_ptrs, k_lo, K, kx, words, s, z, EVEN_K)  # [M_PAD, BLOCK_N, R]
+    acc_up = acc
+    if GLU:
+        acc_up = w4_run_sums(x_ptrs, k_lo, K, kx, words_up, s_up, z_up, EVEN_K)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        words, s, z = load_w4_runs(w_ptrs, s_ptrs, k0, K, kw, cols, EVEN_K, GROUP)
+        acc += w4_run_sums(x_ptrs, k0, K, kx, words, s, z, EVEN_K)
+        if GLU:
+            words_up, s_up, z_up = load_w4_runs(up_ptrs, up_s_ptrs, k0, K, kw, cols, EVEN_K,
+                                                GROUP)
+            acc_up += w4_run_sums(x_ptrs, k0, K, kx, words_up, s_up, z_up, EVEN_K)
+    store_rows(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), offs_m, offs_n, pid_k, b_ptr,
+               y_ptr, M, N, stride_ym, stride_ys, HAS_BIAS, PARTIAL, GLU)
 
 
 @triton.jit
@@ -496,11 +609,16 @@ def tma_available() -> bool:
 
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
-           scale: Scale | None = None) -> None:
+           scale: Scale | None = None, w4: W4 | None = None) -> None:
     assert x.dim() == 2 and weight.dim() == 2, "x: [M, K], weight: [N, K]"
-    assert x.shape[1] == weight.shape[1], f"K mismatch: x {tuple(x.shape)}, W {tuple(weight.shape)}"
+    k = weight.shape[1] * (8 if w4 is not None else 1)
+    assert x.shape[1] == k, f"K mismatch: x {tuple(x.shape)}, W {tuple(weight.shape)}"
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight: last dim contiguous"
-    if scale is None:
+    if w4 is not None:
+        scales, group = w4
+        assert weight.dtype == torch.int32 and scales.is_contiguous()
+        assert scales.shape == (weight.shape[0], 2, k // group) and group % W4_RUN_COLS == 0
+    elif scale is None:
         assert x.dtype == weight.dtype, "x and weight must share a dtype"
     else:
         ws, (bn, bk) = scale
@@ -517,13 +635,14 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
             cfg: GemvConfig, glu: bool = False, sums: bool = False,
-            scale: Scale | None = None) -> Tensor | SplitSums:
+            scale: Scale | None = None, w4: W4 | None = None) -> Tensor | SplitSums:
     """Run `cfg` (gemv picks it; tests and tuning pass their own). glu: weight is [gate; up]
     and the result silu(x gate^T) * (x up^T), [M, N / 2] (no bias, no split K). sums: where
     the tensor-core kernel splits K (and there is no bias), the result is left as `SplitSums`
     (no reduce kernel); otherwise y. scale: weight is FP8 with these block scales (W8A16,
-    no TMA: each tile is dequantised in registers)."""
-    _check(x, weight, bias, None, scale)
+    no TMA: each tile is dequantised in registers). w4: weight is 4-bit words with these
+    scales and group (`_gemv_w4_kernel`, FMA configs only)."""
+    _check(x, weight, bias, None, scale, w4)
     m, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     if glu:
@@ -568,10 +687,15 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
         meta.update(SCALED=True, SCALE_N=bn, SCALE_K=bk)
         if not cfg.mma:
             meta.update(RUN=FP8_RUN)
+    if w4 is not None:
+        assert not cfg.mma and cfg.block_k % W4_RUN_COLS == 0
+        ws, group = w4
+        meta.update(GROUP=group)
     if cfg.mma and cfg.tma and scale is None and _tma_ok(x, weight):
         _launch_tma(x, weight, b, dst, dst_strides, cfg, meta, grid, k_per_split)
     else:
-        kernel = _gemv_mma_kernel if cfg.mma else _gemv_kernel
+        kernel = (_gemv_w4_kernel if w4 is not None else _gemv_mma_kernel if cfg.mma
+                  else _gemv_kernel)
         kernel[grid](x, weight, ws, b, dst, m, n, k, k_per_split, x.stride(0), weight.stride(0),
                      ws.stride(0), *dst_strides, EVEN_K=k % k_per_split == 0, **meta)
     if paired:
@@ -685,6 +809,38 @@ def gemv_fp8(x: Tensor, weight: Tensor, scale: Scale, bias: Tensor | None = None
     if cfg is None:
         cfg = fp8_gemv_config(x.shape[0], weight.shape[0], x.shape[1], scale[1][1])
     return _launch(x, weight, bias, None, cfg, sums=sums, scale=scale)
+
+
+def w4_gemv_config(m: int, n: int, k: int) -> GemvConfig:
+    """The 4-bit GEMV's tile at m <= MAX_W4_ROWS rows: one warp of 32 runs (BLOCK_K 1024, the
+    least that keeps x's and W's layouts one, `_gemv_w4_kernel`), rows a thread by M (x's
+    products and sums take registers per row of x), K split as `_pick_config` splits it."""
+    m_pad = triton.next_power_of_2(max(m, 1))
+    cfg = GemvConfig(block_n=2 if m_pad <= 2 else 1, block_k=1024, num_warps=1)
+    programs = triton.cdiv(n, cfg.block_n)
+    if programs < 2 * _NUM_SMS:
+        chunks = triton.cdiv(k, cfg.block_k)
+        cfg = replace(cfg, split_k=min(max(1, chunks // 2), triton.cdiv(4 * _NUM_SMS, programs)))
+    return cfg
+
+
+#: rows of x the 4-bit GEMV takes (beyond: kernels/w4a16.py's GEMM)
+MAX_W4_ROWS = 8
+
+
+def gemv_w4(x: Tensor, words: Tensor, w4: W4, bias: Tensor | None = None, *,
+            glu: bool = False, cfg: GemvConfig | None = None) -> Tensor:
+    """y = x @ W^T (+ bias) for a 4-bit weight (kernels/w4a16.py's words and w4 = (scales
+    [N, 2, K / group], group)) and x of 1..MAX_W4_ROWS rows; glu: `gemv_silu_mul`'s product
+    for words = [gate; up]."""
+    assert x.shape[0] <= MAX_W4_ROWS
+    if cfg is None:
+        cfg = w4_gemv_config(x.shape[0], words.shape[0], x.shape[1])
+    if glu:
+        cfg = replace(cfg, split_k=1)
+    y = _launch(x, words, bias, None, cfg, glu=glu, w4=w4)
+    assert isinstance(y, Tensor)
+    return y
 
 
 def gemv_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,

@@ -18,7 +18,7 @@ from arle_kernels.fused import silu_and_mul, silu_and_mul_ref
 from arle_kernels.gemv import gemv, gemv_silu_mul, gemv_split_sums, use_gemv
 from arle_kernels.quant import int_format, int_linear
 from arle_kernels.split_sums import SplitSums
-from arle_kernels.w4a16 import w4_format, w4_linear, w4_linear_ref
+from arle_kernels.w4a16 import w4_format, w4_linear, w4_linear_ref, w4_silu_mul
 
 
 def fp8_scale_of(weight: Tensor) -> tuple[Tensor, tuple[int, int]]:
@@ -73,7 +73,10 @@ def linear_unreduced(x: Tensor, weight: Tensor) -> Tensor | SplitSums:
 def linear_silu_and_mul(x: Tensor, gate_up: Tensor) -> Tensor:
     """`linear_silu_and_mul_ref`: where `linear` takes the GEMV, one kernel does both (the
     activation in its epilogue: no gate_up round trip, one launch less per layer)."""
-    if (gate_up.dtype != FP8 and w4_format(gate_up) is None
-            and use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1], glu=True)):
+    if (w4 := w4_format(gate_up)) is not None:
+        y = w4_silu_mul(x, gate_up, w4)
+        return y if y is not None else silu_and_mul(w4_linear(x, gate_up, w4))
+    if gate_up.dtype != FP8 and use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1],
+                                         glu=True):
         return gemv_silu_mul(x, gate_up)
     return silu_and_mul(linear(x, gate_up))

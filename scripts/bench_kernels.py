@@ -27,7 +27,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,7 +57,16 @@ from arle_kernels.fused import (
     silu_and_mul,
     silu_and_mul_ref,
 )
-from arle_kernels.gemv import GemvConfig, _launch, _pick_config, gemv, gemv_silu_mul, use_gemv
+from arle_kernels.gemv import (
+    GemvConfig,
+    _launch,
+    _pick_config,
+    gemv,
+    gemv_silu_mul,
+    gemv_w4,
+    use_gemv,
+    w4_gemv_config,
+)
 from arle_kernels.jit import pdl_enabled
 from arle_kernels.noise import exponential_noise, exponential_noise_ref
 
@@ -88,9 +97,11 @@ TILES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
             (2, 512, 1, 1), (4, 512, 1, 1), (2, 512, 2, 1), (4, 512, 2, 1), (2, 1024, 4, 1),
             (4, 1024, 4, 1)),
 }
-#: the W4A16 GEMV's tiles (block_n, block_k, num_warps) for `w4`: the default first
-W4_TILES = ((16, 128, 4), (4, 512, 4), (4, 1024, 4), (2, 1024, 2), (8, 512, 4), (2, 512, 1),
-            (1, 1024, 1), (4, 256, 2))
+#: the W4A16 GEMV's tiles (block_n, block_k, num_warps) for `w4`, K split by the chosen rule
+#: (`w4_gemv_config`); and the GEMM's (BM, BN, warps) at the same rows
+W4_TILES = ((1, 1024, 1), (2, 1024, 1), (4, 1024, 1), (8, 1024, 1), (2, 2048, 1),
+            (1, 2048, 2), (2, 2048, 2), (4, 2048, 2))
+W4_GEMM_TILES = ((16, 32, 4), (16, 64, 4), (64, 64, 4))
 #: (BLOCK_N, num_warps, num_stages) of decode attention's split kernel tried besides its default
 DECODE_CONFIGS = ((64, 8, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3),
                   (128, 4, 2), (16, 2, 4))
@@ -467,20 +478,27 @@ def _w4_weight(n: int, k: int, gen: torch.Generator) -> Tensor:
     """Random 4-bit words [n, k / 8] with a group-128 format (Qwen's -AWQ layout's)."""
     words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=gen, device="cuda",
                           dtype=torch.int32)
-    scale = (torch.rand(n, k // 128, generator=gen, device="cuda") * 0.02).half()
-    return w4a16.attach_w4(words, w4a16.W4Format(scale, -8 * scale, 128))
+    scale = (torch.rand(n, 1, k // 128, generator=gen, device="cuda") * 0.02).half()
+    scales = torch.cat([scale, torch.zeros_like(scale)], dim=1)
+    return w4a16.attach_w4(words, w4a16.W4Format(scales, 128))
 
 
-def _w4_call(x: Tensor, tile: w4a16.W4Tile, w: Tensor) -> Tensor:
+def _w4_gemv_call(x: Tensor, cfg: GemvConfig, w: Tensor) -> Tensor:
     fmt = w4a16.w4_format(w)
     assert fmt is not None
-    return w4a16.w4_linear(x, w, fmt, tile=tile)
+    return gemv_w4(x, w, (fmt.scales, fmt.group), cfg=cfg)
+
+
+def _w4_gemm_call(x: Tensor, tile: tuple[int, int, int], w: Tensor) -> Tensor:
+    fmt = w4a16.w4_format(w)
+    assert fmt is not None
+    return w4a16.w4_gemm(x, w, fmt, tile=tile)
 
 
 def bench_w4(rows: tuple[int, ...], shapes: list[str],
              tiles: tuple[tuple[int, ...], ...]) -> list[Row]:
-    """The W4A16 GEMV (group 128, Qwen3-4B's shapes) in each tile, in a CUDA graph over weight
-    copies past L2. GB/s counts the words, scales and offsets."""
+    """The W4A16 GEMV (group 128, Qwen3-4B's shapes) in each tile and the GEMM in its tiles,
+    in a CUDA graph over weight copies past L2. GB/s counts the words, scales and zeros."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     out: list[Row] = []
     for name in shapes:
@@ -489,15 +507,22 @@ def bench_w4(rows: tuple[int, ...], shapes: list[str],
         copies = [_w4_weight(n, k, gen) for _ in range(_copies(nbytes))]
         for m in rows:
             x = _x(m, k, gen)
-            for bn, bk, warps in tiles:
-                tile = w4a16.W4Tile(bn, bk, warps)
-                us = _time_us(partial(_w4_call, x, tile), copies)
-                out.append({"shape": name, "M": m, "tile": [bn, bk, warps], "us": us,
-                            "GBps": nbytes / us / 1e3, "chosen": tile == w4a16.GEMV_TILE})
-    print(f"{'shape':8} {'M':>3} {'tile':>14} {'us':>8} {'GB/s':>7}")
+            chosen = w4_gemv_config(m, n, k)
+            cfgs = [chosen] + [c for c in (replace(chosen, block_n=bn, block_k=bk, num_warps=w)
+                                           for bn, bk, w in tiles) if c != chosen]
+            for cfg in cfgs:
+                us = _time_us(partial(_w4_gemv_call, x, cfg), copies)
+                out.append({"shape": name, "M": m, "kind": "gemv",
+                            "tile": [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.split_k],
+                            "us": us, "GBps": nbytes / us / 1e3, "chosen": cfg == chosen})
+            for tile in W4_GEMM_TILES:
+                us = _time_us(partial(_w4_gemm_call, x, tile), copies)
+                out.append({"shape": name, "M": m, "kind": "gemm", "tile": list(tile), "us": us,
+                            "GBps": nbytes / us / 1e3, "chosen": False})
+    print(f"{'shape':8} {'M':>3} {'kind':>5} {'tile':>22} {'us':>8} {'GB/s':>7}")
     for r in out:
-        print(f"{r['shape']:8} {r['M']:3} {tuple(r['tile'])!s:>14} {r['us']:8.1f} "
-              f"{r['GBps']:7.0f}{' *' if r['chosen'] else ''}")
+        print(f"{r['shape']:8} {r['M']:3} {r['kind']:>5} {tuple(r['tile'])!s:>22} "
+              f"{r['us']:8.1f} {r['GBps']:7.0f}{' *' if r['chosen'] else ''}")
     return out
 
 # ---------------------------------------------------------------------------------------------
@@ -798,7 +823,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 2048])
     c.add_argument("--shapes", nargs="+", choices=list(A3B_LINEARS), default=list(A3B_LINEARS))
     c = sub.add_parser("w4", help="the W4A16 GEMV (AWQ/GPTQ) in each tile")
-    c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="M")
+    c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="M")
     _shapes_arg(c)
     c.add_argument("--tiles", type=_ints, nargs="+", default=list(W4_TILES),
                    help="block_n,block_k,num_warps ... (default: W4_TILES)")

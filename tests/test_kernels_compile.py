@@ -35,15 +35,20 @@ pytestmark = pytest.mark.skipif(
     reason="this triton cannot compile for NVIDIA GPUs")
 
 
-def compile_for_hopper(kernel: Any, constexprs: dict[str, Any], **types: str) -> None:
+def compile_for_hopper(kernel: Any, constexprs: dict[str, Any], num_warps: int = 4,
+                       aligned: bool = False, **types: str) -> Any:
     """triton.compile of `kernel` for sm_90 with these constexprs (pointer types from POINTERS
-    unless given)."""
+    unless given) -> the compiled kernel. aligned: every argument but M (the rows) is taken
+    as a multiple of 16, as Triton specialises a launch whose pointers, sizes and strides are
+    (without it, no load is wider than an element)."""
     names = list(kernel.arg_names)
     signature = {n: "constexpr" if n in constexprs else types.get(n, POINTERS.get(n, "i32"))
                  for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if aligned and n not in constexprs and n != "M"}
     src = ASTSource(kernel, signature,
-                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    triton.compile(src, target=HOPPER, options={"num_warps": 4})
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    return triton.compile(src, target=HOPPER, options={"num_warps": num_warps})
 
 
 @pytest.mark.parametrize("glu", [False, True])

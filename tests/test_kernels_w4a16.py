@@ -1,17 +1,28 @@
-"""The W4A16 kernels (kernels/w4a16.py): the GPU layout of 4-bit groups against the loaders'
-`Int4Groups`, the Triton GEMV and GEMM against `w4_linear_ref` under the interpreter (tiny
-shapes, fp16: the interpreter's bf16 dots are wrong) and on a GPU (Qwen3-4B's shapes, bf16),
-and their sm_90 builds."""
+"""The W4A16 kernels (kernels/w4a16.py, kernels/gemv.py's 4-bit GEMV): the GPU layout of 4-bit
+groups against the loaders' `Int4Groups`, the Triton GEMV and GEMM against `w4_linear_ref`
+under the interpreter (tiny shapes, fp16: the interpreter's bf16 dots are wrong) and on a GPU
+(Qwen3-4B's shapes, bf16), their sm_90 builds, and the GEMV's loads as built."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import run_interpreter_check
 
-from arle_kernels import w4a16
+from arle_kernels import gemv, w4a16
+from arle_kernels.gemv import MAX_W4_ROWS, GemvConfig, gemv_w4, w4_gemv_config
 from arle_kernels.quant import Int4Groups
-from arle_kernels.w4a16 import pack_w4, unpack_w4, w4_format, w4_linear, w4_linear_ref
+from arle_kernels.w4a16 import (
+    pack_w4,
+    unpack_w4,
+    w4_format,
+    w4_linear,
+    w4_linear_ref,
+    w4_silu_mul,
+)
 
 
 def random_groups(n: int, k: int, group: int, seed: int, device: str = "cpu") -> Int4Groups:
@@ -25,39 +36,46 @@ def random_groups(n: int, k: int, group: int, seed: int, device: str = "cpu") ->
 @pytest.mark.parametrize(("n", "k", "group"), [(40, 256, 32), (17, 384, 128), (8, 512, 256)])
 def test_pack_keeps_every_nibble_and_rounds_only_the_group_terms(n: int, k: int,
                                                                  group: int) -> None:
-    """Nibble j of word w is column 8w + j; unpacked, the weight is the groups' dequantization
-    but for the fp16 scale and offset (offset = zero - 8 scale): within 2^-11 of |q scale| +
-    |offset| each."""
+    """Nibble j of a run's word i is the run's column 4j + i (runs of 4 words, 32 columns);
+    unpacked, the weight is the groups' dequantization but for the fp16 scale and zero:
+    within 2^-10 of |q - 8| scale + |zero| each."""
     w = random_groups(n, k, group, seed=n)
     words = pack_w4(w)
     fmt = w4_format(words)
     assert fmt is not None and words.dtype == torch.int32 and words.shape == (n, k // 8)
-    nibbles = (words[..., None] >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF
-    assert torch.equal(nibbles.view(n, k).to(torch.uint8), w.q)
+    nib = (words[..., None] >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF
+    run, i, j = 3 % (k // 32), 2, 5
+    assert torch.equal(nib[:, 4 * run + i, j].to(torch.uint8), w.q[:, 32 * run + 4 * j + i])
+    runs = nib.view(n, k // 32, 4, 8).transpose(2, 3).reshape(n, k)
+    assert torch.equal(runs.to(torch.uint8), w.q)
     exact = w.dequantize()
-    bound = (w.q.float().view(n, -1, group) * w.scale[..., None]).abs()
-    bound = (bound + (w.zero - 8 * w.scale).abs()[..., None]).view(n, k) * 2**-10
+    bound = ((w.q.float() - 8).view(n, -1, group) * w.scale[..., None]).abs()
+    bound = (bound + w.zero.abs()[..., None]).view(n, k) * 2**-10
     assert ((unpack_w4(words, fmt) - exact).abs() <= bound).all()
 
 
-#: (rows of x, rows of W, K, group): GEMV rows 1..8, GEMM above; K past a whole tile and a
-#: group of 256 spanning two tiles
+#: (rows of x, rows of W, K, group): GEMV rows 1..8, GEMM above; K past a whole chunk and a
+#: group of 256 spanning two GEMM tiles
 SHAPES = [(1, 40, 256, 32), (3, 17, 512, 128), (8, 24, 160, 32), (2, 16, 512, 256),
           (20, 33, 256, 64), (70, 24, 160, 32), (9, 64, 384, 128)]
 
+#: GEMV configs besides the chosen ones (`scripts/bench_kernels.py w4` times them on a GPU):
+#: more rows a program, K split (with and without whole chunks), two warps
+OTHER_CONFIGS = (GemvConfig(block_n=4, block_k=128, num_warps=1, split_k=2),
+                 GemvConfig(block_n=1, block_k=64, num_warps=1, split_k=3),
+                 GemvConfig(block_n=2, block_k=256, num_warps=2))
 
-#: GEMV tiles besides the default (`scripts/bench_kernels.py w4` times them on a GPU): fewer
-#: rows and a longer K step, with splits of K and a group of 256 inside one step
-OTHER_TILES = (w4a16.W4Tile(4, 512, 4), w4a16.W4Tile(2, 256, 2))
+
+def _tol(want: torch.Tensor) -> torch.Tensor:
+    """fp16 output: one rounding of |y| (2^-11), fp32 sums in another order."""
+    return want.abs() * 2**-10 + 1e-3
 
 
 def interp_check_w4a16() -> None:
     """Under TRITON_INTERPRET=1: both kernels against the reference, fp16, with a bias and
     without; output rows and columns that are no multiple of a tile; the GEMV in other
-    tiles too."""
-    cases = [(shape, w4a16.GEMV_TILE) for shape in SHAPES]
-    cases += [(shape, tile) for shape in SHAPES[:4] for tile in OTHER_TILES]
-    for (m, n, k, g), tile in cases:
+    configs and as the fused gate_up (silu(gate) * up, each rounded to fp16 first)."""
+    for m, n, k, g in SHAPES:
         w = random_groups(n, k, g, seed=m + n)
         words = pack_w4(w)
         fmt = w4_format(words)
@@ -66,45 +84,82 @@ def interp_check_w4a16() -> None:
         x = torch.randn(m, k, generator=gen).to(torch.float16)
         for bias in (None, torch.randn(n, generator=gen).to(torch.float16)):
             want = w4_linear_ref(x, words, fmt, bias).float()
-            got = w4_linear(x, words, fmt, bias, tile).float()
-            # fp16 output: one rounding of |y| (2^-11), fp32 sums in another order
-            tol = want.abs() * 2**-10 + 1e-3
-            assert ((got - want).abs() <= tol).all(), (m, n, k, g, tile,
-                                                         (got - want).abs().max())
+            got = w4_linear(x, words, fmt, bias).float()
+            assert ((got - want).abs() <= _tol(want)).all(), (m, n, k, g, bias is None)
+        if m > MAX_W4_ROWS:
+            continue
+        want = w4_linear_ref(x, words, fmt).float()
+        for cfg in OTHER_CONFIGS:
+            got = gemv_w4(x, words, (fmt.scales, fmt.group), cfg=cfg).float()
+            assert ((got - want).abs() <= _tol(want)).all(), (m, n, k, g, cfg)
+        if n % 2 == 0:
+            half = want.half()
+            glu = (F.silu(half[:, :n // 2].float()).half() * half[:, n // 2:]).float()
+            got = w4_silu_mul(x, words, fmt)
+            assert got is not None
+            assert ((got.float() - glu).abs() <= _tol(glu)).all(), (m, n, k, g, "glu")
 
 
 def test_w4a16_kernels_interpreted() -> None:
     run_interpreter_check("test_kernels_w4a16", "interp_check_w4a16")
 
 
-def test_splits_fill_the_gpu_with_whole_tiles() -> None:
-    """Qwen3-4B's decode shapes: each split of K whole tiles of at least 4, the programs near
-    GEMV_PROGRAMS where K allows."""
+def test_gemv_configs_keep_one_layout_and_fill_the_gpu() -> None:
+    """Qwen3-4B's decode shapes at 1..8 rows: each thread on its own run (BLOCK_K >= 1024 a
+    warp: x's and W's loads in one register layout), and at least 2 programs an SM."""
     for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)):
-        blocks = -(-n // w4a16.GEMV_TILE.block_n)
-        splits = w4a16._splits(blocks, k)
-        assert 1 <= splits <= max(1, k // (4 * w4a16.BLOCK_K))
-        assert blocks * splits <= max(blocks, w4a16.GEMV_PROGRAMS)
+        for m in (1, 2, 4, 8):
+            cfg = w4_gemv_config(m, n, k)
+            assert cfg.block_k >= 1024 * cfg.num_warps and not cfg.mma
+            assert -(-n // cfg.block_n) * cfg.split_k >= 2 * 132
 
 
 # ---- sm_90 builds (no GPU needed) -------------------------------------------------------------
 
-def test_w4a16_kernels_build_for_sm90() -> None:
+W4_TYPES = {"x_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*fp16", "s_ptr": "*fp16",
+            "b_ptr": "*bf16", "y_ptr": "*bf16"}
+
+
+def _gemv_w4_build(m_pad: int, cfg: GemvConfig, **flags: bool) -> object:
     compile_ = pytest.importorskip("test_kernels_compile")
     if compile_.HOPPER is None:
         pytest.skip("this triton cannot compile for NVIDIA GPUs")
-    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16",
-             "b_ptr": "*bf16"}
-    for tile in (w4a16.GEMV_TILE, *OTHER_TILES):  # the other tiles at Qwen's group only
-        for group in (32, 128, 256) if tile == w4a16.GEMV_TILE else (128,):
-            compile_.compile_for_hopper(w4a16._w4_gemv_kernel, {
-                "G": group, "BM": 2, "BN": tile.block_n, "BK": tile.block_k},
-                **types, y_ptr="*fp32")
+    meta = {"HAS_BIAS": False, "PARTIAL": False, "EVEN_K": True, "GLU": False, "PDL": False,
+            **flags, "M_PAD": m_pad, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            "GROUP": 128}
+    return compile_.compile_for_hopper(gemv._gemv_w4_kernel, meta, num_warps=cfg.num_warps,
+                                       aligned=True, **W4_TYPES)
+
+
+def test_w4a16_kernels_build_for_sm90() -> None:
+    """The GEMV in the chosen configs at every row class (bias, split K, the fused gate_up,
+    PDL), the GEMM at every group."""
+    for m in (1, 2, 4, 8):
+        cfg = w4_gemv_config(m, 6144, 2560)
+        _gemv_w4_build(m, cfg, EVEN_K=False, HAS_BIAS=True, PDL=True)
+        _gemv_w4_build(m, cfg, PARTIAL=True)
+        _gemv_w4_build(m, cfg, GLU=True)
+    compile_ = pytest.importorskip("test_kernels_compile")
     for group in (32, 128, 256):
         bm, bn, _ = w4a16.GEMM_TILE
         compile_.compile_for_hopper(w4a16._w4_gemm_kernel, {
             "G": group, "BM": bm, "BN": bn, "BK": w4a16.BLOCK_K, "HAS_BIAS": True},
-            **types, y_ptr="*bf16")
+            **W4_TYPES)
+
+
+def test_w4_gemv_streams_the_words_in_16_byte_loads() -> None:
+    """Built for sm_90 at one row, as launched (aligned pointers and strides): W's words come
+    in 16-byte loads (a run a thread), x's in 8 (4 values a nibble), and no data goes
+    through shared memory (one register layout for x and W: `_gemv_w4_kernel`'s NOTE)."""
+    for even_k in (True, False):
+        kernel = _gemv_w4_build(1, w4_gemv_config(1, 6144, 2560), EVEN_K=even_k)
+        ptx = kernel.asm["ptx"]  # type: ignore[attr-defined]
+        loads = re.findall(r"ld\.global\S*", ptx)
+        words = [ld for ld in loads if "evict_first" in ld]
+        xs = [ld for ld in loads if "evict_last" in ld]
+        assert words and all(ld.endswith(".v4.b32") for ld in words), loads
+        assert xs and all(ld.endswith(".v2.b32") for ld in xs), loads
+        assert kernel.metadata.shared == 0  # type: ignore[attr-defined]
 
 
 # ---- on the GPU -------------------------------------------------------------------------------

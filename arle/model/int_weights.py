@@ -121,7 +121,7 @@ def load_into(param: nn.Parameter, tensor: torch.Tensor | Int4Groups, loader: Lo
         loader(staged.zero, tensor.zero, shard)
         rows = _sample_rows(tensor.q.shape[0])
         exact = Int4Groups(tensor.q[rows], tensor.scale[rows], tensor.zero[rows], tensor.group)
-        if staged.w4:  # W4A16: scales and offsets in fp16
+        if staged.w4:  # W4A16: scales and zeros in fp16
             words = pack_w4(exact)
             w4 = w4_format(words)
             assert w4 is not None
@@ -193,7 +193,7 @@ def weight_stats(model: nn.Module) -> tuple[int, int]:
         nbytes += p.numel() * p.element_size()
         if (w4 := w4_format(p)) is not None:
             params += p.shape[0] * w4.k
-            nbytes += 2 * w4.scale.numel() * w4.scale.element_size()
+            nbytes += w4.scales.numel() * w4.scales.element_size()
             continue
         if fmt is None:
             params += p.numel()
