@@ -501,6 +501,7 @@ def bench_w4(rows: tuple[int, ...], shapes: list[str],
     in a CUDA graph over weight copies past L2. GB/s counts the words, scales and zeros."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     out: list[Row] = []
+    print(f"{'shape':8} {'M':>3} {'kind':>5} {'tile':>22} {'us':>8} {'GB/s':>7}", flush=True)
     for name in shapes:
         n, k = LINEARS[name]
         nbytes = n * k // 2 + 2 * n * (k // 128) * 2
@@ -512,18 +513,21 @@ def bench_w4(rows: tuple[int, ...], shapes: list[str],
                                            for bn, bk, w in tiles) if c != chosen]
             for cfg in cfgs:
                 us = _time_us(partial(_w4_gemv_call, x, cfg), copies)
-                out.append({"shape": name, "M": m, "kind": "gemv",
-                            "tile": [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.split_k],
-                            "us": us, "GBps": nbytes / us / 1e3, "chosen": cfg == chosen})
-            for tile in W4_GEMM_TILES:
+                out.append(_w4_row(name, m, "gemv", [cfg.block_n, cfg.block_k, cfg.num_warps,
+                                                     cfg.split_k], us, nbytes, cfg == chosen))
+            for tile in W4_GEMM_TILES if m > 2 else ():
                 us = _time_us(partial(_w4_gemm_call, x, tile), copies)
-                out.append({"shape": name, "M": m, "kind": "gemm", "tile": list(tile), "us": us,
-                            "GBps": nbytes / us / 1e3, "chosen": False})
-    print(f"{'shape':8} {'M':>3} {'kind':>5} {'tile':>22} {'us':>8} {'GB/s':>7}")
-    for r in out:
-        print(f"{r['shape']:8} {r['M']:3} {r['kind']:>5} {tuple(r['tile'])!s:>22} "
-              f"{r['us']:8.1f} {r['GBps']:7.0f}{' *' if r['chosen'] else ''}")
+                out.append(_w4_row(name, m, "gemm", list(tile), us, nbytes, False))
     return out
+
+
+def _w4_row(name: str, m: int, kind: str, tile: list[int], us: float, nbytes: int,
+            chosen: bool) -> Row:
+    """One timing of `bench_w4`, printed as it comes (a sweep cut short still shows it)."""
+    print(f"{name:8} {m:3} {kind:>5} {tuple(tile)!s:>22} {us:8.1f} {nbytes / us / 1e3:7.0f}"
+          f"{' *' if chosen else ''}", flush=True)
+    return {"shape": name, "M": m, "kind": kind, "tile": tile, "us": us,
+            "GBps": nbytes / us / 1e3, "chosen": chosen}
 
 # ---------------------------------------------------------------------------------------------
 # Attention

@@ -21,7 +21,9 @@
 #     moe30base   moe30d's decode and kernbench on the tree in .base (a baseline in the same call)
 #     structured   constrained decoding's per-step cost (Qwen3-4B, random weights)
 #     gdnsweep   the Gated DeltaNet decode kernel's launches at batch 1 and 8
-#     w4sweep   the W4A16 GEMV's tiles at Qwen3-4B's shapes (scripts/bench_kernels.py w4)
+#     w4sweep   the W4A16 GEMV's tiles at Qwen3-4B's shapes (scripts/bench_kernels.py w4;
+#               $W4_ARGS narrows it)
+#     awq       quant's 4-bit AWQ decode alone
 #     spec      speculative decoding: a verify step's cost against a decode step (K = 1..4,
 #               batch 1 and 8, with graphs and without) on $SPEC_MODELS (Qwen3-4B and
 #               Qwen3.5-4B); n-gram on the default model where it is installed
@@ -188,7 +190,10 @@ for p in "$@"; do
            phase kernels_moe 120 python3 scripts/bench_kernels.py moe --out $RES/kernels_moe.json ;;
     gdnsweep) phase kernels_deltanet 150 python3 scripts/bench_kernels.py deltanet --batches 1 8 \
               --sweep --prefill 512 --out $RES/kernels_deltanet.json ;;
-    w4sweep) phase kernels_w4 200 python3 scripts/bench_kernels.py w4 --out $RES/kernels_w4.json ;;
+    w4sweep) phase kernels_w4 "${W4_TIMEOUT:-200}" python3 scripts/bench_kernels.py w4 \
+               ${W4_ARGS:-} --out $RES/kernels_w4.json ;;
+    awq) a=$(model qwen3-4b-awq); phase quant_awq 150 "${BENCH[@]}" decode "$a" \
+           --out $RES/decode_qwen3-4b-awq.json ;;
     spec) for m in ${SPEC_MODELS:-qwen3-4b qwen3.5-4b}; do d=$(model $m)
             phase "spec_$m" "${SPEC_TIMEOUT:-200}" python3 scripts/bench_speculative.py \
               --model "$d" --device cuda --parts cost --cost-k 1 2 3 4 --batch 1 8 \
