@@ -232,8 +232,7 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
     if d < 16 or d & (d - 1) or page_size & (page_size - 1):
         raise ValueError(f"head_dim ({d}) and page_size ({page_size}) must be powers of two, "
                          "head_dim >= 16")
-    if cu_q_lens.shape[0] != rows + 1 or page_table.shape[0] != rows:
-        raise ValueError("cu_q_lens needs rows + 1 entries and page_table one row per row")
+    check_rows(page_table, cu_q_lens, seq_lens)
     if block_m < group:
         raise ValueError(f"BLOCK_M ({block_m}) must hold the {group} heads of a group")
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -322,6 +321,16 @@ def _dequant(cache: Tensor, cache_scale: Tensor | None, pages: Tensor, offs: Ten
 DECODE_LIKE_MAX_Q = 16
 
 
+def check_rows(page_table: Tensor, cu_q_lens: Tensor, seq_lens: Tensor) -> None:
+    """The rows' arguments agree: a length and a page-table row a row, rows + 1 offsets (the
+    kernel's contract, which its reference holds callers to too)."""
+    rows = seq_lens.shape[0]
+    if cu_q_lens.shape[0] != rows + 1 or page_table.shape[0] != rows:
+        raise ValueError(f"cu_q_lens needs rows + 1 entries and page_table one row per row "
+                         f"({rows} rows: {cu_q_lens.shape[0]} offsets, page table "
+                         f"{tuple(page_table.shape)})")
+
+
 def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
                          cu_q_lens: Tensor, seq_lens: Tensor, scale: float, max_q_len: int, *,
                          k_scale: Tensor | None = None, v_scale: Tensor | None = None,
@@ -332,6 +341,7 @@ def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table
     lengths on the host). Pass q in fp32 for a higher-precision reference."""
     _t, h, _d = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    check_rows(page_table, cu_q_lens, seq_lens)
     if out is None:
         out = torch.empty_like(q)
     cu = cu_q_lens.tolist()

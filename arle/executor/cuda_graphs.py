@@ -190,8 +190,10 @@ class ExtendGraphs:
 
         tok_slots = seg("tok_slots")
         ids = torch.where(tok_slots == pad_slot, seg("input_ids"), token_buffer[tok_slots])
+        # NOTE: the page table's first rows, one a row of graph t (the kernel's contract)
+        page_table = self.page_table[:self.shapes[t].rows]
         step = DeviceStep(ids, seg("positions"), seg("kv_slots"), seg("seq_lens"),
-                          seg("cu_q_lens"), self.page_table, num_decode=0, max_q_len=t,
+                          seg("cu_q_lens"), page_table, num_decode=0, max_q_len=t,
                           num_splits=1, extend_blocks=seg("extend_blocks"),
                           slots=seg("row_slots"), keep=seg("keep") if self.keeps else None)
         return step, seg("sample_index")
