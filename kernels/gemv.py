@@ -812,11 +812,14 @@ def gemv_fp8(x: Tensor, weight: Tensor, scale: Scale, bias: Tensor | None = None
 
 
 def w4_gemv_config(m: int, n: int, k: int) -> GemvConfig:
-    """The 4-bit GEMV's tile at m <= MAX_W4_ROWS rows: one warp of 32 runs (BLOCK_K 1024, the
-    least that keeps x's and W's layouts one, `_gemv_w4_kernel`), rows a thread by M (x's
-    products and sums take registers per row of x), K split as `_pick_config` splits it."""
-    m_pad = triton.next_power_of_2(max(m, 1))
-    cfg = GemvConfig(block_n=2 if m_pad <= 2 else 1, block_k=1024, num_warps=1)
+    """The 4-bit GEMV's tile at m <= MAX_W4_ROWS rows: one row a program, a warp's 32 runs
+    (BLOCK_K 1024, the least that keeps x's and W's layouts one, `_gemv_w4_kernel`) or two
+    warps' where K is long (o_proj, down: few rows, so more warps to keep loads in flight);
+    at 3.. rows two rows a program. K split as `_pick_config` splits it.
+    NOTE: the best of `bench_kernels.py w4` at Qwen3-4B's shapes on an H100: at one row qkv
+    13.1 us, gate_up 29.2, down 17.5 (two rows a program, one warp: 14.6, 29.9, 42.1)."""
+    warps = 2 if k >= 4096 else 1
+    cfg = GemvConfig(block_n=1 if m <= 2 else 2, block_k=1024 * warps, num_warps=warps)
     programs = triton.cdiv(n, cfg.block_n)
     if programs < 2 * _NUM_SMS:
         chunks = triton.cdiv(k, cfg.block_k)
@@ -824,8 +827,17 @@ def w4_gemv_config(m: int, n: int, k: int) -> GemvConfig:
     return cfg
 
 
-#: rows of x the 4-bit GEMV takes (beyond: kernels/w4a16.py's GEMM)
+#: rows of x the 4-bit GEMV takes where K is long (`use_w4_gemv`; beyond: kernels/w4a16.py's
+#: GEMM)
 MAX_W4_ROWS = 8
+
+
+def use_w4_gemv(m: int, k: int) -> bool:
+    """Whether m rows against a 4-bit weight of K columns take the GEMV over the tensor-core
+    GEMM: up to 2 rows always; up to MAX_W4_ROWS where K is long (the GEMM's few programs
+    there, N / 64, do not fill the GPU). At 8 rows on an H100 (`bench_kernels.py w4`): qkv
+    32 us in the GEMM against 50 in the GEMV, down 90 in the GEMV against 114."""
+    return m <= 2 or (m <= MAX_W4_ROWS and k >= 4096)
 
 
 def gemv_w4(x: Tensor, words: Tensor, w4: W4, bias: Tensor | None = None, *,

@@ -14,7 +14,7 @@ in one group).
 The weight tensor carries its format (`attach_w4`), as an FP8 weight its scales: the products
 (`arle_kernels.linear`) see only the weight.
 
-- GEMV (<= MAX_W4_ROWS rows): kernels/gemv.py's `gemv_w4`, the FMA GEMVs' tiles and epilogue
+- GEMV (decode rows, `use_w4_gemv`): kernels/gemv.py's `gemv_w4`, the FMA GEMVs' tiles and epilogue
   (split K, bias, the fused gate_up's activation), each run unpacked by shifts in registers.
 - `_w4_gemm_kernel`: program (BM x BN tile): K in BK steps, the weight tile dequantized to
   x's dtype and multiplied on tensor cores (tl.dot) with x's columns gathered in the words'
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from arle_kernels.gemv import MAX_W4_ROWS, W4_RUN, W4_RUN_COLS, gemv_w4
+from arle_kernels.gemv import W4_RUN, W4_RUN_COLS, gemv_w4, use_w4_gemv
 from arle_kernels.jit import jit_varying
 from arle_kernels.quant import Int4Groups
 
@@ -181,27 +181,30 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
     tl.store(ptrs, acc.to(dtype), mask=mmask[:, None] & nmask[None, :])
 
 
-#: GEMM tiles (rows x weight rows) and warps
+#: GEMM tiles (rows x weight rows) and warps: for prefill chunks, and for up to 16 rows (at 8
+#: rows on an H100, `bench_kernels.py w4`: qkv 32 us against 46, gate_up 79 against 115)
 GEMM_TILE = (64, 64, 4)
+GEMM_TILE_FEW_ROWS = (16, 64, 4)
 
 
 def w4_linear(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None) -> Tensor:
-    """`w4_linear_ref` in Triton: kernels/gemv.py's 4-bit GEMV up to MAX_W4_ROWS rows, else
-    the GEMM. x [M, K] fp16/bf16 -> [M, N] in x's dtype. Graph-safe (no host reads)."""
+    """`w4_linear_ref` in Triton: kernels/gemv.py's 4-bit GEMV where it takes the rows
+    (`use_w4_gemv`), else the GEMM. x [M, K] fp16/bf16 -> [M, N] in x's dtype. Graph-safe (no host reads)."""
     m, k = x.shape
     assert k == fmt.k and w4_layout_ok(k, fmt.group), (x.shape, fmt.k, fmt.group)
     x = x.contiguous()
-    if m <= MAX_W4_ROWS:
+    if use_w4_gemv(m, k):
         return gemv_w4(x, weight, (fmt.scales, fmt.group), bias)
     return w4_gemm(x, weight, fmt, bias)
 
 
 def w4_gemm(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None,
-            tile: tuple[int, int, int] = GEMM_TILE) -> Tensor:
-    """`w4_linear` through the GEMM at any rows, in `tile` (BM, BN, warps)."""
+            tile: tuple[int, int, int] | None = None) -> Tensor:
+    """`w4_linear` through the GEMM at any rows, in `tile` (BM, BN, warps; by default by the
+    rows)."""
     m, k = x.shape
     n = weight.shape[0]
-    bm, bn, warps = tile
+    bm, bn, warps = tile or (GEMM_TILE_FEW_ROWS if m <= 16 else GEMM_TILE)
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
@@ -213,9 +216,9 @@ def w4_gemm(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None
 
 def w4_silu_mul(x: Tensor, gate_up: Tensor, fmt: W4Format) -> Tensor | None:
     """silu(x gate^T) * (x up^T) for a 4-bit gate_up = [gate; up] in one GEMV launch (its
-    epilogue takes the activation) up to MAX_W4_ROWS rows; None above (the caller's GEMM and
-    activation)."""
-    if x.shape[0] > MAX_W4_ROWS:
+    epilogue takes the activation) where the GEMV takes the rows (`use_w4_gemv`); None
+    otherwise (the caller's GEMM and activation)."""
+    if not use_w4_gemv(x.shape[0], x.shape[1]):
         return None
     assert x.shape[1] == fmt.k and w4_layout_ok(fmt.k, fmt.group)
     return gemv_w4(x.contiguous(), gate_up, (fmt.scales, fmt.group), glu=True)

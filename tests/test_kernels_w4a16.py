@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import run_interpreter_check
 
 from arle_kernels import gemv, w4a16
-from arle_kernels.gemv import MAX_W4_ROWS, GemvConfig, gemv_w4, w4_gemv_config
+from arle_kernels.gemv import MAX_W4_ROWS, GemvConfig, gemv_w4, use_w4_gemv, w4_gemv_config
 from arle_kernels.quant import Int4Groups
 from arle_kernels.w4a16 import (
     pack_w4,
@@ -92,12 +92,12 @@ def interp_check_w4a16() -> None:
         for cfg in OTHER_CONFIGS:
             got = gemv_w4(x, words, (fmt.scales, fmt.group), cfg=cfg).float()
             assert ((got - want).abs() <= _tol(want)).all(), (m, n, k, g, cfg)
-        if n % 2 == 0:
+        fused = w4_silu_mul(x, words, fmt) if n % 2 == 0 else None
+        assert (fused is not None) == (n % 2 == 0 and use_w4_gemv(m, k))
+        if fused is not None:
             half = want.half()
             glu = (F.silu(half[:, :n // 2].float()).half() * half[:, n // 2:]).float()
-            got = w4_silu_mul(x, words, fmt)
-            assert got is not None
-            assert ((got.float() - glu).abs() <= _tol(glu)).all(), (m, n, k, g, "glu")
+            assert ((fused.float() - glu).abs() <= _tol(glu)).all(), (m, n, k, g, "glu")
 
 
 def test_w4a16_kernels_interpreted() -> None:
@@ -141,10 +141,10 @@ def test_w4a16_kernels_build_for_sm90() -> None:
         _gemv_w4_build(m, cfg, GLU=True)
     compile_ = pytest.importorskip("test_kernels_compile")
     for group in (32, 128, 256):
-        bm, bn, _ = w4a16.GEMM_TILE
-        compile_.compile_for_hopper(w4a16._w4_gemm_kernel, {
-            "G": group, "BM": bm, "BN": bn, "BK": w4a16.BLOCK_K, "HAS_BIAS": True},
-            **W4_TYPES)
+        for bm, bn, warps in (w4a16.GEMM_TILE, w4a16.GEMM_TILE_FEW_ROWS):
+            compile_.compile_for_hopper(w4a16._w4_gemm_kernel, {
+                "G": group, "BM": bm, "BN": bn, "BK": w4a16.BLOCK_K, "HAS_BIAS": True},
+                num_warps=warps, **W4_TYPES)
 
 
 def test_w4_gemv_streams_the_words_in_16_byte_loads() -> None:
