@@ -815,11 +815,12 @@ def w4_gemv_config(m: int, n: int, k: int) -> GemvConfig:
     """The 4-bit GEMV's tile at m <= MAX_W4_ROWS rows: one row a program, a warp's 32 runs
     (BLOCK_K 1024, the least that keeps x's and W's layouts one, `_gemv_w4_kernel`) or two
     warps' where K is long (o_proj, down: few rows, so more warps to keep loads in flight);
-    at 3.. rows two rows a program. K split as `_pick_config` splits it.
+    from 2 rows two rows a program (two warps at 2 rows). K split as `_pick_config` splits it.
     NOTE: the best of `bench_kernels.py w4` at Qwen3-4B's shapes on an H100: at one row qkv
-    13.1 us, gate_up 29.2, down 17.5 (two rows a program, one warp: 14.6, 29.9, 42.1)."""
-    warps = 2 if k >= 4096 else 1
-    cfg = GemvConfig(block_n=1 if m <= 2 else 2, block_k=1024 * warps, num_warps=warps)
+    13.1 us, gate_up 29.2, down 17.5 (two rows a program, one warp: 14.6, 29.9, 42.1); at two
+    rows qkv 19.0, o_proj 11.9, down 24.9 (one row a program: 24.3, 18.1, 39.3)."""
+    warps = 2 if k >= 4096 or m == 2 else 1
+    cfg = GemvConfig(block_n=1 if m == 1 else 2, block_k=1024 * warps, num_warps=warps)
     programs = triton.cdiv(n, cfg.block_n)
     if programs < 2 * _NUM_SMS:
         chunks = triton.cdiv(k, cfg.block_k)

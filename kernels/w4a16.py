@@ -18,7 +18,9 @@ The weight tensor carries its format (`attach_w4`), as an FP8 weight its scales:
   (split K, bias, the fused gate_up's activation), each run unpacked by shifts in registers.
 - `_w4_gemm_kernel`: program (BM x BN tile): K in BK steps, the weight tile dequantized to
   x's dtype and multiplied on tensor cores (tl.dot) with x's columns gathered in the words'
-  order, fp32 accumulation.
+  order, fp32 accumulation (up to DEQUANT_ROWS rows).
+- Prefill chunks (DEQUANT_ROWS rows and more): `_w4_dequant_kernel` writes the weight in x's
+  dtype and cuBLAS multiplies.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -152,6 +155,22 @@ def _tile_columns(BK: tl.constexpr):
     return p - t + 4 * (t % 8) + t // 8
 
 
+@triton.jit
+def _w4_dequant_kernel(w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_yn,
+                       G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (BN rows, BK columns): the weight tile dequantized (`_load_tile`), put back in
+    column order, stored in y's dtype."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    nmask = offs_n < N
+    w = _load_tile(w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, BN, BK, G)
+    # position 32 r + 8 i + j -> column 32 r + 4 j + i
+    w = tl.reshape(tl.permute(tl.reshape(w, (BN, BK // 32, 4, 8)), (0, 1, 3, 2)), (BN, BK))
+    offs_k = k0 + tl.arange(0, BK)
+    ptrs = y_ptr + offs_n[:, None].to(tl.int64) * stride_yn + offs_k[None, :]
+    tl.store(ptrs, w.to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (offs_k < K)[None, :])
+
+
 @jit_varying("M", "stride_xm", "stride_ym")
 def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
                     stride_xm, stride_wn, stride_sn, stride_ym,
@@ -185,6 +204,11 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
 #: rows on an H100, `bench_kernels.py w4`: qkv 32 us against 46, gate_up 79 against 115)
 GEMM_TILE = (64, 64, 4)
 GEMM_TILE_FEW_ROWS = (16, 64, 4)
+#: rows from which a product dequantizes the weight to x's dtype and takes cuBLAS's GEMM (a
+#: prefill chunk: the weight's bf16 copy, written and read once, costs less than the GEMM's
+#: gathers of x); the dequantizing kernel's tile (rows, columns)
+DEQUANT_ROWS = 64
+DEQUANT_TILE = (32, 256)
 
 
 def w4_linear(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None) -> Tensor:
@@ -195,7 +219,20 @@ def w4_linear(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = No
     x = x.contiguous()
     if use_w4_gemv(m, k):
         return gemv_w4(x, weight, (fmt.scales, fmt.group), bias)
-    return w4_gemm(x, weight, fmt, bias)
+    if m < DEQUANT_ROWS:
+        return w4_gemm(x, weight, fmt, bias)
+    return F.linear(x, w4_dequant(weight, fmt, x.dtype), bias)
+
+
+def w4_dequant(weight: Tensor, fmt: W4Format, dtype: torch.dtype) -> Tensor:
+    """`unpack_w4` in Triton: the weight [N, K] in `dtype`, a new tensor."""
+    n, k = weight.shape[0], fmt.k
+    y = torch.empty(n, k, dtype=dtype, device=weight.device)
+    bn, bk = DEQUANT_TILE
+    _w4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        weight, fmt.scales, y, n, k, weight.stride(0), fmt.scales.stride(0), y.stride(0),
+        G=fmt.group, BN=bn, BK=bk, num_warps=4)
+    return y
 
 
 def w4_gemm(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None,

@@ -58,6 +58,7 @@ def test_pack_keeps_every_nibble_and_rounds_only_the_group_terms(n: int, k: int,
 #: group of 256 spanning two GEMM tiles
 SHAPES = [(1, 40, 256, 32), (3, 17, 512, 128), (8, 24, 160, 32), (2, 16, 512, 256),
           (20, 33, 256, 64), (70, 24, 160, 32), (9, 64, 384, 128)]
+assert any(m >= w4a16.DEQUANT_ROWS for m, *_ in SHAPES)
 
 #: GEMV configs besides the chosen ones (`scripts/bench_kernels.py w4` times them on a GPU):
 #: more rows a program, K split (with and without whole chunks), two warps
@@ -72,9 +73,10 @@ def _tol(want: torch.Tensor) -> torch.Tensor:
 
 
 def interp_check_w4a16() -> None:
-    """Under TRITON_INTERPRET=1: both kernels against the reference, fp16, with a bias and
-    without; output rows and columns that are no multiple of a tile; the GEMV in other
-    configs and as the fused gate_up (silu(gate) * up, each rounded to fp16 first)."""
+    """Under TRITON_INTERPRET=1: the GEMV, the GEMM and the dequantizing kernel (prefill rows:
+    `DEQUANT_ROWS`) against the reference, fp16, with a bias and without; output rows and
+    columns that are no multiple of a tile; the GEMV in other configs and as the fused
+    gate_up (silu(gate) * up, each rounded to fp16 first)."""
     for m, n, k, g in SHAPES:
         w = random_groups(n, k, g, seed=m + n)
         words = pack_w4(w)
@@ -88,6 +90,7 @@ def interp_check_w4a16() -> None:
             assert ((got - want).abs() <= _tol(want)).all(), (m, n, k, g, bias is None)
         if m > MAX_W4_ROWS:
             continue
+        assert torch.equal(w4a16.w4_dequant(words, fmt, torch.float32), unpack_w4(words, fmt))
         want = w4_linear_ref(x, words, fmt).float()
         for cfg in OTHER_CONFIGS:
             got = gemv_w4(x, words, (fmt.scales, fmt.group), cfg=cfg).float()
