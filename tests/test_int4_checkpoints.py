@@ -157,12 +157,18 @@ def interp_check_w4a16_model() -> None:
     (the W4A16 GEMV for one-token chunks, the GEMM for the prompt) gives the torch references'
     logits (fp32 activations)."""
     import tempfile
+    from dataclasses import replace
 
     from arle.model import loader
+    from arle_kernels import gemv
     from arle_kernels.ops import triton_ops
 
     loader._keeps_int = lambda *a, **k: True  # type: ignore[assignment]
     loader._w4_layout = lambda device: True  # type: ignore[assignment]
+    # NOTE: 16 rows a GEMV program, not 1: the interpreter runs programs one by one in Python
+    # (the chosen tiles are test_kernels_w4a16's)
+    chosen = gemv.w4_gemv_config
+    gemv.w4_gemv_config = lambda m, n, k: replace(chosen(m, n, k), block_n=16)  # type: ignore
     with tempfile.TemporaryDirectory() as tmp:
         write_int4_model_dir(Path(tmp) / "q", hf_config("Qwen3ForCausalLM"), Path(tmp) / "twin",
                              "awq", 128)
