@@ -955,11 +955,14 @@ def _h100_bounds(res: Results) -> list[str]:
     moe, fp8, awq = dec("qwen3-30b-a3b-fp8"), dec("qwen3-4b_fp8"), dec("qwen3-4b-awq")
     m1, f1, a1 = (d["graph_replay_bs1_ms"] for d in (moe, fp8, awq))
     c8 = res.load("h100/serve_qwen3-30b-a3b-fp8.json")["runs"]["8"]
-    w4 = _kernel_ms(awq, 1, "_w4_gemv")
+    w4 = _kernel_ms(awq, 1, "_gemv_w4")
     ctx4, ctx35 = (res.load(f"h100/context_{n}.json")["runs"] for n in ("qwen3-4b", "qwen3.5-4b"))
     spec = res.load("h100/speculative_smollm2.json")["tasks"]
     scale = res.load("h100/serve_qwen3-4b_scale.json")["runs"]
     c64, c256 = scale["64"], scale["256"]
+    cost = res.load("h100/speculative_cost_qwen3-4b.json")["cost"]
+    vc = {b: [cost[str(b)][f"k{k}_vs_decode"] for k in (1, 2, 3, 4)] for b in (1, 8)}
+    ve = [cost[str(b)][f"eager_k{k}_vs_decode"] for b in (1, 8) for k in (1, 2, 3, 4)]
     return [
         f"**This wave's goals, on the H100.** They were set for an H200 (4.18 TB/s); this card "
         f"reads {read:.2f} TB/s, so each figure stands against its floor here. The kernel times "
@@ -980,29 +983,33 @@ def _h100_bounds(res: Results) -> list[str]:
         f"H200 the same ratio would give "
         f"{f1 / floor('qwen3-4b_fp8') * fp8['floor_bytes']['batch1']['total'] / 4.18e9:.2f} ms: "
         f"not met. The FP8 GEMV does not stream as the bf16 one does.",
-        f"- {_Q4} as 4-bit AWQ, batch 1: {a1:.3f} ms, {a1 / floor('qwen3-4b-awq'):.1f}x its floor; "
-        f"the goal is 0.8 ms: far from met. The W4 GEMV takes {w4:.2f} ms of it in "
-        f"{next(k['per_step'] for k in awq['kernels_bs1']['top'] if k['name'] == '_w4_gemv_kernel'):.0f}"
-        f" launches: {awq['weight_bytes'] / w4 * 1e-9:.2f} TB/s. The kernel itself bounds it, not "
-        f"the launches: at qkv's shape its tile (16 rows x 128 columns, 1 KB of words a step) "
-        f"makes 384 programs, ~3 an SM with ~3 KB in flight, where an SM's share of the "
-        f"bandwidth needs ~15-20 KB at DRAM latency. `bash scripts/gpu_session.sh w4sweep` "
-        f"times the default against 7 other tiles (all built for sm_90 and checked against the "
-        f"reference on the CPU).",
+        f"- {_Q4} as 4-bit AWQ, batch 1: {a1:.3f} ms, {a1 / floor('qwen3-4b-awq'):.1f}x its floor "
+        f"(bf16: {dec('qwen3-4b')['graph_replay_bs1_ms']:.3f} ms); the goal is 0.8 ms: not met. "
+        f"The W4 GEMV is {w4 / _kernel_ms(awq, 1, ''):.0%} of the profiled step. It is bound by "
+        f"its instructions, not its bytes: a weight costs a shift, a mask, the magic-number "
+        f"conversion (q | 0x4B000000, an add), an FMA and its share of x's conversion, ~6 "
+        f"instructions for half a byte, where the bf16 GEMV spends ~2 on 2 bytes (sm_90 SASS of "
+        f"both). Past it: two weights an instruction (the nibbles of a word into f16x2/bf16x2 "
+        f"pairs by lop3, packed FMAs), which Triton does not emit from tensor code.",
+        f"- 4-bit AWQ at batch 8: {awq['graph_replay_bs8_ms']:.2f} ms a step (bf16: "
+        f"{dec('qwen3-4b')['graph_replay_bs8_ms']:.2f}): the FMA GEMV pays x's conversion and "
+        f"its FMAs per row, and the tensor-core GEMM for the short-K layers gathers x's columns "
+        f"in the words' order. From 16 rows the weight is dequantized to bf16 and cuBLAS "
+        f"multiplies ({awq['graph_replay_bs32_ms']:.2f} ms at 32 rows); prefill of 512 tokens "
+        f"takes {awq['batch1']['mean_ttft_ms']:.1f} ms (bf16: "
+        f"{dec('qwen3-4b')['batch1']['mean_ttft_ms']:.1f}).",
         f"- Speculation never slower than off: at batch 1, n-gram on the default model decodes "
         f"{min(t['speedup'] for t in spec.values()):.2f}-{max(t['speedup'] for t in spec.values()):.2f}"
-        f"x as fast as off (plain chat the least). At batch 8 the run's verify steps (8 rows of "
-        f"K + 1 samples) overflowed extend graphs sized by the engine's 9 slots and ran "
-        f"eagerly, 8-13x a decode step; the graphs take them since, not measured yet.",
-        f"- Serving at c = 256 ({_Q4}): {c256['output_throughput']:.0f} tok/s, below c = 64's "
-        f"{c64['output_throughput']:.0f}: {c256['server_steps']} steps at "
-        f"{c256['duration'] / c256['server_steps'] * 1e3:.0f} ms on average (c = 64: "
-        f"{c64['duration'] / c64['server_steps'] * 1e3:.0f} ms). `arle serve` prefills at most "
-        f"1024 tokens a step beside the running requests' decode rows, and the extend graphs "
-        f"took at most 64 rows: the same 256 requests through the scheduler on the CPU make 274 "
-        f"steps, 115 of them mixed steps of more than 64 rows, which ran eagerly (30-40 ms, as "
-        f"the eager verify steps measured). The graphs take up to 256 rows since (a graph of t "
-        f"tokens min(t, 256), so small steps keep a small lm_head); not measured on a GPU yet.",
+        f"x as fast as off (plain chat the least). A verify step of K = 1-4 drafts costs "
+        f"{min(vc[1]):.2f}-{max(vc[1]):.2f}x a decode step at batch 1 and "
+        f"{min(vc[8]):.2f}-{max(vc[8]):.2f}x at batch 8 on {_Q4}, in CUDA graphs (eager: "
+        f"{min(ve):.0f}-{max(ve):.0f}x).",
+        f"- Serving {_Q4} at c = 64 / 256: {c64['output_throughput']:.0f} / "
+        f"{c256['output_throughput']:.0f} tok/s, {c64['duration'] / c64['server_steps'] * 1e3:.0f}"
+        f" / {c256['duration'] / c256['server_steps'] * 1e3:.0f} ms a step on average. Mixed "
+        f"steps of up to 256 rows (a prefill chunk beside the running requests' decode rows) "
+        f"replay extend graphs; a graph of t tokens takes min(t, 256) rows, so small steps keep "
+        f"a small lm_head.",
         f"- Context: batch-1 TPOT from 1k to 32k tokens grows {ctx4['1024']['tpot_ms']:.2f} to "
         f"{ctx4['32768']['tpot_ms']:.2f} ms on {_Q4} (its KV is read every step) and stays "
         f"{ctx35['1024']['tpot_ms']:.2f} to {ctx35['32768']['tpot_ms']:.2f} ms on {_Q35} (24 of "
