@@ -52,15 +52,15 @@ class SpecConfig:
 #: leaves the packed int4 kernels for the bf16 expansion (arle_kernels.quant,
 #: PACKED_MAX_ROWS): at batch 8 with 8 drafts each (72 tokens) 5.1x, so drafts stop at 48.
 #: K = 8 was the fastest of 2, 4, 8 on every task.
-#: CUDA: the same bench on an H100, random Qwen3-4B, batch 1, graphs: a verify step of 1-4
-#: drafts costs 1.19-1.22x a decode step, almost all of it fixed (the extend step's launches);
-#: the hybrid Qwen3.5-4B 1.78-1.86x (its verify rows keep a recurrent state per position):
-#: HYBRID_RULES.
+#: CUDA: the same bench on an H100, random Qwen3-4B, graphs: a verify step of 1-4 drafts
+#: costs 1.19-1.20x a decode step at batch 1 (1.08-1.22x at batch 8), almost all of it fixed
+#: (the extend step's launches); the hybrid Qwen3.5-4B 1.94-2.06x at batch 1 (its verify rows
+#: keep a recurrent state per position): HYBRID_RULES.
 DEVICE_RULES = {"cpu": SpecConfig(num_tokens=8, draft_cost=0.23, step_tokens=48),
                 "cuda": SpecConfig(num_tokens=4, verify_cost=0.19, draft_cost=0.01,
                                    step_tokens=64)}
 #: (verify_cost, draft_cost) of a hybrid model, by device
-HYBRID_RULES = {"cuda": (0.75, 0.03)}
+HYBRID_RULES = {"cuda": (0.90, 0.04)}
 
 
 def spec_config(config: EngineConfig, hybrid: bool = False) -> SpecConfig | None:
