@@ -701,10 +701,19 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
     if paired:
         return SplitSums(dst, x.dtype)
     if splits > 1:
-        _split_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
-            dst, b, y, n, splits, dst.stride(0), dst.stride(1), y.stride(0), HAS_BIAS=has_bias,
-            BLOCK=_REDUCE_BLOCK, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+        reduce_splits(dst, bias, y)
     return y
+
+
+def reduce_splits(partials: Tensor, bias: Tensor | None, y: Tensor) -> None:
+    """y = the fp32 partial sums [splits, M, N] added in split order (deterministic) + bias,
+    in y's dtype: one `_split_reduce_kernel` launch."""
+    splits, m, n = partials.shape
+    pdl = pdl_enabled()
+    _split_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
+        partials, bias if bias is not None else y, y, n, splits, partials.stride(0),
+        partials.stride(1), y.stride(0), HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK,
+        PDL=pdl, num_warps=4, **pdl_launch(pdl))
 
 
 def _tma_ok(*tensors: Tensor) -> bool:

@@ -16,9 +16,10 @@ The weight tensor carries its format (`attach_w4`), as an FP8 weight its scales:
 
 - GEMV (decode rows, `use_w4_gemv`): kernels/gemv.py's `gemv_w4`, the FMA GEMVs' tiles and epilogue
   (split K, bias, the fused gate_up's activation), each run unpacked by shifts in registers.
-- `_w4_gemm_kernel`: program (BM x BN tile): K in BK steps, the weight tile dequantized to
-  x's dtype and multiplied on tensor cores (tl.dot) with x's columns gathered in the words'
-  order, fp32 accumulation (up to DEQUANT_ROWS rows).
+- `_w4_gemm_kernel`: program (BM x BN tile, split of K): K in BK steps, the weight tile
+  dequantized to x's dtype and multiplied on tensor cores (tl.dot) with x's columns gathered
+  in the words' order, fp32 accumulation (up to DEQUANT_ROWS rows; K split where the tiles
+  leave SMs idle).
 - Prefill chunks (DEQUANT_ROWS rows and more): `_w4_dequant_kernel` writes the weight in x's
   dtype and cuBLAS multiplies.
 """
@@ -33,12 +34,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from arle_kernels.gemv import W4_RUN, W4_RUN_COLS, gemv_w4, use_w4_gemv
+from arle_kernels.gemv import W4_RUN, W4_RUN_COLS, gemv_w4, reduce_splits, use_w4_gemv
 from arle_kernels.jit import jit_varying
 from arle_kernels.quant import Int4Groups
 
 #: the GEMM's K tile: groups up to it are whole within a tile, larger ones (256) span several
 BLOCK_K = 128
+#: SMs of an H100/H200: only shapes the GEMM's split (a guess elsewhere is still correct)
+NUM_SMS = 132
 
 
 @dataclass(frozen=True)
@@ -171,16 +174,18 @@ def _w4_dequant_kernel(w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_y
     tl.store(ptrs, w.to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (offs_k < K)[None, :])
 
 
-@jit_varying("M", "stride_xm", "stride_ym")
-def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
-                    stride_xm, stride_wn, stride_sn, stride_ym,
+@jit_varying("M", "stride_xm", "stride_ym", "stride_ys")
+def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
+                    stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
                     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):
-    """Program (BM x BN tile of y): x's tile (its columns in the words' order) times the
-    weight tile dequantized to x's dtype, on tensor cores, fp32 accumulation; + bias; y in x's
-    dtype."""
+                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr = False):
+    """Program (BM x BN tile of y, split of K): x's tile (its columns in the words' order)
+    times the weight tile dequantized to x's dtype, on tensor cores, fp32 accumulation; + bias;
+    y in x's dtype. PARTIAL (split K): y is fp32 [splits, M, N] (stride_ys between splits) and
+    takes the split's sums, no bias. NOTE: k_per_split is a multiple of BK."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mmask = offs_m < M
@@ -188,16 +193,22 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     cols = _tile_columns(BK)
-    for k0 in range(0, K, BK):
+    k_lo = pid_k * k_per_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BK):
         w = _load_tile(w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, BN, BK, G)
         offs_k = k0 + cols
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=mmask[:, None] & (offs_k < K)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w.to(dtype)), acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(ptrs, acc.to(dtype), mask=mmask[:, None] & nmask[None, :])
+    out_mask = mmask[:, None] & nmask[None, :]
+    if PARTIAL:
+        ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(ptrs, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(ptrs, acc.to(dtype), mask=out_mask)
 
 
 #: GEMM tiles (rows x weight rows) and warps: for prefill chunks, and for up to 16 rows (at 8
@@ -237,19 +248,37 @@ def w4_dequant(weight: Tensor, fmt: W4Format, dtype: torch.dtype) -> Tensor:
 
 
 def w4_gemm(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None,
-            tile: tuple[int, int, int] | None = None) -> Tensor:
+            tile: tuple[int, int, int] | None = None, split: int | None = None) -> Tensor:
     """`w4_linear` through the GEMM at any rows, in `tile` (BM, BN, warps; by default by the
-    rows)."""
+    rows) and `split` splits of K (by default `gemm_splits`'), partial sums added by
+    kernels/gemv.py's reduce."""
     m, k = x.shape
     n = weight.shape[0]
     bm, bn, warps = tile or (GEMM_TILE_FEW_ROWS if m <= 16 else GEMM_TILE)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = split or gemm_splits(tiles, k)
+    per = triton.cdiv(triton.cdiv(k, BLOCK_K), split) * BLOCK_K
+    split = triton.cdiv(k, per)  # no empty splits
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, weight, fmt.scales, bias if bias is not None else x, y, m, n, k,
-        x.stride(0), weight.stride(0), fmt.scales.stride(0), y.stride(0), G=fmt.group, BM=bm,
-        BN=bn, BK=BLOCK_K, HAS_BIAS=bias is not None, num_warps=warps, num_stages=3)
+    dst = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _w4_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        x, weight, fmt.scales, bias if bias is not None else x, dst, m, n, k, per,
+        x.stride(0), weight.stride(0), fmt.scales.stride(0), dst.stride(-2),
+        dst.stride(0) if split > 1 else 0, G=fmt.group, BM=bm, BN=bn, BK=BLOCK_K,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=warps, num_stages=3)
+    if split > 1:
+        reduce_splits(dst, bias, y)
     return y
+
+
+def gemm_splits(tiles: int, k: int) -> int:
+    """Splits of K for a GEMM of `tiles` output tiles: none once the tiles fill the GPU (2 a
+    SM, prefill chunks), else up to ~4 programs an SM, each at least 4 K tiles (decode rows:
+    at 8 rows qkv makes 96 tiles of 16 x 64 for 132 SMs)."""
+    if tiles >= 2 * NUM_SMS:
+        return 1
+    return max(1, min(triton.cdiv(4 * NUM_SMS, tiles), k // (4 * BLOCK_K)))
 
 
 def w4_silu_mul(x: Tensor, gate_up: Tensor, fmt: W4Format) -> Tensor | None:

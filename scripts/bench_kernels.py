@@ -98,10 +98,11 @@ TILES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
             (4, 1024, 4, 1)),
 }
 #: the W4A16 GEMV's tiles (block_n, block_k, num_warps) for `w4`, K split by the chosen rule
-#: (`w4_gemv_config`); and the GEMM's (BM, BN, warps) at the same rows
+#: (`w4_gemv_config`); and the GEMM's (BM, BN, warps, splits of K; 0: `gemm_splits`') from 3
+#: rows
 W4_TILES = ((1, 1024, 1), (2, 1024, 1), (4, 1024, 1), (8, 1024, 1), (2, 2048, 1),
             (1, 2048, 2), (2, 2048, 2), (4, 2048, 2))
-W4_GEMM_TILES = ((16, 32, 4), (16, 64, 4), (64, 64, 4))
+W4_GEMM_TILES = ((16, 32, 4, 0), (16, 64, 4, 0), (16, 64, 4, 1), (64, 64, 4, 0))
 #: (BLOCK_N, num_warps, num_stages) of decode attention's split kernel tried besides its default
 DECODE_CONFIGS = ((64, 8, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3),
                   (128, 4, 2), (16, 2, 4))
@@ -489,10 +490,11 @@ def _w4_gemv_call(x: Tensor, cfg: GemvConfig, w: Tensor) -> Tensor:
     return gemv_w4(x, w, (fmt.scales, fmt.group), cfg=cfg)
 
 
-def _w4_gemm_call(x: Tensor, tile: tuple[int, int, int], w: Tensor) -> Tensor:
+def _w4_gemm_call(x: Tensor, tile: tuple[int, int, int, int], w: Tensor) -> Tensor:
     fmt = w4a16.w4_format(w)
     assert fmt is not None
-    return w4a16.w4_gemm(x, w, fmt, tile=tile)
+    bm, bn, warps, split = tile
+    return w4a16.w4_gemm(x, w, fmt, tile=(bm, bn, warps), split=split or None)
 
 
 def bench_w4(rows: tuple[int, ...], shapes: list[str],

@@ -88,6 +88,8 @@ def interp_check_w4a16() -> None:
             want = w4_linear_ref(x, words, fmt, bias).float()
             got = w4_linear(x, words, fmt, bias).float()
             assert ((got - want).abs() <= _tol(want)).all(), (m, n, k, g, bias is None)
+            split = w4a16.w4_gemm(x, words, fmt, bias, split=3).float()  # K split, reduced
+            assert ((split - want).abs() <= _tol(want)).all(), (m, n, k, g, "split")
         if m > MAX_W4_ROWS:
             continue
         assert torch.equal(w4a16.w4_dequant(words, fmt, torch.float32), unpack_w4(words, fmt))
@@ -105,6 +107,17 @@ def interp_check_w4a16() -> None:
 
 def test_w4a16_kernels_interpreted() -> None:
     run_interpreter_check("test_kernels_w4a16", "interp_check_w4a16")
+
+
+def test_gemm_splits_fill_the_gpu_at_decode_rows_only() -> None:
+    """At 8 rows (one 16-row tile of rows) Qwen3-4B's qkv (96 tiles) splits K to ~4 programs
+    an SM, each split at least 4 K tiles; gate_up's 304 tiles, like a prefill chunk's, already
+    fill the GPU."""
+    tiles = 6144 // w4a16.GEMM_TILE_FEW_ROWS[1]
+    split = w4a16.gemm_splits(tiles, 2560)
+    assert split > 1 and 2560 // split >= 4 * w4a16.BLOCK_K
+    assert tiles * split <= 4 * w4a16.NUM_SMS + tiles
+    assert w4a16.gemm_splits(19456 // w4a16.GEMM_TILE_FEW_ROWS[1], 2560) == 1
 
 
 def test_gemv_configs_keep_one_layout_and_fill_the_gpu() -> None:
@@ -136,7 +149,7 @@ def _gemv_w4_build(m_pad: int, cfg: GemvConfig, **flags: bool) -> object:
 
 def test_w4a16_kernels_build_for_sm90() -> None:
     """The GEMV in the chosen configs at every row class (bias, split K, the fused gate_up,
-    PDL), the GEMM at every group."""
+    PDL), the GEMM at every group (whole and split K)."""
     for m in (1, 2, 4, 8):
         cfg = w4_gemv_config(m, 6144, 2560)
         _gemv_w4_build(m, cfg, EVEN_K=False, HAS_BIAS=True, PDL=True)
@@ -144,10 +157,11 @@ def test_w4a16_kernels_build_for_sm90() -> None:
         _gemv_w4_build(m, cfg, GLU=True)
     compile_ = pytest.importorskip("test_kernels_compile")
     for group in (32, 128, 256):
-        for bm, bn, warps in (w4a16.GEMM_TILE, w4a16.GEMM_TILE_FEW_ROWS):
+        for (bm, bn, warps), partial in ((w4a16.GEMM_TILE, False),
+                                         (w4a16.GEMM_TILE_FEW_ROWS, True)):
             compile_.compile_for_hopper(w4a16._w4_gemm_kernel, {
-                "G": group, "BM": bm, "BN": bn, "BK": w4a16.BLOCK_K, "HAS_BIAS": True},
-                num_warps=warps, **W4_TYPES)
+                "G": group, "BM": bm, "BN": bn, "BK": w4a16.BLOCK_K, "HAS_BIAS": not partial,
+                "PARTIAL": partial}, num_warps=warps, **W4_TYPES)
 
 
 def test_w4_gemv_streams_the_words_in_16_byte_loads() -> None:
