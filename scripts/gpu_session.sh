@@ -72,6 +72,10 @@ phase() {  # name timeout command...
   tar -cf "$OUT/results.tar" -C $RES .
 }
 BENCH=(python3 scripts/bench_gpu.py)
+awq_decode() {  # Qwen3-4B's shapes as a 4-bit AWQ checkpoint, batch 1 and 8
+  local a; a=$(model qwen3-4b-awq)
+  phase quant_awq 150 "${BENCH[@]}" decode "$a" --out $RES/decode_qwen3-4b-awq.json
+}
 GPU_FILES=(tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py
   tests/test_kernels_extend_attention.py tests/test_kernels_fused.py tests/test_kernels_gemv.py
   tests/test_split_sums.py tests/test_kernels_greedy.py tests/test_kernels_embed.py
@@ -192,8 +196,7 @@ for p in "$@"; do
               --sweep --prefill 512 --out $RES/kernels_deltanet.json ;;
     w4sweep) phase kernels_w4 "${W4_TIMEOUT:-200}" python3 scripts/bench_kernels.py w4 \
                ${W4_ARGS:-} --out $RES/kernels_w4.json ;;
-    awq) a=$(model qwen3-4b-awq); phase quant_awq 150 "${BENCH[@]}" decode "$a" \
-           --out $RES/decode_qwen3-4b-awq.json ;;
+    awq) awq_decode ;;
     spec) for m in ${SPEC_MODELS:-qwen3-4b qwen3.5-4b}; do d=$(model $m)
             phase "spec_$m" "${SPEC_TIMEOUT:-200}" python3 scripts/bench_speculative.py \
               --model "$d" --device cuda --parts cost --cost-k 1 2 3 4 --batch 1 8 \
@@ -206,8 +209,7 @@ for p in "$@"; do
     quant) d=$(model qwen3-4b)  # --quantization fp8 and 4-bit AWQ against bf16, batch 1 and 8
            phase quant_fp8 150 "${BENCH[@]}" decode "$d" --quantization fp8 \
              --out $RES/decode_qwen3-4b_fp8.json
-           a=$(model qwen3-4b-awq); phase quant_awq 150 "${BENCH[@]}" decode "$a" \
-             --out $RES/decode_qwen3-4b-awq.json ;;
+           awq_decode ;;
     kvtier) d=$(model qwen3-4b); phase kvtier 200 python3 scripts/bench_kv_tier.py --model "$d" \
               --device cuda --conversations 16 --turns 4 --doc-tokens 2048 --pool-share 0.25 \
               --host-gb 16 --out $RES/kv_tier_qwen3-4b.json ;;
