@@ -74,7 +74,7 @@ FP8_RUN = RUN_BYTES
 Scale = tuple[Tensor, tuple[int, int]]
 #: a 4-bit weight's scales and zeros [N, 2, K / group] (fp16) and its group
 W4 = tuple[Tensor, int]
-_NUM_SMS = 132  # H200; only shapes the choice of split (a guess elsewhere is still correct)
+NUM_SMS = 132  # H100/H200; only shapes the choice of split (a guess elsewhere is still correct)
 
 
 @dataclass(frozen=True)
@@ -549,12 +549,21 @@ def _pick_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
     else:
         cfg = GemvConfig(block_n=2, block_k=1024, num_warps=2) if k < 8192 else \
             GemvConfig(block_n=2, block_k=2048, num_warps=4)
-    programs = triton.cdiv(n, cfg.block_n)
-    if programs < 2 * _NUM_SMS:
-        chunks = triton.cdiv(k, cfg.block_k)
-        split = min(max(1, chunks // 2), triton.cdiv(4 * _NUM_SMS, programs))
-        cfg = replace(cfg, split_k=split)
-    return cfg
+    return _split_to_fill(cfg, n, k)
+
+
+def fill_splits(programs: int, chunks: int, min_chunks: int) -> int:
+    """Splits of K for a grid of `programs` (each `chunks` K tiles long): none once they fill
+    the GPU (2 an SM), else up to ~4 programs an SM, each split at least `min_chunks` tiles."""
+    if programs >= 2 * NUM_SMS:
+        return 1
+    return max(1, min(chunks // min_chunks, triton.cdiv(4 * NUM_SMS, programs)))
+
+
+def _split_to_fill(cfg: GemvConfig, n: int, k: int) -> GemvConfig:
+    """cfg with K split where its programs leave SMs idle (splits of >= 2 chunks)."""
+    split = fill_splits(triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k), 2)
+    return replace(cfg, split_k=split)
 
 
 def _mma_config(n: int, k: int, glu: bool) -> GemvConfig:
@@ -577,7 +586,7 @@ def _tma_config(n: int, k: int, glu: bool) -> GemvConfig:
     saves the GEMV less than it costs the consumer that sums the slots (`SplitSums`)."""
     tiles = triton.cdiv(n // 2 if glu else n, 64)
     split = 1
-    while not glu and tiles * split < _NUM_SMS and triton.cdiv(k, 128) >= 16 * split:
+    while not glu and tiles * split < NUM_SMS and triton.cdiv(k, 128) >= 16 * split:
         split *= 2
     return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=6 if glu else 4,
                       split_k=split, mma=True, tma=True)
@@ -589,7 +598,7 @@ def _cp_async_config(n: int, k: int, glu: bool) -> GemvConfig:
         return GemvConfig(block_n=32, block_k=256, num_warps=2, num_stages=1, mma=True)
     programs = triton.cdiv(n, 64)
     split = 1
-    while 2 * split * programs <= 2 * _NUM_SMS and triton.cdiv(k, 128) >= 4 * split:
+    while 2 * split * programs <= 2 * NUM_SMS and triton.cdiv(k, 128) >= 4 * split:
         split *= 2
     return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split,
                       mma=True)
@@ -830,11 +839,7 @@ def w4_gemv_config(m: int, n: int, k: int) -> GemvConfig:
     rows qkv 19.0, o_proj 11.9, down 24.9 (one row a program: 24.3, 18.1, 39.3)."""
     warps = 2 if k >= 4096 or m == 2 else 1
     cfg = GemvConfig(block_n=1 if m == 1 else 2, block_k=1024 * warps, num_warps=warps)
-    programs = triton.cdiv(n, cfg.block_n)
-    if programs < 2 * _NUM_SMS:
-        chunks = triton.cdiv(k, cfg.block_k)
-        cfg = replace(cfg, split_k=min(max(1, chunks // 2), triton.cdiv(4 * _NUM_SMS, programs)))
-    return cfg
+    return _split_to_fill(cfg, n, k)
 
 
 #: rows of x the 4-bit GEMV takes where K is long (`use_w4_gemv`; beyond: kernels/w4a16.py's

@@ -73,10 +73,10 @@ def linear_unreduced(x: Tensor, weight: Tensor) -> Tensor | SplitSums:
 def linear_silu_and_mul(x: Tensor, gate_up: Tensor) -> Tensor:
     """`linear_silu_and_mul_ref`: where `linear` takes the GEMV, one kernel does both (the
     activation in its epilogue: no gate_up round trip, one launch less per layer)."""
-    if (w4 := w4_format(gate_up)) is not None:
-        y = w4_silu_mul(x, gate_up, w4)
-        return y if y is not None else silu_and_mul(w4_linear(x, gate_up, w4))
-    if gate_up.dtype != FP8 and use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1],
-                                         glu=True):
+    w4 = w4_format(gate_up)
+    if w4 is not None and (y := w4_silu_mul(x, gate_up, w4)) is not None:
+        return y
+    if w4 is None and gate_up.dtype != FP8 and use_gemv(x.shape[0], gate_up.shape[0],
+                                                         gate_up.shape[1], glu=True):
         return gemv_silu_mul(x, gate_up)
     return silu_and_mul(linear(x, gate_up))

@@ -34,14 +34,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from arle_kernels.gemv import W4_RUN, W4_RUN_COLS, gemv_w4, reduce_splits, use_w4_gemv
+from arle_kernels.gemv import (
+    W4_RUN,
+    W4_RUN_COLS,
+    fill_splits,
+    gemv_w4,
+    reduce_splits,
+    use_w4_gemv,
+)
 from arle_kernels.jit import jit_varying
 from arle_kernels.quant import Int4Groups
 
 #: the GEMM's K tile: groups up to it are whole within a tile, larger ones (256) span several
 BLOCK_K = 128
-#: SMs of an H100/H200: only shapes the GEMM's split (a guess elsewhere is still correct)
-NUM_SMS = 132
 
 
 @dataclass(frozen=True)
@@ -225,7 +230,8 @@ DEQUANT_TILE = (32, 256)
 
 def w4_linear(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None) -> Tensor:
     """`w4_linear_ref` in Triton: kernels/gemv.py's 4-bit GEMV where it takes the rows
-    (`use_w4_gemv`), else the GEMM. x [M, K] fp16/bf16 -> [M, N] in x's dtype. Graph-safe (no host reads)."""
+    (`use_w4_gemv`), the GEMM below DEQUANT_ROWS, else the weight dequantized for cuBLAS.
+    x [M, K] fp16/bf16 -> [M, N] in x's dtype. Graph-safe (no host reads)."""
     m, k = x.shape
     assert k == fmt.k and w4_layout_ok(k, fmt.group), (x.shape, fmt.k, fmt.group)
     x = x.contiguous()
@@ -250,13 +256,14 @@ def w4_dequant(weight: Tensor, fmt: W4Format, dtype: torch.dtype) -> Tensor:
 def w4_gemm(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None,
             tile: tuple[int, int, int] | None = None, split: int | None = None) -> Tensor:
     """`w4_linear` through the GEMM at any rows, in `tile` (BM, BN, warps; by default by the
-    rows) and `split` splits of K (by default `gemm_splits`'), partial sums added by
+    rows) and `split` splits of K (by default where the tiles leave SMs idle, splits of >= 4
+    K tiles: at 8 rows qkv makes 96 tiles of 16 x 64 for 132 SMs), partial sums added by
     kernels/gemv.py's reduce."""
     m, k = x.shape
     n = weight.shape[0]
     bm, bn, warps = tile or (GEMM_TILE_FEW_ROWS if m <= 16 else GEMM_TILE)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split = split or gemm_splits(tiles, k)
+    split = split or fill_splits(tiles, triton.cdiv(k, BLOCK_K), 4)
     per = triton.cdiv(triton.cdiv(k, BLOCK_K), split) * BLOCK_K
     split = triton.cdiv(k, per)  # no empty splits
     x = x.contiguous()
@@ -270,15 +277,6 @@ def w4_gemm(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None
     if split > 1:
         reduce_splits(dst, bias, y)
     return y
-
-
-def gemm_splits(tiles: int, k: int) -> int:
-    """Splits of K for a GEMM of `tiles` output tiles: none once the tiles fill the GPU (2 a
-    SM, prefill chunks), else up to ~4 programs an SM, each at least 4 K tiles (decode rows:
-    at 8 rows qkv makes 96 tiles of 16 x 64 for 132 SMs)."""
-    if tiles >= 2 * NUM_SMS:
-        return 1
-    return max(1, min(triton.cdiv(4 * NUM_SMS, tiles), k // (4 * BLOCK_K)))
 
 
 def w4_silu_mul(x: Tensor, gate_up: Tensor, fmt: W4Format) -> Tensor | None:

@@ -98,7 +98,7 @@ TILES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
             (4, 1024, 4, 1)),
 }
 #: the W4A16 GEMV's tiles (block_n, block_k, num_warps) for `w4`, K split by the chosen rule
-#: (`w4_gemv_config`); and the GEMM's (BM, BN, warps, splits of K; 0: `gemm_splits`') from 3
+#: (`w4_gemv_config`); and the GEMM's (BM, BN, warps, splits of K; 0: `w4_gemm`'s default) from 3
 #: rows
 W4_TILES = ((1, 1024, 1), (2, 1024, 1), (4, 1024, 1), (8, 1024, 1), (2, 2048, 1),
             (1, 2048, 2), (2, 2048, 2), (4, 2048, 2))

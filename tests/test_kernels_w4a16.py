@@ -113,11 +113,11 @@ def test_gemm_splits_fill_the_gpu_at_decode_rows_only() -> None:
     """At 8 rows (one 16-row tile of rows) Qwen3-4B's qkv (96 tiles) splits K to ~4 programs
     an SM, each split at least 4 K tiles; gate_up's 304 tiles, like a prefill chunk's, already
     fill the GPU."""
-    tiles = 6144 // w4a16.GEMM_TILE_FEW_ROWS[1]
-    split = w4a16.gemm_splits(tiles, 2560)
-    assert split > 1 and 2560 // split >= 4 * w4a16.BLOCK_K
-    assert tiles * split <= 4 * w4a16.NUM_SMS + tiles
-    assert w4a16.gemm_splits(19456 // w4a16.GEMM_TILE_FEW_ROWS[1], 2560) == 1
+    tiles, chunks = 6144 // w4a16.GEMM_TILE_FEW_ROWS[1], 2560 // w4a16.BLOCK_K
+    split = gemv.fill_splits(tiles, chunks, 4)
+    assert split > 1 and chunks // split >= 4
+    assert tiles * split <= 4 * gemv.NUM_SMS + tiles
+    assert gemv.fill_splits(19456 // w4a16.GEMM_TILE_FEW_ROWS[1], chunks, 4) == 1
 
 
 def test_gemv_configs_keep_one_layout_and_fill_the_gpu() -> None:
