@@ -238,6 +238,9 @@ SOURCES = (
              f"/tmp/models/{m} --device cuda --parts cost --cost-k 1 2 3 4 --batch 1 8 "
              f"--eager-verify --out docs/results/h100/speculative_cost_{m}.json")
       for m in ("qwen3-4b", "qwen3.5-4b")),
+    Source("h100/kernels_w4.json", "python3 scripts/bench_kernels.py w4 --rows 1 2 4 --shapes "
+           "o_proj qkv down --tiles 1,1024,1 1,2048,2 2,2048,2 "
+           "--out docs/results/h100/kernels_w4.json"),
     Source("h100/speculative_smollm2.json", "python3 scripts/bench_speculative.py --device cuda "
            "--parts tasks --out docs/results/h100/speculative_smollm2.json"),
     Source("h100/kv_tier_qwen3-4b.json", "python3 scripts/bench_kv_tier.py --model "
@@ -451,6 +454,7 @@ def _h100_figures() -> list[Figure]:
     tier, st = "h100/kv_tier_qwen3-4b.json", "h100/structured_qwen3-4b.json"
     s35 = "h100/serve_qwen3.5-4b.json"
     c35 = "h100/ceilings_qwen3.5.json"
+    kw = "h100/kernels_w4.json"
     return [
         _h100_decode("", _Q4, "qwen3-4b", 1, "weight-read floor"),
         _h100_decode("", _Q4, "qwen3-4b", 8, "weight-read floor"),
@@ -461,6 +465,12 @@ def _h100_figures() -> list[Figure]:
                      "its weight-read floor"),
         _h100_decode(", 4-bit AWQ", "Qwen3-4B-AWQ layout", "qwen3-4b-awq", 8,
                      "its weight-read floor"),
+        *(Figure("h100", f"the W4A16 GEMV (group 128) alone, 1 row, its chosen tile, in a CUDA "
+                 f"graph over weights past L2: qkv / o_proj / down, {unit}", "Qwen3-4B's shapes",
+                 tuple(Field(kw, f"results[shape={s},M=1,kind=gemv,chosen=True].{key}", fmt)
+                       for s in ("qkv", "o_proj", "down")), sep=" / ")
+          for unit, key, fmt in (("us", "us", "{:.1f}"),
+                                 ("GB/s of words, scales and zeros", "GBps", "{:.0f}"))),
         _h100_decode("", _MOE, "qwen3-30b-a3b-fp8", 1, "floor (weights read, 8 of 128 experts)"),
         _h100_decode("", _MOE, "qwen3-30b-a3b-fp8", 8, "floor (the experts 8 tokens touch)"),
         _h100_decode("", _Q35, "qwen3.5-4b", 1, "floor (weights + recurrent state)", c35),
