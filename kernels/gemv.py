@@ -212,7 +212,7 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     ws_ptrs = ws_ptr + (rows_w // SCALE_N)[None, :, None, None] * stride_wsn
     up_ws_ptrs = ws_ptr + ((rows_w + N) // SCALE_N)[None, :, None, None] * stride_wsn
     k_lo = pid_k * k_per_split
-    k_hi = k_lo + k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # the last split may end past K
     # W is streamed once: evict it first from L2, keep x (read by every program).
     # NOTE: W does not depend on the previous kernel, so its first chunk is loaded before
     # waiting for that kernel (PDL); the loop starts one chunk later. The last split may run
@@ -337,7 +337,7 @@ def _gemv_w4_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     up_ptrs = w_ptrs + N * stride_wn  # GLU only
     up_s_ptrs = s_ptrs + N * stride_wsn
     k_lo = pid_k * k_per_split
-    k_hi = k_lo + k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # the last split may end past K
     # the first chunk of W before waiting for the kernel before (PDL), as `_gemv_kernel`
     words, s, z = load_w4_runs(w_ptrs, s_ptrs, k_lo, K, kw, cols, EVEN_K, GROUP)
     if GLU:
@@ -419,7 +419,7 @@ def _gemv_mma_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     ws_ptrs = ws_ptr + (rows_w // SCALE_N)[:, None] * stride_wsn  # SCALED: [BLOCK_N, 1]
     up_ws_ptrs = ws_ptr + ((rows_w + N) // SCALE_N)[:, None] * stride_wsn
     k_lo = pid_k * k_per_split
-    k_hi = k_lo + k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # the last split may end past K
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     acc_up = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     dtype = x_ptr.dtype.element_ty
