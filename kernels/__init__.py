@@ -1,5 +1,6 @@
-"""arle's kernels (imported as `arle_kernels`): each a plain-torch reference, and later a Triton
-version beside it that its tests compare against the reference."""
+"""arle's kernels (imported as `arle_kernels`): each op's Triton version (`<name>.py`, the CUDA
+executor's) beside its plain-torch reference (`<name>_ref.py`, the CPU executor's, which never
+loads Triton), which the kernel's tests compare it against."""
 
 import importlib.machinery
 import importlib.util

@@ -1,4 +1,5 @@
-"""Token embedding lookup, y[r] = W[ids[r]], in one kernel: a Triton kernel and its reference.
+"""Token embedding lookup, y[r] = W[ids[r]], in one kernel: a Triton kernel (its
+reference, `embed_ref`, in kernels/embed_ref.py).
 
 A CUDA decode graph reads its rows' input ids from the token buffer, where the step before
 wrote the sampled tokens: `embed(weight, slots, token_buffer)` takes y[r] = W[token_buffer[
@@ -18,13 +19,11 @@ kernel table), where this one kernel copies 8 rows of 5 KB.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from arle_kernels.jit import gdc_launch_dependents, gdc_wait, jit_varying, pdl_enabled, pdl_launch
-from arle_kernels.quant import int_format, int_rows
 
 #: hidden-size columns a program copies (16-byte loads: 8 bf16 x 32 lanes x 4 warps)
 _BLOCK = 1024
@@ -70,13 +69,4 @@ def embed(weight: Tensor, ids: Tensor, source: Tensor | None = None) -> Tensor:
     return y
 
 
-def embed_ref(weight: Tensor, ids: Tensor, source: Tensor | None = None) -> Tensor:
-    """The reference: `F.embedding` of ids, or of source[ids] (an integer weight's rows
-    dequantized)."""
-    ids = ids if source is None else source[ids.long()]
-    if (fmt := int_format(weight)) is not None:
-        return int_rows(weight, fmt, ids)
-    return F.embedding(ids, weight)
-
-
-__all__ = ["embed", "embed_ref"]
+__all__ = ["embed"]

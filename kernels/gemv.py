@@ -48,7 +48,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from arle_kernels.fused import silu_and_mul_ref, silu_mul
+from arle_kernels.fused import silu_mul
+from arle_kernels.fused_ref import silu_and_mul_ref
 from arle_kernels.jit import (
     gdc_launch_dependents,
     gdc_wait,
@@ -58,6 +59,7 @@ from arle_kernels.jit import (
     pdl_launch,
 )
 from arle_kernels.split_sums import MAX_ROWS, SplitSums, slot_buffer
+from arle_kernels.w4a16_ref import W4_RUN_COLS
 
 #: rows up to this many run through the kernel (beyond it cuBLAS's GEMM is the right tool);
 #: split sums' slot buffers hold as many
@@ -257,12 +259,6 @@ def store_rows(y, y_up, offs_m, offs_n, pid_k, b_ptr, y_ptr, M, N, stride_ym, st
             y = silu_mul(y.to(dtype), y_up.to(dtype))
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, y.to(dtype), mask=out_mask)
-
-
-#: a 4-bit weight's run (`_gemv_w4_kernel`): 4 int32 words, one 16-byte load, 32 columns
-W4_RUN = 4
-#: the columns of a 4-bit run
-W4_RUN_COLS = 32
 
 
 @triton.jit

@@ -24,17 +24,12 @@ NOTE: the grid and the partials' size depend only on host ints (B, V): safe in a
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from arle_kernels.jit import jit_varying
-
-#: (logits, slots, token_buffer) -> each row's argmax, also written at token_buffer[slots]
-GreedyPick = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 #: "no index" in the partials (larger than any index: a vocabulary is smaller)
 _NONE = tl.constexpr(2**31 - 1)
@@ -133,11 +128,4 @@ def greedy_pick(logits: Tensor, slots: Tensor, token_buffer: Tensor, *,
     return out
 
 
-def greedy_pick_ref(logits: Tensor, slots: Tensor, token_buffer: Tensor) -> Tensor:
-    """The reference: torch.argmax (in fp32), written into token_buffer[slots]."""
-    ids = logits.float().argmax(dim=-1)
-    token_buffer[slots] = ids.to(token_buffer.dtype)
-    return ids
-
-
-__all__ = ["GreedyPick", "greedy_pick", "greedy_pick_ref"]
+__all__ = ["greedy_pick"]

@@ -1,8 +1,8 @@
-"""A linear layer's product y = x W^T (+ b), by the weight's format: the torch references, and
-the CUDA path (our GEMV where it streams the weights faster than cuBLAS, `use_gemv`; cuBLAS
-otherwise; block-scaled FP8 weights through the FP8 kernels; 4-bit weights through the W4A16
-kernels, kernels/w4a16.py; the CPU's integer weights through torch's packed kernels,
-kernels/quant.py). `ops_for` picks one family.
+"""A linear layer's product y = x W^T (+ b) on CUDA, by the weight's format: our GEMV where it
+streams the weights faster than cuBLAS (`use_gemv`), cuBLAS otherwise; block-scaled FP8
+weights through the FP8 kernels; 4-bit weights through the W4A16 kernels (kernels/w4a16.py).
+The torch references beside it (kernels/linear_ref.py) are the CPU's products, integer weights
+through torch's packed kernels (kernels/quant.py). `ops_for` picks one family.
 
 A block-scaled FP8 weight carries its scales (`attach_fp8_scale`): the products see only the
 weight.
@@ -13,38 +13,14 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from arle_kernels.fp8 import FP8, fp8_linear, fp8_linear_ref, fp8_linear_unreduced
-from arle_kernels.fused import silu_and_mul, silu_and_mul_ref
+from arle_kernels.fp8 import fp8_linear, fp8_linear_unreduced
+from arle_kernels.fp8_ref import FP8
+from arle_kernels.fused import silu_and_mul
 from arle_kernels.gemv import gemv, gemv_silu_mul, gemv_split_sums, use_gemv
-from arle_kernels.quant import int_format, int_linear
+from arle_kernels.linear_ref import fp8_scale_of
 from arle_kernels.split_sums import SplitSums
-from arle_kernels.w4a16 import w4_format, w4_linear, w4_linear_ref, w4_silu_mul
-
-
-def fp8_scale_of(weight: Tensor) -> tuple[Tensor, tuple[int, int]]:
-    """An FP8 weight's scales and the (rows, columns) block each covers."""
-    return weight.fp8_scale, weight.fp8_block  # type: ignore[attr-defined]
-
-
-def attach_fp8_scale(weight: Tensor, scale: Tensor, block: tuple[int, int]) -> None:
-    """Let the products (which see the weight only) find its scales."""
-    weight.fp8_scale = scale  # type: ignore[attr-defined]
-    weight.fp8_block = block  # type: ignore[attr-defined]
-
-
-def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    if (w4 := w4_format(weight)) is not None:
-        return w4_linear_ref(x, weight, w4, bias)
-    if (fmt := int_format(weight)) is not None:
-        return int_linear(x, weight, fmt, bias)
-    if weight.dtype == FP8:
-        return fp8_linear_ref(x, weight, *fp8_scale_of(weight), bias)
-    return F.linear(x, weight, bias)
-
-
-def linear_silu_and_mul_ref(x: Tensor, gate_up: Tensor) -> Tensor:
-    """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up]."""
-    return silu_and_mul_ref(linear_ref(x, gate_up))
+from arle_kernels.w4a16 import w4_linear, w4_silu_mul
+from arle_kernels.w4a16_ref import w4_format
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -1,4 +1,5 @@
-"""Exp(1) noise for seeded sampling: a Triton kernel and its plain-torch reference.
+"""Exp(1) noise for seeded sampling: a Triton kernel (its plain-torch
+reference in kernels/noise_ref.py).
 
 A seeded row's noise depends only on (seed, offset), never on the row or the batch, so a seeded
 request draws the same tokens wherever it lands. The two executors draw different streams:
@@ -15,7 +16,6 @@ import triton.language as tl
 from torch import Tensor
 
 _BLOCK = 1024
-_MASK64 = (1 << 64) - 1
 
 
 @triton.jit
@@ -58,32 +58,3 @@ def exponential_noise(seeds: Tensor, offsets: Tensor, vocab: int,
     return out
 
 
-def splitmix64(z: int) -> int:
-    """SplitMix64's output function: a well-mixed 64-bit integer from any 64-bit one."""
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def mix_seed(seed: int, offset: int) -> int:
-    """The torch generator seed of a seeded row's draw at `offset`:
-    splitmix64(splitmix64(seed) + offset).
-
-    NOTE: torch's CPU generator (mt19937) keeps only the low 32 bits of its seed; splitmix64's
-    low bits are as well mixed as its high ones, so that costs nothing but the 2^-32 chance
-    that two draws share noise."""
-    return splitmix64((splitmix64(seed & _MASK64) + offset) & _MASK64)
-
-
-def exponential_noise_ref(seeds: Tensor, offsets: Tensor, vocab: int,
-                          out_dtype: torch.dtype = torch.float32) -> Tensor:
-    """The CPU stream: one torch generator per row, seeded with `mix_seed(seed, offset)`,
-    drawing `exponential_` over the vocab (the draws the CPU sampler makes for seeded rows),
-    floored at float32's tiny so every value is > 0. Reads seeds/offsets on the host."""
-    out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
-    for row, (seed, offset) in enumerate(zip(seeds.tolist(), offsets.tolist(), strict=True)):
-        gen = torch.Generator(device=seeds.device)
-        gen.manual_seed(mix_seed(seed, offset))
-        out[row] = torch.empty(vocab, device=seeds.device).exponential_(generator=gen)
-    return out.clamp_min_(torch.finfo(torch.float32).tiny).to(out_dtype)

@@ -16,14 +16,14 @@ import torch
 from torch import Tensor
 
 from arle_kernels import (
-    decode_attention,
-    deltanet,
-    embed,
-    extend_attention,
-    fused,
-    greedy,
-    linear,
-    moe,
+    decode_attention_ref,
+    deltanet_ref,
+    embed_ref,
+    extend_attention_ref,
+    fused_ref,
+    greedy_ref,
+    linear_ref,
+    moe_ref,
 )
 from arle_kernels.split_sums import SplitSums
 
@@ -74,7 +74,7 @@ class GatedDelta(Protocol):
                  max_q_len: int, num_k_heads: int, page_size: int,
                  boundary_conv: Tensor | None = None,
                  boundary_ssm: Tensor | None = None, *,
-                 keep: deltanet.Keep | None = None) -> Tensor: ...
+                 keep: deltanet_ref.Keep | None = None) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Ops:
     qk_norm_rope_store_kv: QKNormRopeStoreKV
     decode_attention: DecodeAttention
     extend_attention: ExtendAttention
-    greedy_pick: greedy.GreedyPick
+    greedy_pick: greedy_ref.GreedyPick
     #: (weight, ids, source) -> weight's rows ids (or source[ids]: a decode graph's ids are
     #: its rows' slots into the token buffer)
     embed: Callable[[Tensor, Tensor, Tensor | None], Tensor]
@@ -104,25 +104,38 @@ class Ops:
 
 
 REFERENCE = Ops(
-    linear=linear.linear_ref,
-    linear_unreduced=linear.linear_ref,
-    linear_silu_and_mul=linear.linear_silu_and_mul_ref,
-    rms_norm=fused.rms_norm_ref,
-    add_rms_norm=fused.add_rms_norm_ref,
-    silu_and_mul=fused.silu_and_mul_ref,
-    qk_norm_rope_store_kv=fused.qk_norm_rope_store_kv_ref,
-    decode_attention=decode_attention.decode_attention_ref,
-    extend_attention=extend_attention.extend_attention_ref,
-    greedy_pick=greedy.greedy_pick_ref,
-    embed=embed.embed_ref,
-    fused_moe=moe.fused_moe_ref,
-    gated_delta=deltanet.gated_delta_ref,
-    gated_rms_norm=deltanet.gated_rms_norm_ref,
+    linear=linear_ref.linear_ref,
+    linear_unreduced=linear_ref.linear_ref,
+    linear_silu_and_mul=linear_ref.linear_silu_and_mul_ref,
+    rms_norm=fused_ref.rms_norm_ref,
+    add_rms_norm=fused_ref.add_rms_norm_ref,
+    silu_and_mul=fused_ref.silu_and_mul_ref,
+    qk_norm_rope_store_kv=fused_ref.qk_norm_rope_store_kv_ref,
+    decode_attention=decode_attention_ref.decode_attention_ref,
+    extend_attention=extend_attention_ref.extend_attention_ref,
+    greedy_pick=greedy_ref.greedy_pick_ref,
+    embed=embed_ref.embed_ref,
+    fused_moe=moe_ref.fused_moe_ref,
+    gated_delta=deltanet_ref.gated_delta_ref,
+    gated_rms_norm=deltanet_ref.gated_rms_norm_ref,
 )
 
 
 @functools.cache
 def triton_ops() -> Ops:
+    # NOTE: imported here, not at the top: the CPU executor never loads Triton (its import
+    # alone is ~70 MB of resident memory)
+    from arle_kernels import (
+        decode_attention,
+        deltanet,
+        embed,
+        extend_attention,
+        fused,
+        greedy,
+        linear,
+        moe,
+    )
+
     return Ops(
         linear=linear.linear,
         linear_unreduced=linear.linear_unreduced,

@@ -1,6 +1,8 @@
-"""4-bit weights on the GPU (W4A16: AWQ and GPTQ checkpoints): the layout, the plain-torch
-reference (`w4_linear_ref`) the kernels are tested against, the Triton GEMM for prefill, and
+"""4-bit weights on the GPU (W4A16: AWQ and GPTQ checkpoints): the Triton GEMM for prefill, and
 the dispatch to kernels/gemv.py's 4-bit GEMV (`_gemv_w4_kernel`) for decode rows.
+
+The layout and the plain-torch reference (`w4_linear_ref`) the kernels are tested against
+live in kernels/w4a16_ref.py.
 
 Layout (`pack_w4`, from the loaders' `Int4Groups`): the weight is int32 words [N, K / 8] in
 runs of 4 words (one 16-byte load) holding 32 columns: nibble j (bits 4j..4j+3) of a run's
@@ -26,8 +28,6 @@ The weight tensor carries its format (`attach_w4`), as an FP8 weight its scales:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -35,98 +35,16 @@ import triton.language as tl
 from torch import Tensor
 
 from arle_kernels.gemv import (
-    W4_RUN,
-    W4_RUN_COLS,
     fill_splits,
     gemv_w4,
     reduce_splits,
     use_w4_gemv,
 )
 from arle_kernels.jit import jit_varying
-from arle_kernels.quant import Int4Groups
+from arle_kernels.w4a16_ref import W4Format, w4_layout_ok
 
 #: the GEMM's K tile: groups up to it are whole within a tile, larger ones (256) span several
 BLOCK_K = 128
-
-
-@dataclass(frozen=True)
-class W4Format:
-    """What a packed weight [N, K / 8] int32 needs beside its words."""
-
-    scales: Tensor  # [N, 2, K / group] fp16: scale, zero
-    group: int
-
-    @property
-    def k(self) -> int:
-        return self.scales.shape[2] * self.group
-
-    @property
-    def scale(self) -> Tensor:
-        return self.scales[:, 0]
-
-    @property
-    def zero(self) -> Tensor:
-        return self.scales[:, 1]
-
-
-def attach_w4(weight: Tensor, fmt: W4Format) -> Tensor:
-    weight.w4_format = fmt  # type: ignore[attr-defined]
-    return weight
-
-
-def w4_format(weight: Tensor) -> W4Format | None:
-    return getattr(weight, "w4_format", None)
-
-
-def w4_layout_ok(k: int, group: int) -> bool:
-    """Whether a weight of K columns in groups of `group` has the W4A16 layout (runs of 32
-    columns, each inside one group)."""
-    return group % W4_RUN_COLS == 0 and k % group == 0
-
-
-def _runs(t: Tensor) -> Tensor:
-    """[N, K] -> [N, K / 32, 4, 8]: element [n, r, i, j] is column 32 r + 4 j + i (a run's
-    word i, nibble j)."""
-    n, k = t.shape
-    return t.view(n, k // W4_RUN_COLS, 8, W4_RUN).transpose(2, 3)
-
-
-def pack_w4(w: Int4Groups) -> Tensor:
-    """The GPU layout of a loader's 4-bit groups (module docstring), on w's device, its format
-    attached."""
-    n, k = w.q.shape
-    assert w4_layout_ok(k, w.group), (n, k, w.group)
-    nib = _runs(w.q.to(torch.int32))
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.q.device)
-    words = (nib << shifts).sum(dim=-1, dtype=torch.int32).view(n, k // 8)
-    scales = torch.stack([w.scale.float(), w.zero.float()], dim=1).to(torch.float16)
-    return attach_w4(words.contiguous(), W4Format(scales.contiguous(), w.group))
-
-
-def nibbles(words: Tensor) -> Tensor:
-    """int32 [..., C] -> uint8 [..., C, 8]: nibble i is bits 4i..4i+3 (AWQ's, GPTQ's words;
-    ours hold runs, `unpack_w4`)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
-    return ((words[..., None] >> shifts) & 15).to(torch.uint8)
-
-
-def unpack_w4(words: Tensor, fmt: W4Format, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The weight [N, K] in `dtype` ((q - 8) * scale + zero in fp32)."""
-    n, k = words.shape[0], fmt.k
-    q = torch.empty(n, k, dtype=torch.float32, device=words.device)
-    _runs(q).copy_(nibbles(words).view(n, k // W4_RUN_COLS, W4_RUN, 8))
-    g = fmt.group
-    s, z = fmt.scale.float()[..., None], fmt.zero.float()[..., None]
-    return ((q.view(n, -1, g) - 8) * s + z).view(n, k).to(dtype)
-
-
-def w4_linear_ref(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None
-                  ) -> Tensor:
-    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, in fp32."""
-    y = x.float() @ unpack_w4(weight, fmt).T
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from unittest.mock import patch
 import torch
 from stamp import stamp
 
-from arle_kernels.decode_attention import decode_attention_ref
+from arle_kernels.decode_attention_ref import decode_attention_ref
 
 
 def median_ms(fn: Callable[[], Any], rounds: int) -> float:

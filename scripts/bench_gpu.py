@@ -46,7 +46,7 @@ from arle.engine.build import create_engine
 from arle.engine.request import GenerateRequest, SamplingParams
 from arle.gcwatch import GCPauses, freeze_start_up
 from arle_kernels.jit import pdl_enabled
-from arle_kernels.w4a16 import w4_format
+from arle_kernels.w4a16_ref import w4_format
 
 
 def _write(path: str, data: dict[str, Any]) -> None:

@@ -41,20 +41,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stamp import stamp
 
-from arle_kernels import deltanet, w4a16
+from arle_kernels import deltanet, fp8_ref, w4a16, w4a16_ref
 from arle_kernels import extend_attention as extend
 from arle_kernels import fp8 as fp8_kernels
 from arle_kernels import moe as moe_kernels
 from arle_kernels.decode_attention import decode_attention, default_config, pick_num_splits
-from arle_kernels.fused import (
-    add_rms_norm,
+from arle_kernels.fused import add_rms_norm, qk_norm_rope_store_kv, rms_norm, silu_and_mul
+from arle_kernels.fused_ref import (
     add_rms_norm_ref,
-    qk_norm_rope_store_kv,
     qk_norm_rope_store_kv_ref,
     quantize_fp8_ref,
-    rms_norm,
     rms_norm_ref,
-    silu_and_mul,
     silu_and_mul_ref,
 )
 from arle_kernels.gemv import (
@@ -68,7 +65,8 @@ from arle_kernels.gemv import (
     w4_gemv_config,
 )
 from arle_kernels.jit import pdl_enabled
-from arle_kernels.noise import exponential_noise, exponential_noise_ref
+from arle_kernels.noise import exponential_noise
+from arle_kernels.noise_ref import exponential_noise_ref
 
 Row = dict[str, Any]
 T = TypeVar("T")
@@ -351,7 +349,7 @@ def _fp8_weight(shape: tuple[int, ...], gen: torch.Generator) -> tuple[Tensor, T
     *lead, n, k = shape
     w = (torch.randn(shape, generator=gen, device="cuda") * 64).clamp(-448, 448)
     scale = torch.full((*lead, -(-n // 128), -(-k // 128)), 2.0 ** -6 / k ** 0.5, device="cuda")
-    return w.to(fp8_kernels.FP8), scale
+    return w.to(fp8_ref.FP8), scale
 
 
 def _moe_kinds(t: int, fp8: bool) -> list[moe_kernels.MoeConfig]:
@@ -445,7 +443,7 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
     for name in shapes:
         n, k = A3B_LINEARS[name]
         copies = [_fp8_weight((n, k), gen) for _ in range(_copies(n * k))]
-        bf16 = [fp8_kernels.fp8_dequant_ref(w, s, FP8_BLOCK, torch.bfloat16)
+        bf16 = [fp8_ref.fp8_dequant_ref(w, s, FP8_BLOCK, torch.bfloat16)
                 for w, s in copies[:_copies(2 * n * k)]]
         for m in rows:
             x = _x(m, k, gen)
@@ -481,17 +479,17 @@ def _w4_weight(n: int, k: int, gen: torch.Generator) -> Tensor:
                           dtype=torch.int32)
     scale = (torch.rand(n, 1, k // 128, generator=gen, device="cuda") * 0.02).half()
     scales = torch.cat([scale, torch.zeros_like(scale)], dim=1)
-    return w4a16.attach_w4(words, w4a16.W4Format(scales, 128))
+    return w4a16_ref.attach_w4(words, w4a16_ref.W4Format(scales, 128))
 
 
 def _w4_gemv_call(x: Tensor, cfg: GemvConfig, w: Tensor) -> Tensor:
-    fmt = w4a16.w4_format(w)
+    fmt = w4a16_ref.w4_format(w)
     assert fmt is not None
     return gemv_w4(x, w, (fmt.scales, fmt.group), cfg=cfg)
 
 
 def _w4_gemm_call(x: Tensor, tile: tuple[int, int, int, int], w: Tensor) -> Tensor:
-    fmt = w4a16.w4_format(w)
+    fmt = w4a16_ref.w4_format(w)
     assert fmt is not None
     bm, bn, warps, split = tile
     return w4a16.w4_gemm(x, w, fmt, tile=(bm, bn, warps), split=split or None)

@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from arle_kernels.decode_attention import decode_attention_ref
-from arle_kernels.extend_attention import extend_attention_ref
+from arle_kernels.decode_attention_ref import decode_attention_ref
+from arle_kernels.extend_attention_ref import extend_attention_ref
 
 
 def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -382,6 +382,26 @@ def test_complete_default_model_json_and_trace() -> None:
     assert traces[0]["route"] == "cli.complete"
 
 
+def test_the_cpu_engine_never_imports_triton(tiny_dir: Path) -> None:
+    """`arle complete` on the CPU runs the torch references only: Triton (~70 MB resident once
+    imported) is never loaded, and a blocked import of it would fail the command."""
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'triton':\n"
+            "            raise ImportError(f'the CPU path imported {name}')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "from arle.cli.app import main\n"
+            f"sys.argv = ['arle', 'complete', 'hello', '--max-tokens', '4', '--model', "
+            f"{str(tiny_dir)!r}, '--device', 'cpu']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "assert not any(m.split('.')[0] == 'triton' for m in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=arle_env(), capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip()
+
+
 def test_serving_defaults() -> None:
     """`serving` swaps in SERVING_DEFAULTS for the fields left unset: a 1024-token step budget
     on CUDA (the CPU's stays 2048); an explicit value wins, and other fields are untouched."""

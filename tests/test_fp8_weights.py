@@ -235,7 +235,6 @@ def interp_check_fp8_moe() -> None:
     dots are wrong)."""
     import tempfile
 
-    from arle_kernels import fp8
     from arle_kernels.ops import triton_ops
 
     loader._keeps_fp8 = lambda device, block: True  # type: ignore[assignment]
@@ -248,7 +247,6 @@ def interp_check_fp8_moe() -> None:
     ids = random_ids(24)
     ref = teacher_forced_logits(model, ids)
     model.ops = triton_ops()
-    fp8.fp8_linear_ref = fp8.fp8_linear  # NOTE: the linears take the Triton kernel off CUDA too
     for chunk, n in ((None, 24), (16, 24), (1, 2)):
         got = teacher_forced_logits(model, ids[:n], chunk_size=chunk)
         assert (got - ref[:n]).abs().max() < 1e-4, chunk

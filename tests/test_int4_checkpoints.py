@@ -137,7 +137,7 @@ def test_w4a16_layout_near_transformers_on_the_twin(int4_dirs, case, monkeypatch
     """Every linear held as the GPU holds it (int32 words, fp16 scale and offset per group)
     and its logits, fp32 activations through `w4_linear_ref`, near the twin's: the fp16
     scale and offset (a 2^-11 rounding each) are the only difference (measured KL < 1e-6)."""
-    from arle_kernels.w4a16 import w4_format
+    from arle_kernels.w4a16_ref import w4_format
 
     path, twin = int4_dirs[case]
     loaded = _w4_loaded(path, "float32", monkeypatch)
@@ -192,7 +192,7 @@ def test_w4a16_on_cuda_near_the_twin(int4_dirs, case):
     """On CUDA the weights stay 4-bit (W4A16 kernels, bf16 activations): logits against the
     twin in transformers fp32, teacher-forced in one chunk (the GEMM) and token by token (the
     GEMV): bf16's roundings, the int4-on-CPU test's bounds."""
-    from arle_kernels.w4a16 import w4_format
+    from arle_kernels.w4a16_ref import w4_format
 
     path, twin = int4_dirs[case]
     loaded = load_model(path, "bfloat16", "cuda")

@@ -19,12 +19,9 @@ import torch
 from helpers import capture, run_interpreter_check
 from test_attention_ref import dense_causal
 
-import arle_kernels.decode_attention as decode_attention_module
-from arle_kernels.decode_attention import (
-    decode_attention,
-    decode_attention_ref,
-    pick_num_splits,
-)
+import arle_kernels.decode_attention_ref as decode_attention_module
+from arle_kernels.decode_attention import decode_attention, pick_num_splits
+from arle_kernels.decode_attention_ref import decode_attention_ref
 
 PAGE = 16
 FP8 = torch.float8_e4m3fn

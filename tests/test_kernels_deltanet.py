@@ -33,14 +33,13 @@ import torch.nn.functional as F
 from helpers import capture, run_interpreter_check
 from torch import Tensor
 
-from arle_kernels import deltanet
-from arle_kernels.deltanet import (
+from arle_kernels import deltanet, deltanet_ref
+from arle_kernels.deltanet import gated_delta, gated_rms_norm
+from arle_kernels.deltanet_ref import (
     Keep,
     chunk_delta_rule_ref,
     delta_rule_ref,
-    gated_delta,
     gated_delta_ref,
-    gated_rms_norm,
     gated_rms_norm_ref,
 )
 
@@ -226,7 +225,7 @@ def test_ref_continuation_matches_hf(shape: Shape, dtype: torch.dtype, n: int) -
 def test_ref_l2norm_and_norm_match_hf() -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 16, generator=gen)
-    torch.testing.assert_close(deltanet.l2norm_ref(x), hf.l2norm(x), rtol=0, atol=0)
+    torch.testing.assert_close(deltanet_ref.l2norm_ref(x), hf.l2norm(x), rtol=0, atol=0)
     for dtype in DTYPES:
         norm = hf.Qwen3_5RMSNormGated(24, eps=1e-6).to(dtype)
         with torch.no_grad():
@@ -396,8 +395,8 @@ def test_ops_compose_to_hf_layer(dtype: torch.dtype) -> None:
 def test_chunked_ref_equals_recurrence(n: int) -> None:
     gen = torch.Generator().manual_seed(n)
     h, dk, dv = 3, 16, 8
-    q = deltanet.l2norm_ref(torch.randn(n, h, dk, generator=gen)) * dk ** -0.5
-    k = deltanet.l2norm_ref(torch.randn(n, h, dk, generator=gen))
+    q = deltanet_ref.l2norm_ref(torch.randn(n, h, dk, generator=gen)) * dk ** -0.5
+    k = deltanet_ref.l2norm_ref(torch.randn(n, h, dk, generator=gen))
     v = torch.randn(n, h, dv, generator=gen)
     g = -torch.rand(n, h, generator=gen) * 2
     beta = torch.rand(n, h, generator=gen)

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from helpers import capture, run_interpreter_check
 
-from arle_kernels.embed import embed, embed_ref
+from arle_kernels.embed import embed
+from arle_kernels.embed_ref import embed_ref
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -19,13 +19,8 @@ import torch
 from helpers import run_interpreter_check
 from test_attention_ref import dense_causal
 
-from arle_kernels.extend_attention import (
-    _launch,
-    block_tokens,
-    extend_attention,
-    extend_attention_ref,
-    plan_blocks,
-)
+from arle_kernels.extend_attention import _launch, block_tokens, extend_attention
+from arle_kernels.extend_attention_ref import extend_attention_ref, plan_blocks
 
 PAGE = 16
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -10,20 +10,22 @@ import torch.nn.functional as F
 from helpers import capture, hf_fp8_dequantize, run_interpreter_check
 
 from arle_kernels.fp8 import (
-    FP8,
     GEMV_MAX_M,
     W8A16_MAX_M,
     Fp8Config,
     _launch_fp8_linear,
     _pick_fp8_config,
-    fp8_dequant_groups_ref,
-    fp8_dequant_ref,
     fp8_linear,
-    fp8_linear_ref,
     fp8_linear_unreduced,
-    fp8_linear_w8a8_ref,
     fp8_row_classes,
     quantize_fp8_groups,
+)
+from arle_kernels.fp8_ref import (
+    FP8,
+    fp8_dequant_groups_ref,
+    fp8_dequant_ref,
+    fp8_linear_ref,
+    fp8_linear_w8a8_ref,
     quantize_fp8_groups_ref,
 )
 from arle_kernels.gemv import GemvConfig

@@ -20,19 +20,17 @@ import triton.language as tl
 from helpers import capture, run_interpreter_check
 from torch import Tensor
 
-from arle_kernels import fused
-from arle_kernels.fused import (
-    add_rms_norm,
+from arle_kernels import fused_ref
+from arle_kernels.fused import add_rms_norm, qk_norm_rope_store_kv, rms_norm, silu_and_mul
+from arle_kernels.fused_ref import (
     add_rms_norm_ref,
-    qk_norm_rope_store_kv,
     qk_norm_rope_store_kv_ref,
     quantize_fp8_ref,
-    rms_norm,
     rms_norm_ref,
-    silu_and_mul,
     silu_and_mul_ref,
 )
-from arle_kernels.noise import exponential_noise, exponential_noise_ref
+from arle_kernels.noise import exponential_noise
+from arle_kernels.noise_ref import exponential_noise_ref
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FP8 = torch.float8_e4m3fn
@@ -202,7 +200,7 @@ def check_qk_case(case: dict, cache_dtype: torch.dtype, num_pages: int, page_siz
         xf = x.float()
         if fp8_cast is not None:
             # the kernel's logic with the interpreter's conversion: stored == cast(x / scale)
-            quot = (xf / scale[..., None]).clamp(-fused.FP8_MAX, fused.FP8_MAX)
+            quot = (xf / scale[..., None]).clamp(-fused_ref.FP8_MAX, fused_ref.FP8_MAX)
             expect = fp8_cast(quot)  # type: ignore[operator]
             same = stored.view(torch.uint8) == expect.view(torch.uint8)
             assert same.float().mean() > 0.97, f"{name}: {int((~same).sum())} fp8 values off"

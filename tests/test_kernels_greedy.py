@@ -16,7 +16,8 @@ import pytest
 import torch
 from helpers import capture, run_interpreter_check
 
-from arle_kernels.greedy import _BLOCK, _chunk, greedy_pick, greedy_pick_ref
+from arle_kernels.greedy import _BLOCK, _chunk, greedy_pick
+from arle_kernels.greedy_ref import greedy_pick_ref
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -13,7 +13,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeSparseMoeBlock,
 )
 
-from arle_kernels.fp8 import FP8, quantize_fp8_groups
+from arle_kernels.fp8 import quantize_fp8_groups
+from arle_kernels.fp8_ref import FP8
 from arle_kernels.moe import (
     MOE_GEMV_MAX_TOKENS,
     MOE_W8A8_MIN_TOKENS,
@@ -23,17 +24,19 @@ from arle_kernels.moe import (
     _moe_experts,
     _route_tile,
     fused_moe,
-    fused_moe_ref,
     moe_align,
+    moe_gemv_tiles,
+    moe_route,
+    moe_token_classes,
+    pick_moe_config,
+)
+from arle_kernels.moe_ref import (
+    fused_moe_ref,
     moe_align_ref,
     moe_experts_ref,
     moe_experts_w8a8_ref,
-    moe_gemv_tiles,
     moe_max_blocks,
-    moe_route,
     moe_route_ref,
-    moe_token_classes,
-    pick_moe_config,
 )
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

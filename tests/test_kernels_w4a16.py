@@ -15,14 +15,8 @@ from helpers import run_interpreter_check
 from arle_kernels import gemv, w4a16
 from arle_kernels.gemv import MAX_W4_ROWS, GemvConfig, gemv_w4, use_w4_gemv, w4_gemv_config
 from arle_kernels.quant import Int4Groups
-from arle_kernels.w4a16 import (
-    pack_w4,
-    unpack_w4,
-    w4_format,
-    w4_linear,
-    w4_linear_ref,
-    w4_silu_mul,
-)
+from arle_kernels.w4a16 import w4_linear, w4_silu_mul
+from arle_kernels.w4a16_ref import pack_w4, unpack_w4, w4_format, w4_linear_ref
 
 
 def random_groups(n: int, k: int, group: int, seed: int, device: str = "cpu") -> Int4Groups:

@@ -22,7 +22,7 @@ from arle.model import loader
 from arle.model.loader import load_model
 from arle.model.moe import SparseMoE
 from arle.model.parallel import FP8
-from arle_kernels.fp8 import FP8_MAX, fp8_dequant_ref, quantize_fp8_blocks
+from arle_kernels.fp8_ref import FP8_MAX, fp8_dequant_ref, quantize_fp8_blocks
 
 pytest.importorskip("transformers")
 

@@ -20,12 +20,8 @@ from test_kernels_fused import fresh_caches, make_qk_case
 from torch import Tensor
 
 from arle_kernels import split_sums
-from arle_kernels.fused import (
-    add_rms_norm,
-    add_rms_norm_ref,
-    qk_norm_rope_store_kv,
-    qk_norm_rope_store_kv_ref,
-)
+from arle_kernels.fused import add_rms_norm, qk_norm_rope_store_kv
+from arle_kernels.fused_ref import add_rms_norm_ref, qk_norm_rope_store_kv_ref
 from arle_kernels.gemv import GemvConfig, _launch, gemv_ref, gemv_split_sums
 from arle_kernels.split_sums import MAX_ROWS, SplitSums, slot_buffer, take
 

@@ -44,7 +44,7 @@ from arle_kernels.extend_attention import block_tokens
 from arle_kernels.fp8 import fp8_row_classes
 from arle_kernels.gemv import row_classes
 from arle_kernels.jit import compile_ahead
-from arle_kernels.linear import fp8_scale_of
+from arle_kernels.linear_ref import fp8_scale_of
 from arle_kernels.moe import moe_token_classes
 from arle_kernels.noise import exponential_noise
 

@@ -15,8 +15,8 @@ from arle.executor.plan import Row, StepPlan
 from arle.executor.sampler import SamplingBatch
 from arle.model.config import ModelConfig
 from arle.model.decoder import DecoderLM
-from arle_kernels.deltanet import Keep, kept_out
-from arle_kernels.extend_attention import plan_blocks
+from arle_kernels.deltanet_ref import Keep, kept_out
+from arle_kernels.extend_attention_ref import plan_blocks
 from arle_kernels.split_sums import SplitSums
 
 FP8_KV = torch.float8_e4m3fn

@@ -24,8 +24,8 @@ from torch import Tensor
 
 from arle.executor.grammar import apply_token_bitmask
 from arle.sampling import SamplingParams, TokenLogprob
-from arle_kernels.greedy import GreedyPick, greedy_pick_ref
-from arle_kernels.noise import exponential_noise, mix_seed
+from arle_kernels.greedy_ref import GreedyPick, greedy_pick_ref
+from arle_kernels.noise_ref import mix_seed
 
 _MASK63 = (1 << 63) - 1
 
@@ -352,6 +352,7 @@ def _sample_random(x: Tensor, batch: SamplingBatch, generator: torch.Generator |
     q = torch.empty_like(probs).exponential_(generator=generator)
     if batch.any_seeded:
         if q.is_cuda:  # one counter-based (Philox) kernel for all rows: no host loop
+            from arle_kernels.noise import exponential_noise  # Triton: CUDA only
             seeded = exponential_noise(batch.seeds.clamp(min=0), batch.offsets, q.shape[-1])
             q = torch.where((batch.seeds >= 0)[:, None], seeded, q)
         else:

@@ -37,7 +37,7 @@ from arle_kernels.quant import (
     pack_int4,
     quantize_int8_rows,
 )
-from arle_kernels.w4a16 import attach_w4, nibbles, pack_w4, unpack_w4, w4_format
+from arle_kernels.w4a16_ref import attach_w4, nibbles, pack_w4, unpack_w4, w4_format
 
 
 class Kind(Enum):

@@ -37,7 +37,7 @@ from arle.model.decoder import DecoderLM, tp_problems
 from arle.model.moe import unfuse_experts
 from arle.model.parallel import FP8, SINGLE, HoldsFp8, TPGroup, fp8_weights, load_whole
 from arle.model.tokenizer import Tokenizer
-from arle_kernels.fp8 import fp8_dequant_ref, quantize_fp8_blocks
+from arle_kernels.fp8_ref import fp8_dequant_ref, quantize_fp8_blocks
 from arle_kernels.ops import ops_for
 from arle_kernels.quant import Int4Groups
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from arle_kernels.linear import attach_fp8_scale, fp8_scale_of
+from arle_kernels.linear_ref import attach_fp8_scale, fp8_scale_of
 from arle_kernels.ops import ops_for
 from arle_kernels.split_sums import SplitSums
 
