@@ -191,8 +191,8 @@ async def cost(engines: dict[str, AsyncEngine], cost_k: list[int], batches: list
             assert drafter is not None
             for k in cost_k:
                 engine.scheduler.drafter = RejectedDrafts(replace(
-                    drafter.config, num_tokens=k, step_tokens=10**6, max_rows=10**6,
-                    verify_cost=0.0, draft_cost=0.0))
+                    drafter.config, num_tokens=k, row_block=1, step_tokens=10**6,
+                    max_rows=10**6, verify_cost=0.0, draft_cost=0.0))
                 row[f"{prefix}k{k}_ms_per_step"] = await ms_per_step(engine, b, rounds)
                 row[f"{prefix}k{k}_vs_decode"] = (row[f"{prefix}k{k}_ms_per_step"]
                                                   / row["k0_ms_per_step"])

@@ -41,12 +41,14 @@ from model_dirs import hf_config, write_model_dir, write_qwen3_5_dir
 from arle.engine.async_engine import AsyncEngine
 from arle.engine.request import Delta, GenerateRequest, SamplingParams
 from arle.engine.speculative import (
+    DEVICE_RULES,
     Drafter,
     MTPDrafter,
     NgramIndex,
     RequestSpec,
     SpecConfig,
     accepted_drafts,
+    whole_blocks,
 )
 from arle.model.loader import LoadedModel, load_model
 from arle.server.metrics import ServerMetrics
@@ -337,6 +339,18 @@ def test_accepted_drafts_and_the_rule() -> None:
             steps += 1
             drafter.verified(spec, 1, 0, num_output=steps)
         assert steps == aside_at
+
+
+def test_cpu_verify_rows_come_in_blocks_of_four() -> None:
+    """The CPU's packed matmuls read the weights once per 4 rows: a verify row's tokens (its
+    last token and the drafts) are whole blocks of 4 once there is one; fewer drafts, never
+    more than asked."""
+    assert [whole_blocks(k, 4) for k in range(1, 10)] == [1, 2, 3, 3, 3, 3, 7, 7, 7]
+    assert [whole_blocks(k, 1) for k in range(1, 10)] == list(range(1, 10))
+    drafter = Drafter(DEVICE_RULES["cpu"])
+    tokens = list(range(20)) * 2
+    for room, want in ((8, 7), (6, 3), (2, 2)):
+        assert drafter.propose(drafter.start(), tokens, 0, room) == list(range(want))
 
 
 def test_a_hybrid_engine_drafts_by_its_own_rule(models: dict[str, LoadedModel],

@@ -44,6 +44,9 @@ class SpecConfig:
     #: output tokens a request stops drafting for when its drafts stop paying (doubled each
     #: time it happens again, up to 64)
     backoff: int = 8
+    #: a verify row's tokens (its last token and the drafts) come in whole blocks of this many
+    #: once it has one (fewer drafts, never more): each block costs a read of the weights
+    row_block: int = 1
 
 
 #: CPU: scripts/bench_speculative.py on the default model (int4 weights), 2 cores: a verify
@@ -51,12 +54,16 @@ class SpecConfig:
 #: tokens attend one by one, as decode rows, so that it stays exact). A step past 48 tokens
 #: leaves the packed int4 kernels for the bf16 expansion (arle_kernels.quant,
 #: PACKED_MAX_ROWS): at batch 8 with 8 drafts each (72 tokens) 5.1x, so drafts stop at 48.
-#: K = 8 was the fastest of 2, 4, 8 on every task.
+#: The packed matmuls take rows 4 at a time, each 4 a read of the weights: 3 drafts cost 1.51x
+#: a decode step, 4 1.87x, 7 2.29x, 8 2.83x: a row's tokens come in blocks of 4 (7 drafts where
+#: 8 are asked: edit 1.60x speculation off, quote 2.20x, chat 1.77x, where 8 drafts gave 1.50x,
+#: 2.08x, 1.59x; a shorter row after a rejection measured slower on the edit task).
 #: CUDA: the same bench on an H100, random Qwen3-4B, graphs: a verify step of 1-4 drafts
 #: costs 1.19-1.20x a decode step at batch 1 (1.08-1.22x at batch 8), almost all of it fixed
 #: (the extend step's launches); the hybrid Qwen3.5-4B 1.94-2.06x at batch 1 (its verify rows
 #: keep a recurrent state per position): HYBRID_RULES.
-DEVICE_RULES = {"cpu": SpecConfig(num_tokens=8, draft_cost=0.23, step_tokens=48),
+DEVICE_RULES = {"cpu": SpecConfig(num_tokens=8, draft_cost=0.23, step_tokens=48,
+                                  row_block=4),
                 "cuda": SpecConfig(num_tokens=4, verify_cost=0.19, draft_cost=0.01,
                                    step_tokens=64)}
 #: (verify_cost, draft_cost) of a hybrid model, by device
@@ -165,7 +172,7 @@ class Drafter:
                 room: int) -> list[int]:
         """The drafts of the request's next verify row (at most `room`); [] while it steps
         aside."""
-        k = min(self.config.num_tokens, room)
+        k = whole_blocks(min(self.config.num_tokens, room), self.config.row_block)
         if k < 1 or num_output < spec.resume_at:
             return []
         return self.lookup(spec, tokens, num_output, k)
@@ -219,6 +226,12 @@ def make_drafter(config: EngineConfig, hybrid: bool = False) -> Drafter | None:
     if spec is None:
         return None
     return MTPDrafter(spec) if config.speculative == "mtp" else Drafter(spec)
+
+
+def whole_blocks(k: int, block: int) -> int:
+    """The most drafts, at most k, whose row (its last token and the drafts) is whole blocks
+    of `block` tokens; k where the row is shorter than one block."""
+    return k if k + 1 < block else (k + 1) // block * block - 1
 
 
 def accepted_drafts(drafts: Sequence[int], sampled: Sequence[int]) -> int:
