@@ -57,13 +57,15 @@ class SpecConfig:
 #: The packed matmuls take rows 4 at a time, each 4 a read of the weights: 3 drafts cost 1.51x
 #: a decode step, 4 1.87x, 7 2.29x, 8 2.83x: a row's tokens come in blocks of 4 (7 drafts where
 #: 8 are asked: edit 1.60x speculation off, quote 2.20x, chat 1.77x, where 8 drafts gave 1.50x,
-#: 2.08x, 1.59x; a shorter row after a rejection measured slower on the edit task).
+#: 2.08x, 1.59x; a shorter row after a rejection measured slower on the edit task). A wrong
+#: row costs that much, so a draft needs a 3-token match (edit 1.72x against 1.58x with 2,
+#: quote 2.05x against 2.18x, chat 1.78x against 1.74x; bench_speculative.py, rounds 3).
 #: CUDA: the same bench on an H100, random Qwen3-4B, graphs: a verify step of 1-4 drafts
 #: costs 1.19-1.20x a decode step at batch 1 (1.08-1.22x at batch 8), almost all of it fixed
 #: (the extend step's launches); the hybrid Qwen3.5-4B 1.94-2.06x at batch 1 (its verify rows
 #: keep a recurrent state per position): HYBRID_RULES.
 DEVICE_RULES = {"cpu": SpecConfig(num_tokens=8, draft_cost=0.23, step_tokens=48,
-                                  row_block=4),
+                                  row_block=4, min_n=3),
                 "cuda": SpecConfig(num_tokens=4, verify_cost=0.19, draft_cost=0.01,
                                    step_tokens=64)}
 #: (verify_cost, draft_cost) of a hybrid model, by device
