@@ -8,12 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from arle_kernels.fp8_ref import FP8_MAX
 from arle_kernels.split_sums import SplitSums, take
 
-#: e4m3fn's largest finite value, and the floor of a head's amax (an all-zero head).
-FP8_MAX = 448.0
-
-
+#: the floor of a KV head's amax (an all-zero head); FP8_MAX is e4m3fn's largest finite value
 FP8_MIN_AMAX = 1e-6
 
 
