@@ -183,16 +183,32 @@ def moe_align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tens
 
 @triton.jit
 def _w_step(acc, a, a_scale, w_ptrs, ws_ptrs, k_ok, W8: tl.constexpr, A8: tl.constexpr,
-            PRECISION: tl.constexpr):
+            SWAP: tl.constexpr, PRECISION: tl.constexpr):
     """acc += a [BLOCK_M, BLOCK_K] @ one expert's W^T tile [BLOCK_K, BLOCK_N]: W in a's dtype,
-    FP8 dequantised to it in registers (W8), or FP8 times FP8 scaled by both scales (A8)."""
-    w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+    FP8 dequantised to it in registers (W8), or FP8 times FP8 scaled by both scales (A8).
+    SWAP: the transposed product, acc^T [BLOCK_N, BLOCK_M] += W tile [BLOCK_N, BLOCK_K] @ a^T,
+    so the weight's rows take the MMA's wide side (64 and more) and the pairs its narrow one.
+    NOTE: one return: Triton checks every return's type, also in static ifs."""
+    if SWAP:
+        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        ws = tl.load(ws_ptrs)[:, None]
+        lhs, rhs = w, tl.trans(a)
+        scales = ws * a_scale[None, :]
+    else:
+        w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        ws = tl.load(ws_ptrs)[None, :]
+        lhs, rhs = a, w
+        scales = a_scale[:, None] * ws
     if A8:
-        ws = tl.load(ws_ptrs)
-        return acc + tl.dot(a, w) * a_scale[:, None] * ws[None, :]
-    if W8:
-        w = dequant_tile(w, tl.load(ws_ptrs)[None, :], a.dtype)
-    return tl.dot(a, w, acc, input_precision=PRECISION)
+        acc += tl.dot(lhs, rhs) * scales
+    else:
+        if W8:
+            if SWAP:
+                lhs = dequant_tile(w, ws, a.dtype)
+            else:
+                rhs = dequant_tile(w, ws, a.dtype)
+        acc = tl.dot(lhs, rhs, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -283,13 +299,15 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
                     ROW_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                     W8: tl.constexpr, A8: tl.constexpr, GROUP_N: tl.constexpr,
                     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr):
     """The grouped GEMM. Program (j, b): block b of the sorted pairs (BLOCK_M pairs of one
     expert, moe_align) times columns [j*BLOCK_N, (j+1)*BLOCK_N) of that expert's W^T, on
     tensor cores. A row of `a` is pair // ROW_DIV (the token, for the gate_up projection;
     the pair itself for down). GLU: W is [gate; up] (2N rows) and the program sums both
     halves' columns n and n + N, storing silu(gate) * up. Blocks past the last group (expert
-    -1) do nothing: the grid is sized from shapes, the work from the routing."""
+    -1) do nothing: the grid is sized from shapes, the work from the routing.
+    SWAP ("swap AB", for ~1 pair an expert): each step multiplies W's tile by a^T (`_w_step`),
+    the sums are transposed back once, before the epilogue."""
     expert, e64, pairs, row_ok, rows, offs_n, cols, ws_ptrs, up_ws_ptrs = _pair_block(
         sorted_ptr, block_expert_ptr, ws_ptr, N, num_pairs, stride_wse, stride_wsn, ROW_DIV,
         GROUP_N, BLOCK_M, BLOCK_N)
@@ -297,9 +315,14 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
         return
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + kk[None, :]
-    w_ptrs = w_ptr + e64 * stride_we + cols[None, :] * stride_wn + kk[:, None]  # W^T tile
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_ptrs = w_ptr + e64 * stride_we
+    if SWAP:
+        w_ptrs += cols[:, None] * stride_wn + kk[None, :]  # W tile [BLOCK_N, BLOCK_K]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        w_ptrs += cols[None, :] * stride_wn + kk[:, None]  # W^T tile [BLOCK_K, BLOCK_N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = acc
     a_scale = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = kk < K - k0
@@ -307,10 +330,13 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
         if A8:
             a_scale = tl.load(as_ptr + rows * stride_asm + k0 // GROUP_K)
         acc = _w_step(acc, a, a_scale, w_ptrs + k0, ws_ptrs + k0 // GROUP_K, k_ok, W8, A8,
-                      PRECISION)
+                      SWAP, PRECISION)
         if GLU:
             acc_up = _w_step(acc_up, a, a_scale, w_ptrs + N * stride_wn + k0,
-                             up_ws_ptrs + k0 // GROUP_K, k_ok, W8, A8, PRECISION)
+                             up_ws_ptrs + k0 // GROUP_K, k_ok, W8, A8, SWAP, PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
     _moe_epilogue(acc, acc_up, pairs, row_ok, offs_n, N, c_ptr, topw_ptr, stride_cm, GLU,
                   MUL_WEIGHT)
 
@@ -386,12 +412,14 @@ class MoeConfig:
     pairs); the gate_up and down tiles.
     NOTE: "gemv" with block_m 1 (one token) is the direct path: no align, each pair a block of
     its own expert, and the down projection sums the top-k in its epilogue (its tile's rows
-    are the top_k pairs)."""
+    are the top_k pairs). `swap`: the tensor-core kinds multiply W's tile by the pairs'
+    transposed rows (`_moe_mma_kernel`'s SWAP)."""
 
     kind: str
     block_m: int
     up: MoeTile
     down: MoeTile
+    swap: bool = False
 
 
 #: tokens beyond which FP8 experts quantise activations too (compute-bound prefill); up to it
@@ -494,7 +522,7 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
     _moe_mma_kernel[grid](a, a_s, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,
                           num_pairs, a.stride(0), a_s.stride(0), w.stride(0), w.stride(1),
                           *ws_strides, out.stride(0), A8=cfg.kind == "w8a8",
-                          BLOCK_M=cfg.block_m,
+                          BLOCK_M=cfg.block_m, SWAP=cfg.swap,
                           PRECISION="ieee" if out.dtype == torch.float32 else "tf32", **meta)
 
 

@@ -341,6 +341,8 @@ def bench_fused(tokens: tuple[int, ...], batches: tuple[int, ...],
 #: Qwen3-30B-A3B: experts, top-k, hidden, expert width; (N, K) of its FP8 dense linears
 A3B_E, A3B_K, A3B_H, A3B_I = 128, 8, 2048, 768
 A3B_LINEARS: dict[str, tuple[int, int]] = {"qkv": (5120, 2048), "o_proj": (2048, 4096)}
+#: `fp8`'s shapes: Qwen3-30B-A3B's attention, and Qwen3-4B's linears (`--quantization fp8`)
+FP8_SHAPES = {**A3B_LINEARS, **{f"4b_{k}": v for k, v in LINEARS.items() if k != "lm_head"}}
 FP8_BLOCK = (128, 128)
 
 
@@ -364,9 +366,18 @@ def _moe_kinds(t: int, fp8: bool) -> list[moe_kernels.MoeConfig]:
         cfgs.append(moe_kernels.MoeConfig("gemv", 2, *moe_kernels.moe_gemv_tiles(2, fp8)))
     bk = 128 if fp8 else 64
     tile = moe_kernels.MoeTile(64 if t <= 64 else 128, bk)
+    bm = max(16, chosen.block_m)
     for kind in ["mma"] + (["w8a8"] if fp8 else []):
         if chosen.kind != kind:
-            cfgs.append(moe_kernels.MoeConfig(kind, max(16, chosen.block_m), tile, tile))
+            cfgs.append(moe_kernels.MoeConfig(kind, bm, tile, tile))
+        if t < 4 or t > 256:
+            continue
+        # the swapped product (W's rows on the MMA's wide side) in a few tiles
+        for bn, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3)):
+            swapped = moe_kernels.MoeTile(bn, 128, warps, stages)
+            cfg = moe_kernels.MoeConfig(kind, bm, swapped, swapped, swap=True)
+            if cfg != chosen:
+                cfgs.append(cfg)
     return cfgs
 
 
@@ -424,13 +435,20 @@ def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...]) -> list[Row]:
                         "GBps": 0.0, "TFLOPs": 0.0, "chosen": True})
             for j, cfg in enumerate(_moe_kinds(t, fp8)):
                 us = _time_us(partial(_moe_experts_call, weights, cfg), inputs)
+                tile = cfg.up
                 out.append({"op": "experts", "fp8": fp8, "T": t, "kind": cfg.kind,
-                            "block_m": cfg.block_m, "us": us, "GBps": nbytes / us / 1e3,
+                            "block_m": cfg.block_m, "swap": cfg.swap,
+                            "tile": [tile.block_n, tile.block_k, tile.num_warps,
+                                     tile.num_stages],
+                            "us": us, "GBps": nbytes / us / 1e3,
                             "TFLOPs": flops / us / 1e6, "chosen": j == 0})
-    print(f"{'op':8} {'w':>4} {'T':>5} {'kind/bm':>8} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8}")
+    print(f"{'op':8} {'w':>4} {'T':>5} {'kind/bm':>20} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8}")
     for r in out:
-        kind = f"{r['kind']}/{r['block_m']}" if "block_m" in r else r["kind"]
-        print(f"{r['op']:8} {'fp8' if r['fp8'] else 'bf16':>4} {r['T']:5} {kind:>8} "
+        kind = r["kind"]
+        if "block_m" in r:
+            kind += f"/{r['block_m']}" + ("/swap" if r["swap"] else "")
+            kind += "/" + ",".join(map(str, r["tile"]))
+        print(f"{r['op']:8} {'fp8' if r['fp8'] else 'bf16':>4} {r['T']:5} {kind:>20} "
               f"{r['us']:9.1f} {r['GBps']:7.0f} {r['TFLOPs']:8.1f}{' *' if r['chosen'] else ''}")
     return out
 
@@ -441,7 +459,7 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     out: list[Row] = []
     for name in shapes:
-        n, k = A3B_LINEARS[name]
+        n, k = FP8_SHAPES[name]
         copies = [_fp8_weight((n, k), gen) for _ in range(_copies(n * k))]
         bf16 = [fp8_ref.fp8_dequant_ref(w, s, FP8_BLOCK, torch.bfloat16)
                 for w, s in copies[:_copies(2 * n * k)]]
@@ -456,6 +474,9 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
                 kinds += [c for c in (GemvConfig(m, bk, num_warps=w) for bk, w in
                                       ((1024, 1), (2048, 2), (2048, 4), (4096, 2), (4096, 4)))
                           if c != chosen]
+            if m <= 4:  # the tensor-core GEMV (swap AB) at few rows, K split or not
+                kinds += [c for c in (GemvConfig(bn, 128, 4, 3, split_k=s, mma=True)
+                                      for bn in (64, 128) for s in (1, 2, 4)) if c != chosen]
             for j, cfg in enumerate(kinds):
                 us = _time_us(partial(_fp8_linear_call, x, cfg), copies)
                 out.append({"shape": name, "M": m, "kind": _fp8_kind(cfg), "us": us,
@@ -464,11 +485,12 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
             us = _time_us(partial(F.linear, x), bf16)
             out.append({"shape": name, "M": m, "kind": "cublas_bf16", "us": us,
                         "GBps": 2 * n * k / us / 1e3, "chosen": False})
-    print(f"{'shape':8} {'M':>5} {'kind':>12} {'us':>8} {'GB/s':>7}")
+    print(f"{'shape':8} {'M':>5} {'kind':>24} {'us':>8} {'GB/s':>7}")
     for r in out:
-        tile = (f" K{r['config']['block_k']}/w{r['config']['num_warps']}"
-                if r["kind"] == "gemv" else "")
-        print(f"{r['shape']:8} {r['M']:5} {r['kind'] + tile:>12} {r['us']:8.1f} {r['GBps']:7.0f}"
+        c = r.get("config", {})
+        tile = (f" N{c['block_n']}/K{c['block_k']}/w{c['num_warps']}/s{c['split_k']}"
+                if r["kind"] in ("gemv", "gemv_mma") else "")
+        print(f"{r['shape']:8} {r['M']:5} {r['kind'] + tile:>24} {r['us']:8.1f} {r['GBps']:7.0f}"
               f"{' *' if r['chosen'] else ''}")
     return out
 
@@ -825,7 +847,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--weights", choices=["bf16", "fp8"], nargs="+", default=["bf16", "fp8"])
     c = sub.add_parser("fp8", help="block-FP8 linears: each kernel kind, and cuBLAS bf16")
     c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 2048])
-    c.add_argument("--shapes", nargs="+", choices=list(A3B_LINEARS), default=list(A3B_LINEARS))
+    c.add_argument("--shapes", nargs="+", choices=list(FP8_SHAPES), default=list(A3B_LINEARS))
     c = sub.add_parser("w4", help="the W4A16 GEMV (AWQ/GPTQ) in each tile")
     c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="M")
     _shapes_arg(c)

@@ -17,7 +17,8 @@
 #     q35 chat35 q35hf   Qwen3.5-4B: ceilings, decode, serve (cold, warm); chat turns; transformers
 #     failing   the GPU tests of the FP8 weights and KV, by name
 #     kern kernbench   the GPU tests of the FP8, MoE and decode attention kernels and the engine
-#               on MoE and Qwen3.5; the micro-benchmarks of the FP8 and MoE kernels
+#               on MoE and Qwen3.5; the micro-benchmarks of the FP8 and MoE kernels ($FP8_ARGS
+#               and $MOE_ARGS narrow them)
 #     moe30base   moe30d's decode and kernbench on the tree in .base (a baseline in the same call)
 #     structured   constrained decoding's per-step cost (Qwen3-4B, random weights)
 #     gdnsweep   the Gated DeltaNet decode kernel's launches at batch 1 and 8
@@ -190,8 +191,10 @@ for p in "$@"; do
              tests/test_kernels_moe.py tests/test_fp8_weights.py tests/test_moe.py \
              tests/test_kernels_decode_attention.py tests/test_cuda_engine.py \
              >"$OUT/pytest_kern.txt" 2>&1; say "kern rc=$?"; tail -3 "$OUT/pytest_kern.txt" | tee -a "$LOG" ;;
-    kernbench) phase kernels_fp8 120 python3 scripts/bench_kernels.py fp8 --out $RES/kernels_fp8.json
-           phase kernels_moe 120 python3 scripts/bench_kernels.py moe --out $RES/kernels_moe.json ;;
+    kernbench) phase kernels_fp8 "${FP8_TIMEOUT:-120}" python3 scripts/bench_kernels.py fp8 \
+             ${FP8_ARGS:-} --out $RES/kernels_fp8.json
+           phase kernels_moe "${MOE_TIMEOUT:-120}" python3 scripts/bench_kernels.py moe \
+             ${MOE_ARGS:-} --out $RES/kernels_moe.json ;;
     gdnsweep) phase kernels_deltanet 150 python3 scripts/bench_kernels.py deltanet --batches 1 8 \
               --sweep --prefill 512 --out $RES/kernels_deltanet.json ;;
     w4sweep) phase kernels_w4 "${W4_TIMEOUT:-200}" python3 scripts/bench_kernels.py w4 \

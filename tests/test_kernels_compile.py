@@ -72,9 +72,11 @@ def test_moe_kernels(glu: bool) -> None:
     route = {"ROW_DIV": 8 if glu else 1, "GLU": glu, "MUL_WEIGHT": not glu}
     blocks = {"GROUP_N": 128, "GROUP_K": 128}
     for a8 in (False, True):
-        compile_for_hopper(moe._moe_mma_kernel, {
-            **route, **blocks, "W8": True, "A8": a8, "BLOCK_M": 16, "BLOCK_N": 64,
-            "BLOCK_K": 128, "PRECISION": "tf32"}, a_ptr="*fp8e4nv" if a8 else "*bf16")
+        for swap in (False, True):
+            compile_for_hopper(moe._moe_mma_kernel, {
+                **route, **blocks, "W8": True, "A8": a8, "BLOCK_M": 16, "BLOCK_N": 64,
+                "BLOCK_K": 128, "SWAP": swap, "PRECISION": "tf32"},
+                a_ptr="*fp8e4nv" if a8 else "*bf16")
     for direct in (False, True):
         for even_k in (False, True):
             compile_for_hopper(moe._moe_gemv_kernel, {

@@ -322,12 +322,14 @@ def interp_check_moe() -> None:
                 x = torch.randn(t, h, generator=gen).to(dtype)
                 logits = torch.randn(t, e, generator=gen).to(dtype)
                 kinds = ["mma"] + (["w8a8"] if block else [])
-                cfgs = [MoeConfig(kind, 16, tiny, tiny) for kind in kinds]
+                cfgs = [MoeConfig(kind, 16, tiny, tiny, swap) for kind in kinds
+                        for swap in (False, True)]
                 if t <= 4:  # (a K chunk of 64: several scale groups, K's tail masked)
                     cfgs += [MoeConfig("gemv", triton_pow2(t), tiny, tiny),
                              MoeConfig("gemv", 4, MoeTile(16, 64), MoeTile(8, 64))]
                 if t == 40:  # wider tiles: N past the projections' widths
-                    cfgs.append(MoeConfig("mma", 16, MoeTile(32, 16), MoeTile(64, 16)))
+                    cfgs += [MoeConfig("mma", 16, MoeTile(32, 16), MoeTile(64, 16), swap)
+                             for swap in (False, True)]
                 for cfg in cfgs:
                     check_experts(x, logits, 2, ex, cfg)
                 if t == 1:  # the one-token path (no align, the top-k sum fused in down)
@@ -480,10 +482,10 @@ def test_fused_moe_gpu(t: int, fp8: bool) -> None:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("t", [1, 4, 8])
 def test_expert_kinds_agree_gpu(t: int, fp8: bool) -> None:
-    """The same tokens through every kernel kind (GEMV, tensor cores, W8A8 for FP8; at one
-    token the direct GEMV and the sorted one)."""
+    """The same tokens through every kernel kind (GEMV, tensor cores and their swapped
+    product, W8A8 for FP8; at one token the direct GEMV and the sorted one)."""
     experts = gpu_experts(fp8, seed=2)
     x, logits = gpu_inputs(t, seed=2)
     w, ids = moe_route_ref(logits, A3B["k"], True)
@@ -491,8 +493,8 @@ def test_expert_kinds_agree_gpu(t: int, fp8: bool) -> None:
     block = experts.get("block")
     gemv = pick_moe_config(t, A3B["k"], A3B["e"], A3B["h"], A3B["inter"], block)
     tile = MoeTile(64, 128 if fp8 else 64)
-    cfgs = [gemv, MoeConfig("mma", 16, tile, tile)] + ([MoeConfig("w8a8", 16, tile, tile)]
-                                                       if fp8 else [])
+    cfgs = [gemv] + [MoeConfig(kind, 16, tile, tile, swap)
+                     for kind in ("mma", "w8a8")[:1 + fp8] for swap in (False, True)]
     if t == 1:
         cfgs.append(MoeConfig("gemv", 2, *moe_gemv_tiles(2, fp8)))
     for cfg in cfgs:
