@@ -370,7 +370,7 @@ def _moe_kinds(t: int, fp8: bool) -> list[moe_kernels.MoeConfig]:
     for kind in ["mma"] + (["w8a8"] if fp8 else []):
         if chosen.kind != kind:
             cfgs.append(moe_kernels.MoeConfig(kind, bm, tile, tile))
-        if t < 4 or t > 256:
+        if t > 256:
             continue
         # the swapped product (W's rows on the MMA's wide side) in a few tiles
         for bn, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3)):
