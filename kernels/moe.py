@@ -349,7 +349,7 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
                      DIRECT: tl.constexpr, SUM_PAIRS: tl.constexpr, W8: tl.constexpr,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, M_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, FP8_BITS: tl.constexpr = False):
     """The decode MoE GEMV, `_moe_mma_kernel`'s contract for a few tokens, with FMAs.
     Program (j, b): columns [j*BLOCK_N, (j+1)*BLOCK_N) for M_PAD pairs (`_pair_rows`):
     - sorted (moe_align, M_PAD >= tokens): block b, all of one expert's pairs, so its W rows
@@ -360,7 +360,8 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
     The layout streams W as kernels/gemv.py's `_gemv_kernel` does: a K chunk viewed as
     [BLOCK_K // RUN, RUN], RUN contiguous elements a thread (one 16-byte load: 16 FP8 or 8
     16-bit weights), each run's products summed in registers, the sum across lanes once after
-    the loop; W evict_first, x evict_last (every program re-reads it)."""
+    the loop; W evict_first, x evict_last (every program re-reads it). FP8_BITS: FP8 widened
+    by integer operations (kernels/gemv.py's `run_sums`)."""
     live, experts, pairs, row_ok, rows = _pair_rows(sorted_ptr, expert_ptr, num_pairs,
                                                     ROW_DIV, M_PAD, DIRECT)
     if live < 0:
@@ -380,10 +381,11 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
     acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // RUN], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
-        acc += load_run_sums(x, w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, W8, GROUP_K)
+        acc += load_run_sums(x, w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, W8, GROUP_K,
+                             FP8_BITS)
         if GLU:
             acc_up += load_run_sums(x, w_ptrs + N * stride_wn, up_ws_ptrs, k0, K, kk, starts,
-                                    EVEN_K, W8, GROUP_K)
+                                    EVEN_K, W8, GROUP_K, FP8_BITS)
     if SUM_PAIRS:
         _sum_pairs_epilogue(tl.sum(acc, axis=2), pairs, row_ok, offs_n, N, c_ptr, topw_ptr,
                             M_PAD, BLOCK_N)
@@ -413,13 +415,15 @@ class MoeConfig:
     NOTE: "gemv" with block_m 1 (one token) is the direct path: no align, each pair a block of
     its own expert, and the down projection sums the top-k in its epilogue (its tile's rows
     are the top_k pairs). `swap`: the tensor-core kinds multiply W's tile by the pairs'
-    transposed rows (`_moe_mma_kernel`'s SWAP)."""
+    transposed rows (`_moe_mma_kernel`'s SWAP); `fp8_bits`: the GEMV widens FP8 by integer
+    operations (`_moe_gemv_kernel`'s FP8_BITS)."""
 
     kind: str
     block_m: int
     up: MoeTile
     down: MoeTile
     swap: bool = False
+    fp8_bits: bool = False
 
 
 #: tokens beyond which FP8 experts quantise activations too (compute-bound prefill); up to it
@@ -516,7 +520,7 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
                                out.stride(0), DIRECT=direct, SUM_PAIRS=direct and not glu,
                                M_PAD=direct_rows if direct else cfg.block_m,
                                RUN=_gemv_run(w, tile, block), EVEN_K=k % tile.block_k == 0,
-                               **meta)
+                               FP8_BITS=cfg.fp8_bits and w_scale is not None, **meta)
         return
     a_s = a_scale if a_scale is not None else ws
     _moe_mma_kernel[grid](a, a_s, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,

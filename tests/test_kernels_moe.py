@@ -326,7 +326,9 @@ def interp_check_moe() -> None:
                         for swap in (False, True)]
                 if t <= 4:  # (a K chunk of 64: several scale groups, K's tail masked)
                     cfgs += [MoeConfig("gemv", triton_pow2(t), tiny, tiny),
-                             MoeConfig("gemv", 4, MoeTile(16, 64), MoeTile(8, 64))]
+                             MoeConfig("gemv", 4, MoeTile(16, 64), MoeTile(8, 64)),
+                             MoeConfig("gemv", 4, MoeTile(16, 64), MoeTile(8, 64),
+                                       fp8_bits=True)]
                 if t == 40:  # wider tiles: N past the projections' widths
                     cfgs += [MoeConfig("mma", 16, MoeTile(32, 16), MoeTile(64, 16), swap)
                              for swap in (False, True)]
@@ -336,6 +338,8 @@ def interp_check_moe() -> None:
                     for k in (1, 2, 3):
                         for up, down in ((tiny, tiny), (MoeTile(16, 64), MoeTile(8, 32))):
                             check_experts(x, logits, k, ex, MoeConfig("gemv", 1, up, down))
+                            check_experts(x, logits, k, ex,
+                                          MoeConfig("gemv", 1, up, down, fp8_bits=True))
     check_one_token(gen)
     # the dispatchers: each token class's kernel, routed by moe_route
     experts = make_experts(8, h, inter, gen, (16, 16))
