@@ -50,6 +50,7 @@ from arle_kernels.fused import silu_mul
 from arle_kernels.gemv import RUN_BYTES, load_chunk, load_run_sums
 from arle_kernels.jit import jit_varying
 from arle_kernels.moe_ref import moe_max_blocks
+from arle_kernels.split_sums import MAX_ROWS, SplitSums, slot_buffer
 
 #: tokens up to which the FMA GEMV runs; beyond, tensor cores (H200, Qwen3-30B-A3B's experts,
 #: `bench_kernels.py moe`: bf16 at 2 tokens 59 us against 69, at 4 137 against 101; FP8 at 2
@@ -261,18 +262,28 @@ def _weighted(y, tw, dtype: tl.constexpr):
 
 
 @triton.jit
-def _moe_epilogue(acc, acc_up, pairs, row_ok, offs_n, N, c_ptr, topw_ptr, stride_cm,
-                  GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+def _moe_epilogue(acc, acc_up, pairs, row_ok, offs_n, N, c_ptr, topw_ptr, stride_cm, stride_cs,
+                  GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr, SLOT_K: tl.constexpr):
     """Both kernels' end: the projection rounded to c's dtype, silu(gate) * up (GLU, HF's
-    roundings) or times the pair's routing weight (MUL_WEIGHT), stored at row `pair` of c."""
+    roundings) or times the pair's routing weight (MUL_WEIGHT), stored at row `pair` of c.
+    SLOT_K > 0 (the down projection left as kernels/split_sums.py's `SplitSums`): c is fp32
+    slots [SLOT_K, tokens, N] (stride_cs apart), and pair p's weighted row, in the routing
+    weights' dtype (the model's), goes to slot p % SLOT_K of its token's row p // SLOT_K. The
+    consumer's sum of the slots in order is the top-k sum, with no launch of its own."""
     dtype = c_ptr.dtype.element_ty
+    if SLOT_K > 0:
+        dtype = topw_ptr.dtype.element_ty
     y = acc.to(dtype)
     if GLU:
         y = silu_mul(y, acc_up.to(dtype))
     if MUL_WEIGHT:
         y = _weighted(y, tl.load(topw_ptr + pairs, mask=row_ok, other=0.0).to(dtype), dtype)
-    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, y, mask=row_ok[:, None] & (offs_n < N)[None, :])
+    p64 = pairs.to(tl.int64)
+    rows = p64 * stride_cm
+    if SLOT_K > 0:
+        rows = (p64 % SLOT_K) * stride_cs + (p64 // SLOT_K) * stride_cm
+    c_ptrs = c_ptr + rows[:, None] + offs_n[None, :]
+    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
@@ -295,9 +306,9 @@ def _sum_pairs_epilogue(acc, pairs, row_ok, offs_n, N, c_ptr, topw_ptr, ROWS: tl
 @jit_varying("num_pairs")
 def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, block_expert_ptr,
                     N, K, num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
-                    stride_wsn, stride_cm,
+                    stride_wsn, stride_cm, stride_cs,
                     ROW_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                    W8: tl.constexpr, A8: tl.constexpr, GROUP_N: tl.constexpr,
+                    SLOT_K: tl.constexpr, W8: tl.constexpr, A8: tl.constexpr, GROUP_N: tl.constexpr,
                     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr):
     """The grouped GEMM. Program (j, b): block b of the sorted pairs (BLOCK_M pairs of one
@@ -337,15 +348,16 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
     if SWAP:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
-    _moe_epilogue(acc, acc_up, pairs, row_ok, offs_n, N, c_ptr, topw_ptr, stride_cm, GLU,
-                  MUL_WEIGHT)
+    _moe_epilogue(acc, acc_up, pairs, row_ok, offs_n, N, c_ptr, topw_ptr, stride_cm, stride_cs,
+                  GLU, MUL_WEIGHT, SLOT_K)
 
 
 @jit_varying("num_pairs")
 def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_ptr,
                      N, K, num_pairs, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn,
-                     stride_cm,
+                     stride_cm, stride_cs,
                      ROW_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                     SLOT_K: tl.constexpr,
                      DIRECT: tl.constexpr, SUM_PAIRS: tl.constexpr, W8: tl.constexpr,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, M_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr,
@@ -391,7 +403,7 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
                             M_PAD, BLOCK_N)
     else:
         _moe_epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), pairs, row_ok, offs_n, N,
-                      c_ptr, topw_ptr, stride_cm, GLU, MUL_WEIGHT)
+                      c_ptr, topw_ptr, stride_cm, stride_cs, GLU, MUL_WEIGHT, SLOT_K)
 
 
 @dataclass(frozen=True)
@@ -498,8 +510,10 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
     """One projection over the pairs into out [pairs, N]: sorted into blocks (moe_align), or
     direct_rows > 0 (one token, cfg a GEMV): block_expert is the routing's ids, each pair its
     own block (glu) or all the pairs one block of direct_rows >= top_k rows whose outputs are
-    summed into out [1, N]."""
-    n, k = out.shape[1], w.shape[2]
+    summed into out [1, N]. out [top_k, tokens, N] fp32 (sorted, not glu): split-sum slots
+    (`_moe_epilogue`'s SLOT_K)."""
+    n, k = out.shape[-1], w.shape[2]
+    slot_k, stride_cs = (out.shape[0], out.stride(0)) if out.dim() == 3 else (0, 0)
     bn, bk = block if block is not None else (1, 1)
     gemv = cfg.kind == "gemv"
     if w_scale is not None:
@@ -509,7 +523,8 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
     ws = w_scale if w_scale is not None else w  # a dummy pointer without scales
     blocks = block_expert.shape[0] if not direct_rows else triton.cdiv(num_pairs, direct_rows)
     grid = (triton.cdiv(n, tile.block_n), blocks)
-    meta = {"ROW_DIV": row_div, "GLU": glu, "MUL_WEIGHT": not glu, "W8": w_scale is not None,
+    meta = {"ROW_DIV": row_div, "GLU": glu, "MUL_WEIGHT": not glu, "SLOT_K": slot_k,
+            "W8": w_scale is not None,
             "GROUP_N": bn, "GROUP_K": bk, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
             "num_warps": tile.num_warps, "num_stages": tile.num_stages}
     ws_strides = (ws.stride(0), ws.stride(1)) if w_scale is not None else (0, 0)
@@ -517,7 +532,7 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
         direct = direct_rows > 0
         _moe_gemv_kernel[grid](a, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,
                                num_pairs, a.stride(0), w.stride(0), w.stride(1), *ws_strides,
-                               out.stride(0), DIRECT=direct, SUM_PAIRS=direct and not glu,
+                               out.stride(-2), stride_cs, DIRECT=direct, SUM_PAIRS=direct and not glu,
                                M_PAD=direct_rows if direct else cfg.block_m,
                                RUN=_gemv_run(w, tile, block), EVEN_K=k % tile.block_k == 0,
                                FP8_BITS=cfg.fp8_bits and w_scale is not None, **meta)
@@ -525,14 +540,18 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
     a_s = a_scale if a_scale is not None else ws
     _moe_mma_kernel[grid](a, a_s, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,
                           num_pairs, a.stride(0), a_s.stride(0), w.stride(0), w.stride(1),
-                          *ws_strides, out.stride(0), A8=cfg.kind == "w8a8",
+                          *ws_strides, out.stride(-2), stride_cs, A8=cfg.kind == "w8a8",
                           BLOCK_M=cfg.block_m, SWAP=cfg.swap,
-                          PRECISION="ieee" if out.dtype == torch.float32 else "tf32", **meta)
+                          PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **meta)
 
 
 def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,
                  w13_scale: Tensor | None, w2_scale: Tensor | None,
-                 block: tuple[int, int] | None, cfg: MoeConfig) -> Tensor:
+                 block: tuple[int, int] | None, cfg: MoeConfig,
+                 sums: bool = False) -> Tensor | SplitSums:
+    """`moe_experts` in `cfg`'s launches; sums: where the down projection can leave the top-k
+    sum to its consumer (2..MAX_ROWS tokens, routing weights in x's dtype), its split-sum
+    slots (`_moe_epilogue`'s SLOT_K) rather than y."""
     t, h = x.shape
     top_k = ids.shape[1]
     num_experts, two_i, _ = w13.shape
@@ -560,6 +579,11 @@ def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tenso
     _launch_proj(a, a_scale, w13, w13_scale, inter_out, *common, row_div=top_k, glu=True,
                  block=block, cfg=cfg, tile=cfg.up)
     a, a_scale = quantize_fp8_groups(inter_out, group) if w8a8 else (inter_out, None)
+    if sums and t <= MAX_ROWS and weights.dtype == x.dtype:
+        slots = slot_buffer(x.device, top_k, t, h)
+        _launch_proj(a, a_scale, w2, w2_scale, slots, *common, row_div=1, glu=False,
+                     block=block, cfg=cfg, tile=cfg.down)
+        return SplitSums(slots, x.dtype)
     pair_out = x.new_empty(pairs, h)
     _launch_proj(a, a_scale, w2, w2_scale, pair_out, *common, row_div=1, glu=False,
                  block=block, cfg=cfg, tile=cfg.down)
@@ -587,18 +611,30 @@ def _one_token_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2:
 
 def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,
                 w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
-                block: tuple[int, int] | None = None) -> Tensor:
+                block: tuple[int, int] | None = None, *,
+                sums: bool = False) -> Tensor | SplitSums:
     """moe_experts_ref on the GPU: the pairs sorted into per-expert blocks, the gate_up
     projection with silu(gate) * up in its epilogue, the down projection times the routing
-    weights, the sum over top_k. Reads no device tensor on the host: buffers and grids come
-    from shapes (graph-safe), the launches from `pick_moe_config`."""
+    weights, the sum over top_k (sums: left to the consumer where it can be, see
+    `_moe_experts`). Reads no device tensor on the host: buffers and grids come from shapes
+    (graph-safe), the launches from `pick_moe_config`."""
     fp8 = torch.float8_e4m3fn
     assert w13.dtype == w2.dtype and w13.dtype in (x.dtype, fp8), (
         f"experts in {w13.dtype} / {w2.dtype} for activations in {x.dtype}: the weights are "
         "the activations' dtype or FP8")
     cfg = pick_moe_config(x.shape[0], ids.shape[1], w13.shape[0], x.shape[1],
                           w2.shape[2], block)
-    return _moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg)
+    return _moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg, sums)
+
+
+def fused_moe_unreduced(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
+                        renormalize: bool, w13_scale: Tensor | None = None,
+                        w2_scale: Tensor | None = None, block: tuple[int, int] | None = None,
+                        ) -> Tensor | SplitSums:
+    """fused_moe_ref on the GPU (moe_route, then moe_experts), its top-k sum left as
+    `SplitSums` where it can be, for a consumer that takes them (`add_rms_norm`)."""
+    weights, ids = moe_route(router_logits, top_k, renormalize)
+    return moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, sums=True)
 
 
 def fused_moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
@@ -606,4 +642,6 @@ def fused_moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: 
               w2_scale: Tensor | None = None, block: tuple[int, int] | None = None) -> Tensor:
     """fused_moe_ref on the GPU: moe_route, then moe_experts."""
     weights, ids = moe_route(router_logits, top_k, renormalize)
-    return moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block)
+    y = moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block)
+    assert isinstance(y, Tensor)
+    return y

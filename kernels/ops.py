@@ -98,6 +98,8 @@ class Ops:
     #: its rows' slots into the token buffer)
     embed: Callable[[Tensor, Tensor, Tensor | None], Tensor]
     fused_moe: FusedMoE
+    #: fused_moe's arguments -> its y, or its top-k sum left as SplitSums for add_rms_norm
+    fused_moe_unreduced: Callable[..., Tensor | SplitSums]
     gated_delta: GatedDelta
     #: (x, z, weight, eps) -> Qwen3.5's RMSNorm gated by silu(z)
     gated_rms_norm: Callable[[Tensor, Tensor, Tensor, float], Tensor]
@@ -116,6 +118,7 @@ REFERENCE = Ops(
     greedy_pick=greedy_ref.greedy_pick_ref,
     embed=embed_ref.embed_ref,
     fused_moe=moe_ref.fused_moe_ref,
+    fused_moe_unreduced=moe_ref.fused_moe_ref,
     gated_delta=deltanet_ref.gated_delta_ref,
     gated_rms_norm=deltanet_ref.gated_rms_norm_ref,
 )
@@ -149,6 +152,7 @@ def triton_ops() -> Ops:
         greedy_pick=greedy.greedy_pick,
         embed=embed.embed,
         fused_moe=moe.fused_moe,
+        fused_moe_unreduced=moe.fused_moe_unreduced,
         gated_delta=deltanet.gated_delta,
         gated_rms_norm=deltanet.gated_rms_norm,
     )

@@ -24,6 +24,7 @@ from arle_kernels.moe import (
     _moe_experts,
     _route_tile,
     fused_moe,
+    fused_moe_unreduced,
     moe_align,
     moe_gemv_tiles,
     moe_route,
@@ -38,6 +39,7 @@ from arle_kernels.moe_ref import (
     moe_max_blocks,
     moe_route_ref,
 )
+from arle_kernels.split_sums import MAX_ROWS, SplitSums, take
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -288,6 +290,14 @@ def check_experts(x: torch.Tensor, logits: torch.Tensor, k: int, experts: dict,
         want = moe_experts_ref(x, weights, ids, **experts)
     tol = 1e-5 if x.dtype == torch.float32 else 3e-3
     assert rel(got, want) < tol, (what, rel(got, want))
+    if 2 <= x.shape[0] <= MAX_ROWS:  # the top-k sum left in split-sum slots: the same sum
+        sums = _moe_experts(x, weights, ids, experts["w13"], experts["w2"],
+                            experts.get("w13_scale"), experts.get("w2_scale"),
+                            experts.get("block"), cfg, sums=True)
+        assert isinstance(sums, SplitSums) and sums.slots.shape[:2] == (k, x.shape[0]), what
+        taken = take(sums)
+        assert taken.dtype == x.dtype and rel(taken, got) < tol / 10, (what, rel(taken, got))
+        assert not sums.slots.any(), "the consumer leaves the slots zero"
 
 
 def interp_check_moe() -> None:
@@ -505,6 +515,20 @@ def test_expert_kinds_agree_gpu(t: int, fp8: bool) -> None:
         got = _moe_experts(x, w, ids, experts["w13"], experts["w2"], experts.get("w13_scale"),
                            experts.get("w2_scale"), block, cfg)
         assert rel(got, want) < (6e-2 if cfg.kind == "w8a8" else 1e-2), cfg
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [2, 8, 32])
+def test_unreduced_top_k_sum_gpu(t: int) -> None:
+    """fused_moe_unreduced's split-sum slots, taken, give fused_moe's output (the top-k sum
+    in fp32 either way, rounded once)."""
+    experts = gpu_experts(True, seed=3)
+    x, logits = gpu_inputs(t, seed=3)
+    want = fused_moe(x, logits, top_k=A3B["k"], renormalize=True, **experts)
+    got = fused_moe_unreduced(x, logits, top_k=A3B["k"], renormalize=True, **experts)
+    assert isinstance(got, SplitSums)
+    assert rel(take(got), want) < 1e-3
 
 
 @pytest.mark.gpu

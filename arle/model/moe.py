@@ -29,6 +29,7 @@ from arle.model.parallel import (
     scale_layout,
 )
 from arle_kernels.ops import Ops
+from arle_kernels.split_sums import SplitSums
 
 #: w13's shard of expert e: 2e (gate) or 2e + 1 (up); w2's: e
 GATE, UP = 0, 1
@@ -168,11 +169,15 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(cfg, tp, moe.shared_expert_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
 
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor | SplitSums:
+        """The MLP's output; on one rank without a shared expert it may be left as SplitSums
+        (the top-k sum, for the next `add_rms_norm`)."""
         ex = self.experts
-        y = ops.fused_moe(x, self.gate(x), ex.w13, ex.w2, self.top_k, self.renormalize,
-                          ex.w13_scale, ex.w2_scale, ex.block)
-        y = self.tp.all_reduce(y)
+        args = (x, self.gate(x), ex.w13, ex.w2, self.top_k, self.renormalize, ex.w13_scale,
+                ex.w2_scale, ex.block)
+        if self.tp.size == 1 and self.shared_expert is None:
+            return ops.fused_moe_unreduced(*args)
+        y = self.tp.all_reduce(ops.fused_moe(*args))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             mlp = self.shared_expert
             shared = mlp.down_proj(ops.linear_silu_and_mul(x, mlp.gate_up_proj.weight))
