@@ -94,7 +94,6 @@ class GemvConfig:
     split_k: int = 1
     mma: bool = False  # tensor cores (3..32 rows) rather than FMAs
     tma: bool = False  # with mma: tiles brought in by TMA (`_gemv_tma_kernel`, Hopper)
-    fp8_bits: bool = False  # FMAs on FP8: the conversion by integer operations (`run_sums`)
 
 
 @triton.jit
@@ -125,27 +124,12 @@ def load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K: tl.constexpr,
 
 
 @triton.jit
-def fp8_bits_f32(w):
-    """e4m3 weights as fp32 times 2^-120 by integer operations alone (no conversion unit):
-    the byte's sign, exponent and mantissa shifted into fp32's fields (exact for every finite
-    e4m3, subnormals included, since both exponents are stored with an offset)."""
-    b = w.to(tl.uint8, bitcast=True).to(tl.int32)
-    # NOTE: -2014314496 is the mask 0x87F00000: the sign, fp32's low 4 exponent bits and the
-    # top 3 of its mantissa; the arithmetic shift copied the sign over the bits between
-    return (((b << 24) >> 4) & -2014314496).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def run_sums(x, w, s, SCALED: tl.constexpr, FP8_BITS: tl.constexpr = False):
+def run_sums(x, w, s, SCALED: tl.constexpr):
     """x [.., BLOCK_K // RUN, RUN] (fp32) times a chunk of W's runs (`load_weight_runs`), each
     run's products summed in registers -> [.., BLOCK_K // RUN]. SCALED: the exact FP8 values
     are multiplied and each run's sum is scaled once, so a weight costs one conversion and one
-    FMA (dequantising each weight first bounded the kernel on its conversions). FP8_BITS: the
-    conversion by integer operations (`fp8_bits_f32`), its 2^-120 undone in the run's scale."""
-    if FP8_BITS:
-        sums = tl.sum(x * fp8_bits_f32(w), axis=3) * 1.329227995784916e36  # 2^120
-    else:
-        sums = tl.sum(x * w.to(tl.float32), axis=3)
+    FMA (dequantising each weight first bounded the kernel on its conversions)."""
+    sums = tl.sum(x * w.to(tl.float32), axis=3)
     if SCALED:
         sums = sums * tl.sum(s, axis=3)  # [.., 1] -> [..]
     return sums
@@ -153,10 +137,10 @@ def run_sums(x, w, s, SCALED: tl.constexpr, FP8_BITS: tl.constexpr = False):
 
 @triton.jit
 def load_run_sums(x, w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K: tl.constexpr,
-                  SCALED: tl.constexpr, SCALE_K: tl.constexpr, FP8_BITS: tl.constexpr = False):
+                  SCALED: tl.constexpr, SCALE_K: tl.constexpr):
     """One K chunk of a streamed GEMV: `load_weight_runs` then `run_sums` with x."""
     w, s = load_weight_runs(w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED, SCALE_K)
-    return run_sums(x, w, s, SCALED, FP8_BITS)
+    return run_sums(x, w, s, SCALED)
 
 
 @triton.jit
@@ -197,8 +181,7 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
                  HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GLU: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr = False,
-                 SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1, RUN: tl.constexpr = 8,
-                 FP8_BITS: tl.constexpr = False):
+                 SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1, RUN: tl.constexpr = 8):
     """Program (j, s): columns [j*BLOCK_N, (j+1)*BLOCK_N) of y for all M rows, summed over
     K range [s*k_per_split, (s+1)*k_per_split).
 
@@ -207,7 +190,7 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     GLU: W is [gate; up] with 2N rows; the program also sums up's rows n + N and stores
     silu(gate) * up (never PARTIAL, no bias).
     SCALED: W is FP8 with block scales ws [ceil(N / SCALE_N), ceil(K / SCALE_K)]; each run's
-    sum is scaled (`run_sums`; FP8_BITS: its conversion by integer operations).
+    sum is scaled (`run_sums`).
     NOTE: k_per_split is a multiple of BLOCK_K; EVEN_K means K is too, and every split is
     full (no masks at all). A run (RUN elements: 16 bytes of W) never crosses a scale block.
     """
@@ -243,17 +226,16 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     if PDL:
         gdc_wait()
     x = load_chunk(x_ptrs, k_lo, K, kk, EVEN_K, "evict_last").to(tl.float32)
-    acc = run_sums(x, w, s, SCALED, FP8_BITS)  # [M_PAD, BLOCK_N, BLOCK_K // RUN]
+    acc = run_sums(x, w, s, SCALED)  # [M_PAD, BLOCK_N, BLOCK_K // RUN]
     acc_up = acc  # GLU: up's sums; otherwise unused
     if GLU:
-        acc_up = run_sums(x, w_up, s_up, SCALED, FP8_BITS)
+        acc_up = run_sums(x, w_up, s_up, SCALED)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         x = load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
-        acc += load_run_sums(x, w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED, SCALE_K,
-                             FP8_BITS)
+        acc += load_run_sums(x, w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED, SCALE_K)
         if GLU:
             acc_up += load_run_sums(x, up_ptrs, up_ws_ptrs, k0, K, kk, starts, EVEN_K, SCALED,
-                                    SCALE_K, FP8_BITS)
+                                    SCALE_K)
     store_rows(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), offs_m, offs_n, pid_k, b_ptr,
                y_ptr, M, N, stride_ym, stride_ys, HAS_BIAS, PARTIAL, GLU)
 
@@ -709,7 +691,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
         assert not cfg.mma or bk % cfg.block_k == 0, "a tile lies inside one scale block"
         meta.update(SCALED=True, SCALE_N=bn, SCALE_K=bk)
         if not cfg.mma:
-            meta.update(RUN=FP8_RUN, FP8_BITS=cfg.fp8_bits)
+            meta.update(RUN=FP8_RUN)
     if w4 is not None:
         assert not cfg.mma and cfg.block_k % W4_RUN_COLS == 0
         ws, group = w4

@@ -361,7 +361,7 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
                      DIRECT: tl.constexpr, SUM_PAIRS: tl.constexpr, W8: tl.constexpr,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, M_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr,
-                     EVEN_K: tl.constexpr, FP8_BITS: tl.constexpr = False):
+                     EVEN_K: tl.constexpr):
     """The decode MoE GEMV, `_moe_mma_kernel`'s contract for a few tokens, with FMAs.
     Program (j, b): columns [j*BLOCK_N, (j+1)*BLOCK_N) for M_PAD pairs (`_pair_rows`):
     - sorted (moe_align, M_PAD >= tokens): block b, all of one expert's pairs, so its W rows
@@ -372,8 +372,7 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
     The layout streams W as kernels/gemv.py's `_gemv_kernel` does: a K chunk viewed as
     [BLOCK_K // RUN, RUN], RUN contiguous elements a thread (one 16-byte load: 16 FP8 or 8
     16-bit weights), each run's products summed in registers, the sum across lanes once after
-    the loop; W evict_first, x evict_last (every program re-reads it). FP8_BITS: FP8 widened
-    by integer operations (kernels/gemv.py's `run_sums`)."""
+    the loop; W evict_first, x evict_last (every program re-reads it)."""
     live, experts, pairs, row_ok, rows = _pair_rows(sorted_ptr, expert_ptr, num_pairs,
                                                     ROW_DIV, M_PAD, DIRECT)
     if live < 0:
@@ -393,11 +392,10 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
     acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // RUN], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
-        acc += load_run_sums(x, w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, W8, GROUP_K,
-                             FP8_BITS)
+        acc += load_run_sums(x, w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, W8, GROUP_K)
         if GLU:
             acc_up += load_run_sums(x, w_ptrs + N * stride_wn, up_ws_ptrs, k0, K, kk, starts,
-                                    EVEN_K, W8, GROUP_K, FP8_BITS)
+                                    EVEN_K, W8, GROUP_K)
     if SUM_PAIRS:
         _sum_pairs_epilogue(tl.sum(acc, axis=2), pairs, row_ok, offs_n, N, c_ptr, topw_ptr,
                             M_PAD, BLOCK_N)
@@ -427,20 +425,22 @@ class MoeConfig:
     NOTE: "gemv" with block_m 1 (one token) is the direct path: no align, each pair a block of
     its own expert, and the down projection sums the top-k in its epilogue (its tile's rows
     are the top_k pairs). `swap`: the tensor-core kinds multiply W's tile by the pairs'
-    transposed rows (`_moe_mma_kernel`'s SWAP); `fp8_bits`: the GEMV widens FP8 by integer
-    operations (`_moe_gemv_kernel`'s FP8_BITS)."""
+    transposed rows (`_moe_mma_kernel`'s SWAP)."""
 
     kind: str
     block_m: int
     up: MoeTile
     down: MoeTile
     swap: bool = False
-    fp8_bits: bool = False
 
 
-#: tokens beyond which FP8 experts quantise activations too (compute-bound prefill); up to it
-#: weights are dequantised in registers, exact (W8A8 measured 3-8% faster at 2-64 tokens on
-#: the H200, its activations less exact)
+#: FP8 experts past the GEMV quantise activations too (FP8 x FP8 tensor cores, as the FP8
+#: checkpoints' dynamic activation scheme has it; the GEMV keeps them exact). Up to
+#: MOE_W8A8_MIN_TOKENS - 1 tokens (about one pair an expert) the product is swapped, the
+#: weight's rows on the MMA's wide side: on an H100 (`bench_kernels.py moe`) 4 tokens 72 us
+#: against 79 for W8A16 (the tile dequantised in registers), 8 tokens 113 against 129, 16 159
+#: against 172, 64 251 against 264 (W8A16 swapped: 138-281, slower than either). From it,
+#: prefill's pairs fill the 128-wide tiles the unswapped product takes.
 MOE_W8A8_MIN_TOKENS = 65
 
 
@@ -475,8 +475,8 @@ def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
         tile = MoeTile(128, min(bk, 128), num_warps=4, num_stages=4 if block_m == 64 else 3)
         return MoeConfig("w8a8", block_m, tile, tile)
     if block is not None:
-        tile = MoeTile(64, min(bk, 128), num_warps=4, num_stages=3)
-        return MoeConfig("mma", block_m, tile, tile)
+        tile = MoeTile(128, min(bk, 128), num_warps=8, num_stages=3)
+        return MoeConfig("w8a8", block_m, tile, tile, swap=True)
     tile = MoeTile(64 if block_m <= 32 else 128, 64, num_warps=4, num_stages=3)
     return MoeConfig("mma", block_m, tile, tile)
 
@@ -535,7 +535,7 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
                                out.stride(-2), stride_cs, DIRECT=direct, SUM_PAIRS=direct and not glu,
                                M_PAD=direct_rows if direct else cfg.block_m,
                                RUN=_gemv_run(w, tile, block), EVEN_K=k % tile.block_k == 0,
-                               FP8_BITS=cfg.fp8_bits and w_scale is not None, **meta)
+                               **meta)
         return
     a_s = a_scale if a_scale is not None else ws
     _moe_mma_kernel[grid](a, a_s, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,

@@ -359,8 +359,6 @@ def _moe_kinds(t: int, fp8: bool) -> list[moe_kernels.MoeConfig]:
     block = FP8_BLOCK if fp8 else None
     chosen = moe_kernels.pick_moe_config(t, A3B_K, A3B_E, A3B_H, A3B_I, block)
     cfgs = [chosen]
-    if chosen.kind == "gemv" and fp8:  # FP8 widened by integer operations
-        cfgs.append(dataclasses.replace(chosen, fp8_bits=True))
     if chosen.kind != "gemv" and t <= 16:  # (pick_moe_config's GEMV tiles, for more rows)
         m_pad = triton.next_power_of_2(t)
         cfgs.append(moe_kernels.MoeConfig("gemv", m_pad, *moe_kernels.moe_gemv_tiles(m_pad, fp8)))
@@ -439,7 +437,7 @@ def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...]) -> list[Row]:
                 us = _time_us(partial(_moe_experts_call, weights, cfg), inputs)
                 tile = cfg.up
                 out.append({"op": "experts", "fp8": fp8, "T": t, "kind": cfg.kind,
-                            "block_m": cfg.block_m, "swap": cfg.swap, "fp8_bits": cfg.fp8_bits,
+                            "block_m": cfg.block_m, "swap": cfg.swap,
                             "tile": [tile.block_n, tile.block_k, tile.num_warps,
                                      tile.num_stages],
                             "us": us, "GBps": nbytes / us / 1e3,
@@ -449,7 +447,6 @@ def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...]) -> list[Row]:
         kind = r["kind"]
         if "block_m" in r:
             kind += f"/{r['block_m']}" + ("/swap" if r["swap"] else "")
-            kind += "/bits" if r["fp8_bits"] else ""
             kind += "/" + ",".join(map(str, r["tile"]))
         print(f"{r['op']:8} {'fp8' if r['fp8'] else 'bf16':>4} {r['T']:5} {kind:>20} "
               f"{r['us']:9.1f} {r['GBps']:7.0f} {r['TFLOPs']:8.1f}{' *' if r['chosen'] else ''}")
@@ -473,11 +470,10 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
             kinds: list[GemvConfig | fp8_kernels.Fp8Config] = [chosen] + [
                 fp8_kernels.Fp8Config(kind, block_m, 64 if m <= 64 else 128, 128)
                 for kind in ("w8a16", "w8a8") if kind != _fp8_kind(chosen)]
-            if m <= 2:  # the FMA GEMV's other K chunks and warps; FP8 widened by integers
-                fma = [GemvConfig(m, bk, num_warps=w) for bk, w in
-                       ((1024, 1), (2048, 2), (2048, 4), (4096, 2), (4096, 4))]
-                fma += [dataclasses.replace(c, fp8_bits=True) for c in fma]
-                kinds += [c for c in fma if c != chosen]
+            if m <= 2:  # the FMA GEMV's other K chunks and warps
+                kinds += [c for c in (GemvConfig(m, bk, num_warps=w) for bk, w in
+                                      ((1024, 1), (2048, 2), (2048, 4), (4096, 2), (4096, 4)))
+                          if c != chosen]
             if m <= 4:  # the tensor-core GEMV (swap AB) at few rows, K split or not
                 kinds += [c for c in (GemvConfig(bn, 128, 4, 3, split_k=s, mma=True)
                                       for bn in (64, 128) for s in (1, 2, 4)) if c != chosen]
@@ -493,7 +489,7 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
     for r in out:
         c = r.get("config", {})
         tile = (f" N{c['block_n']}/K{c['block_k']}/w{c['num_warps']}/s{c['split_k']}"
-                + ("/bits" if c["fp8_bits"] else "") if r["kind"] in ("gemv", "gemv_mma") else "")
+                if r["kind"] in ("gemv", "gemv_mma") else "")
         print(f"{r['shape']:8} {r['M']:5} {r['kind'] + tile:>24} {r['us']:8.1f} {r['GBps']:7.0f}"
               f"{' *' if r['chosen'] else ''}")
     return out

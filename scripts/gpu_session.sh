@@ -12,7 +12,8 @@
 #     ceilings decode decode8b prefill parity serve ablation hf offline smol   the figures
 #     kernels   the kernel micro-benchmarks (scripts/bench_kernels.py)
 #     parity35 paritymoe paritymoefp8   Qwen3.5-4B / Qwen3-30B-A3B (4 of its layers) logits
-#     moe30 moe30b moe30hf   Qwen3-30B-A3B-FP8: serve (cold, FP8 KV); serve (warm, bf16 KV),
+#     moe30 moe30b moe30hf   Qwen3-30B-A3B-FP8: serve (cold, FP8 KV; $MOE30_CONC narrows the
+#                     concurrencies); serve (warm, bf16 KV),
 #                     ceilings, decode; transformers
 #     q35 chat35 q35hf   Qwen3.5-4B: ceilings, decode, serve (cold, warm); chat turns; transformers
 #     failing   the GPU tests of the FP8 weights and KV, by name
@@ -157,7 +158,8 @@ for p in "$@"; do
               python3 scripts/check_gpu_parity.py "$d" --prompts 2 --len 512 \
               --out $RES/parity_qwen3-30b-a3b-fp8-L4.json ;;
     moe30) d=$(model qwen3-30b-a3b-fp8); rm -rf ~/.triton/cache
-           phase moe30_serve 240 "${BENCH[@]}" serve "$d" --concurrency 1 8 64 \
+           phase moe30_serve "${MOE30_TIMEOUT:-240}" "${BENCH[@]}" serve "$d" \
+             --concurrency ${MOE30_CONC:-1 8 64} \
              --serve-args="--kv-cache-dtype fp8_e4m3" --out $RES/serve_qwen3-30b-a3b-fp8.json ;;
     moe30b) d=$(model qwen3-30b-a3b-fp8)
            phase moe30_serve_bf16kv 120 "${BENCH[@]}" serve "$d" --concurrency 8 \

@@ -57,11 +57,10 @@ def compile_for_hopper(kernel: Any, constexprs: dict[str, Any], num_warps: int =
 def test_gemv_kernels(glu: bool, even_k: bool, scaled: bool) -> None:
     w = "*fp8e4nv" if scaled else "*bf16"
     scale = {"SCALED": scaled, "SCALE_N": 128 if scaled else 1, "SCALE_K": 128 if scaled else 1}
-    for bits in (False, True) if scaled else (False,):
-        compile_for_hopper(gemv._gemv_kernel, {
-            "HAS_BIAS": False, "PARTIAL": False, "EVEN_K": even_k, "M_PAD": 2, "BLOCK_N": 2,
-            "BLOCK_K": 2048, "GLU": glu, "PDL": False, "RUN": 16 if scaled else 8,
-            "FP8_BITS": bits, **scale}, w_ptr=w)
+    compile_for_hopper(gemv._gemv_kernel, {
+        "HAS_BIAS": False, "PARTIAL": False, "EVEN_K": even_k, "M_PAD": 2, "BLOCK_N": 2,
+        "BLOCK_K": 2048, "GLU": glu, "PDL": False, "RUN": 16 if scaled else 8, **scale},
+        w_ptr=w)
     compile_for_hopper(gemv._gemv_mma_kernel, {
         "HAS_BIAS": False, "PARTIAL": False, "EVEN_K": even_k, "M_PAD": 16, "BLOCK_N": 64,
         "BLOCK_K": 128, "GLU": glu, "PDL": False, "PRECISION": "tf32", "PAIRED": False,
@@ -88,7 +87,7 @@ def test_moe_kernels(glu: bool) -> None:
             compile_for_hopper(moe._moe_gemv_kernel, {
                 **route, **blocks, "DIRECT": direct, "SUM_PAIRS": direct and not glu,
                 "W8": True, "M_PAD": 8 if direct else 2, "BLOCK_N": 4, "BLOCK_K": 512,
-                "RUN": 16, "EVEN_K": even_k, "FP8_BITS": even_k})
+                "RUN": 16, "EVEN_K": even_k})
 
 
 @pytest.mark.parametrize("a8", [False, True])

@@ -178,8 +178,8 @@ def test_max_blocks_bounds_every_routing(t: int, k: int, e: int, bm: int) -> Non
 
 
 def test_pick_config() -> None:
-    """Token classes: the GEMV (one block per expert), tensor cores, FP8 W8A8 from
-    MOE_W8A8_MIN_TOKENS on; FP8 K steps inside one scale block."""
+    """Token classes: the GEMV (one block per expert), then tensor cores: FP8 W8A8 (swapped
+    below MOE_W8A8_MIN_TOKENS), bf16 unswapped; FP8 K steps inside one scale block."""
     gemv_classes = [(t, block) for t in range(1, MOE_GEMV_MAX_TOKENS + 1)
                     for block in (None, (128, 128))]
     for t, block in gemv_classes:
@@ -194,12 +194,11 @@ def test_pick_config() -> None:
             lanes = 32 * tile.num_warps
             assert w_rows * tile.block_n * tile.block_k // run >= lanes  # runs for every lane
             assert rows * tile.block_n * tile.block_k // run <= 8 * lanes  # <= 8 fp32 sums
-    for t, fp8_kind in ((MOE_GEMV_MAX_TOKENS + 1, "mma"),
-                        (MOE_W8A8_MIN_TOKENS - 1, "mma"),
-                        (MOE_W8A8_MIN_TOKENS, "w8a8"), (8192, "w8a8")):
+    for t in (MOE_GEMV_MAX_TOKENS + 1, MOE_W8A8_MIN_TOKENS - 1, MOE_W8A8_MIN_TOKENS, 8192):
         for block in ((128, 128), (16, 16)):
             cfg = pick_moe_config(t, 8, 128, 2048, 768, block)
-            assert cfg.kind == fp8_kind and 16 <= cfg.block_m <= 64
+            assert cfg.kind == "w8a8" and 16 <= cfg.block_m <= 64
+            assert cfg.swap == (t < MOE_W8A8_MIN_TOKENS)  # swapped at about a pair an expert
             assert block[1] % cfg.up.block_k == 0 and block[1] % cfg.down.block_k == 0
         if t > MOE_GEMV_MAX_TOKENS:
             assert pick_moe_config(t, 8, 128, 2048, 768, None).kind == "mma"
@@ -336,9 +335,7 @@ def interp_check_moe() -> None:
                         for swap in (False, True)]
                 if t <= 4:  # (a K chunk of 64: several scale groups, K's tail masked)
                     cfgs += [MoeConfig("gemv", triton_pow2(t), tiny, tiny),
-                             MoeConfig("gemv", 4, MoeTile(16, 64), MoeTile(8, 64)),
-                             MoeConfig("gemv", 4, MoeTile(16, 64), MoeTile(8, 64),
-                                       fp8_bits=True)]
+                             MoeConfig("gemv", 4, MoeTile(16, 64), MoeTile(8, 64))]
                 if t == 40:  # wider tiles: N past the projections' widths
                     cfgs += [MoeConfig("mma", 16, MoeTile(32, 16), MoeTile(64, 16), swap)
                              for swap in (False, True)]
@@ -348,8 +345,6 @@ def interp_check_moe() -> None:
                     for k in (1, 2, 3):
                         for up, down in ((tiny, tiny), (MoeTile(16, 64), MoeTile(8, 32))):
                             check_experts(x, logits, k, ex, MoeConfig("gemv", 1, up, down))
-                            check_experts(x, logits, k, ex,
-                                          MoeConfig("gemv", 1, up, down, fp8_bits=True))
     check_one_token(gen)
     # the dispatchers: each token class's kernel, routed by moe_route
     experts = make_experts(8, h, inter, gen, (16, 16))
