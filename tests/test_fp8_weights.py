@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import load_script, run_interpreter_check
 from model_dirs import (
     FP8_BLOCK,
@@ -227,9 +228,10 @@ def test_qwen3_5_moe_fp8_kept_as_on_cuda(q35_moe_fp8: tuple[Path, Path],
 
 def interp_check_fp8_moe() -> None:
     """A tiny FP8 MoE kept FP8 (`_keeps_fp8` forced) through the Triton kernels (`triton_ops`'
-    fused_moe, `fp8_linear`) against the torch references: prefill whole, in chunks of 16,
-    and 2 tokens one by one (a first token, then one with a cached prefix: each Triton
-    launch is seconds under the interpreter). Blocks of 32 x 32 (the kernels take power-of-two blocks, as the
+    fused_moe, `fp8_linear`) against the torch references: prefill whole and in chunks of 16
+    (the experts W8A8: within its rounding), and 2 tokens one by one (a first token, then one
+    with a cached prefix, W8A16: within summation order; each Triton launch is seconds under
+    the interpreter). Blocks of 32 x 32 (the kernels take power-of-two blocks, as the
     releases' 128 x 128): expert width 40 gives w13 one scale row per weight row and w2 a
     partial column block. Run under TRITON_INTERPRET=1 on the CPU (fp32: the interpreter's bf16
     dots are wrong)."""
@@ -249,14 +251,23 @@ def interp_check_fp8_moe() -> None:
     model.ops = triton_ops()
     for chunk, n in ((None, 24), (16, 24), (1, 2)):
         got = teacher_forced_logits(model, ids[:n], chunk_size=chunk)
-        assert (got - ref[:n]).abs().max() < 1e-4, chunk
-        assert torch.equal(got.argmax(-1), ref[:n].argmax(-1)), chunk
+        if chunk == 1:  # the GEMVs: W8A16, exact up to fp32 summation order
+            assert (got - ref[:n]).abs().max() < 1e-4
+            assert torch.equal(got.argmax(-1), ref[:n].argmax(-1))
+            continue
+        # 3-64 tokens: the experts W8A8, their activations rounded to e4m3 (3 mantissa bits)
+        # per token and 32 columns; bounded as assert_fp8_near_twin bounds W8A8 (measured
+        # here: KL 0.005, top-1 23 of 24)
+        kl = F.kl_div(got.log_softmax(-1), ref[:n].log_softmax(-1), log_target=True,
+                      reduction="none").sum(-1).mean()
+        top1 = (got.argmax(-1) == ref[:n].argmax(-1)).float().mean()
+        assert kl < 0.06 and top1 >= 0.85, (chunk, kl, top1)
 
 
 @pytest.mark.slow
 def test_fp8_moe_through_the_triton_kernels_under_the_interpreter() -> None:
-    """The FP8 expert kernels agree with their torch references within fp32 summation
-    order."""
+    """The FP8 expert kernels agree with their torch references: within fp32 summation order
+    one token at a time, within W8A8's rounding in chunks."""
     run_interpreter_check("test_fp8_weights", "interp_check_fp8_moe")
 
 
