@@ -188,27 +188,25 @@ def _w_step(acc, a, a_scale, w_ptrs, ws_ptrs, k_ok, W8: tl.constexpr, A8: tl.con
     """acc += a [BLOCK_M, BLOCK_K] @ one expert's W^T tile [BLOCK_K, BLOCK_N]: W in a's dtype,
     FP8 dequantised to it in registers (W8), or FP8 times FP8 scaled by both scales (A8).
     SWAP: the transposed product, acc^T [BLOCK_N, BLOCK_M] += W tile [BLOCK_N, BLOCK_K] @ a^T,
-    so the weight's rows take the MMA's wide side (64 and more) and the pairs its narrow one.
+    so the weight's rows take the MMA's wide side (64 and more) and the pairs its narrow one;
+    each element is scaled and rounded as unswapped.
     NOTE: one return: Triton checks every return's type, also in static ifs."""
     if SWAP:
         w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        ws = tl.load(ws_ptrs)[:, None]
-        lhs, rhs = w, tl.trans(a)
-        scales = ws * a_scale[None, :]
+        if A8:
+            acc += tl.dot(w, tl.trans(a)) * a_scale[None, :] * tl.load(ws_ptrs)[:, None]
+        else:
+            if W8:
+                w = dequant_tile(w, tl.load(ws_ptrs)[:, None], a.dtype)
+            acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
     else:
         w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        ws = tl.load(ws_ptrs)[None, :]
-        lhs, rhs = a, w
-        scales = a_scale[:, None] * ws
-    if A8:
-        acc += tl.dot(lhs, rhs) * scales
-    else:
-        if W8:
-            if SWAP:
-                lhs = dequant_tile(w, ws, a.dtype)
-            else:
-                rhs = dequant_tile(w, ws, a.dtype)
-        acc = tl.dot(lhs, rhs, acc, input_precision=PRECISION)
+        if A8:
+            acc += tl.dot(a, w) * a_scale[:, None] * tl.load(ws_ptrs)[None, :]
+        else:
+            if W8:
+                w = dequant_tile(w, tl.load(ws_ptrs)[None, :], a.dtype)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
     return acc
 
 
