@@ -85,7 +85,10 @@ def test_ref_matches_transformers_fp32(norm: bool, impl: str) -> None:
     x = torch.randn(13, 48, generator=torch.Generator().manual_seed(1))
     got, want = run_both(block, x)
     assert got.dtype == x.dtype and got.shape == x.shape
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # NOTE: fp32 roundings in another order (the BLAS picks its kernel by CPU and shape: on an
+    # AMD EPYC 2e-5 apart at outputs of 241, elementwise far past 1e-6 where the top-k sum
+    # cancels), so norm-wise: measured 1e-7; a wrong expert or weight gives about 1
+    assert rel(got, want) < 1e-6, rel(got, want)
 
 
 @pytest.mark.parametrize("norm", [True, False])
