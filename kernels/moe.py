@@ -17,14 +17,19 @@ The Triton version (`fused_moe` = `moe_route` + `moe_experts`), as vLLM's and SG
   torch.topk picks on CUDA) + renormalise; ids int32.
 - `moe_align`: one program sorts the pairs p = token * top_k + j into per-expert groups, each
   padded to block_m, and names each block's expert (-1 past the last group).
+  `moe_route_align`: both in one program, for 2..ROUTE_ALIGN_MAX_TOKENS tokens (decode
+  batches, where a launch costs more than the routing's work).
 - `_moe_mma_kernel`: the grouped GEMM over those blocks on tensor cores (bf16; FP8 weights
   dequantised in registers, W8A16; or FP8 x FP8 with activations quantised per token and bk
-  columns, W8A8), silu(gate) * up in the gate_up projection's epilogue and the routing
+  columns, W8A8: a pass before each projection, or in the kernel's registers where the
+  product is swapped), silu(gate) * up in the gate_up projection's epilogue and the routing
   weight in down's; `_moe_gemv_kernel`: the same contract for a few tokens with FMAs, one
   block per expert, so each chosen expert's weights are read once for all its rows; W
   streamed as kernels/gemv.py's GEMV streams it (16-byte runs a thread, FP8 at its exact
   values, each run's sum times its block's scale).
-- the per-pair outputs [T * top_k, H] summed over top_k by torch (fp32 accumulation).
+- the per-pair outputs [T * top_k, H] summed over top_k by torch (fp32 accumulation); from 2
+  to MAX_ROWS tokens `fused_moe_unreduced` leaves the sum to the next norm (split-sum slots).
+  So an FP8 decode batch of 3..32 tokens runs route + align, gate_up, down: three launches.
 - one token (decode at batch 1): no align (its pairs are blocks of their own, the kernels read
   each pair's expert from the ids), and the down GEMV sums the top-k in its epilogue (each
   pair's output rounded and weighted as above, summed in fp32 in top-k order, rounded once):
@@ -45,6 +50,7 @@ from torch import Tensor
 from arle_kernels.fp8 import (
     dequant_tile,
     quantize_fp8_groups,
+    quantize_rows,
 )
 from arle_kernels.fused import silu_mul
 from arle_kernels.gemv import RUN_BYTES, load_chunk, load_run_sums
@@ -58,20 +64,21 @@ from arle_kernels.split_sums import MAX_ROWS, SplitSums, slot_buffer
 MOE_GEMV_MAX_TOKENS = 2
 #: tokens up to which `moe_route` runs one token a program on one warp
 ROUTE_ONE_WARP_MAX_TOKENS = 4
+#: tokens up to which the routing and the align are one launch (`moe_route_align`)
+ROUTE_ALIGN_MAX_TOKENS = 64
 
 
 # ---------------------------------------------------------------------------------------------
 # Triton
 # ---------------------------------------------------------------------------------------------
 
-@jit_varying("T")
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_lt,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
-                  E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Program i: tokens [i*BLOCK_T, (i+1)*BLOCK_T): softmax over the E logits in fp32, the
-    TOP_K largest probabilities one at a time (on equal ones the lowest expert first, as
-    torch.topk on CUDA), divided by their sum when RENORM, stored in the logits' dtype."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+@triton.jit
+def _route_rows(logits_ptr, weights_ptr, ids_ptr, offs_t, T, E, stride_lt,
+                TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
+                E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Tokens offs_t [BLOCK_T] (< T stored): softmax over the E logits in fp32, the TOP_K largest
+    probabilities one at a time (on equal ones the lowest expert first, as torch.topk on CUDA),
+    divided by their sum when RENORM, stored in the logits' dtype."""
     experts = tl.arange(0, E_PAD)
     slots = tl.arange(0, K_PAD)
     rows = tl.minimum(offs_t, T - 1).to(tl.int64)
@@ -96,6 +103,16 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_lt,
     mask = (offs_t < T)[:, None] & (slots < TOP_K)[None, :]
     tl.store(weights_ptr + out, picked.to(weights_ptr.dtype.element_ty), mask=mask)
     tl.store(ids_ptr + out, picked_ids, mask=mask)
+
+
+@jit_varying("T")
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_lt,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
+                  E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program i: tokens [i*BLOCK_T, (i+1)*BLOCK_T) (`_route_rows`)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _route_rows(logits_ptr, weights_ptr, ids_ptr, offs_t, T, E, stride_lt, TOP_K, K_PAD,
+                RENORM, E_PAD, BLOCK_T)
 
 
 def moe_route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -124,10 +141,10 @@ def _route_tile(num_tokens: int, e_pad: int) -> tuple[int, int]:
     return max(1, min(16, 2048 // e_pad)), 4
 
 
-@jit_varying("num_pairs", "max_blocks")
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks,
-                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCKS_CHUNK: tl.constexpr):
+@triton.jit
+def _align(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks,
+           E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+           BLOCKS_CHUNK: tl.constexpr):
     """One program: moe_align_ref's outputs. Counts per expert, groups padded to BLOCK_M and
     laid out in expert order (an exclusive cumsum), then each pair's slot: its group's start
     plus how many pairs of that expert precede it (a running count per expert and a cumsum of
@@ -163,22 +180,68 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
         running += tl.sum(onehot, axis=0)
 
 
+@jit_varying("num_pairs", "max_blocks")
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks,
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCKS_CHUNK: tl.constexpr):
+    _align(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks, E_PAD,
+           BLOCK_M, CHUNK, BLOCKS_CHUNK)
+
+
+@jit_varying("T", "max_blocks")
+def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, T, E,
+                        stride_lt, max_blocks, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                        RENORM: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+    """One program: the routing, BLOCK_T tokens at a time (`_route_rows`), then the align of
+    the ids it stored (`_align`).
+    NOTE: the barrier between: the align's threads read ids that other threads wrote."""
+    for t0 in range(0, T, BLOCK_T):
+        _route_rows(logits_ptr, weights_ptr, ids_ptr, t0 + tl.arange(0, BLOCK_T), T, E,
+                    stride_lt, TOP_K, K_PAD, RENORM, E_PAD, BLOCK_T)
+    tl.debug_barrier()
+    _align(ids_ptr, sorted_ptr, block_expert_ptr, T * TOP_K, E, max_blocks, E_PAD, BLOCK_M,
+           CHUNK, BLOCKS_CHUNK)
+
+
+def _align_buffers(t: int, top_k: int, num_experts: int, block_m: int,
+                   device: torch.device) -> tuple[Tensor, Tensor, dict[str, int]]:
+    """moe_align's outputs (empty) and `_align`'s launch constants.
+    NOTE: one chunk size per expert count (not per token count): one variant per block_m."""
+    max_blocks = moe_max_blocks(t, top_k, num_experts, block_m)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    e_pad = triton.next_power_of_2(num_experts)
+    meta = {"E_PAD": e_pad, "BLOCK_M": block_m, "CHUNK": max(16, 16384 // e_pad),
+            "BLOCKS_CHUNK": max(16, 4096 // e_pad), "num_warps": 8}
+    return sorted_ids, block_expert, meta
+
+
+def moe_route_align(router_logits: Tensor, top_k: int, renormalize: bool,
+                    block_m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """moe_route then moe_align in one launch (one program: for a decode batch's few tokens,
+    where a launch costs more than the work): weights, ids, sorted_ids, block_expert."""
+    t, e = router_logits.shape
+    assert router_logits.stride(1) == 1 and 0 < top_k <= e and t > 0
+    weights = torch.empty(t, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    sorted_ids, block_expert, meta = _align_buffers(t, top_k, e, block_m, ids.device)
+    _route_align_kernel[(1,)](
+        router_logits, weights, ids, sorted_ids, block_expert, t, e, router_logits.stride(0),
+        block_expert.shape[0], TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        RENORM=renormalize, BLOCK_T=max(1, min(16, 2048 // meta["E_PAD"])), **meta)
+    return weights, ids, sorted_ids, block_expert
+
+
 def moe_align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
     """moe_align_ref in one kernel (one program: a few microseconds for a decode step's pairs,
     a pass over all pairs per chunk of 128 for a prefill's). ids [T, top_k] int32."""
     t, top_k = ids.shape
     assert ids.dtype == torch.int32 and ids.is_contiguous()
-    max_blocks = moe_max_blocks(t, top_k, num_experts, block_m)
-    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
-    if max_blocks > 0:
-        pairs = t * top_k
-        e_pad = triton.next_power_of_2(num_experts)
-        # NOTE: one chunk size per expert count (not per token count): one variant per block_m
-        chunk = max(16, 16384 // e_pad)
-        _align_kernel[(1,)](ids, sorted_ids, block_expert, pairs, num_experts, max_blocks,
-                            E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk,
-                            BLOCKS_CHUNK=max(16, 4096 // e_pad), num_warps=8)
+    sorted_ids, block_expert, meta = _align_buffers(t, top_k, num_experts, block_m, ids.device)
+    if block_expert.shape[0] > 0:
+        _align_kernel[(1,)](ids, sorted_ids, block_expert, t * top_k, num_experts,
+                            block_expert.shape[0], **meta)
     return sorted_ids, block_expert
 
 
@@ -308,7 +371,8 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
                     ROW_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                     SLOT_K: tl.constexpr, W8: tl.constexpr, A8: tl.constexpr, GROUP_N: tl.constexpr,
                     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, SWAP: tl.constexpr, QUANT_A: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """The grouped GEMM. Program (j, b): block b of the sorted pairs (BLOCK_M pairs of one
     expert, moe_align) times columns [j*BLOCK_N, (j+1)*BLOCK_N) of that expert's W^T, on
     tensor cores. A row of `a` is pair // ROW_DIV (the token, for the gate_up projection;
@@ -316,7 +380,10 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
     halves' columns n and n + N, storing silu(gate) * up. Blocks past the last group (expert
     -1) do nothing: the grid is sized from shapes, the work from the routing.
     SWAP ("swap AB", for ~1 pair an expert): each step multiplies W's tile by a^T (`_w_step`),
-    the sums are transposed back once, before the epilogue."""
+    the sums are transposed back once, before the epilogue.
+    QUANT_A (A8, a in 16 or 32 bits, BLOCK_K == GROUP_K): each step's tile of a is quantised
+    in registers, one scale a row (kernels/fp8.py's `quantize_rows`, the bits
+    quantize_fp8_groups gives), so no pass over the activations runs before the kernel."""
     expert, e64, pairs, row_ok, rows, offs_n, cols, ws_ptrs, up_ws_ptrs = _pair_block(
         sorted_ptr, block_expert_ptr, ws_ptr, N, num_pairs, stride_wse, stride_wsn, ROW_DIV,
         GROUP_N, BLOCK_M, BLOCK_N)
@@ -336,7 +403,9 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
     for k0 in range(0, K, BLOCK_K):
         k_ok = kk < K - k0
         a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
-        if A8:
+        if QUANT_A:
+            a, a_scale = quantize_rows(a, w_ptr.dtype.element_ty)
+        elif A8:
             a_scale = tl.load(as_ptr + rows * stride_asm + k0 // GROUP_K)
         acc = _w_step(acc, a, a_scale, w_ptrs + k0, ws_ptrs + k0 // GROUP_K, k_ok, W8, A8,
                       SWAP, PRECISION)
@@ -481,14 +550,13 @@ def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
 
 def moe_token_classes(top_k: int, num_experts: int, hidden: int, inter: int,
                       block: tuple[int, int] | None, max_tokens: int) -> tuple[int, ...]:
-    """One token count per launch configuration `pick_moe_config` and `moe_route` give up to
+    """One token count per launch configuration `pick_moe_config` and the routing give up to
     max_tokens (the kernels compile per configuration): what a warm-up runs to build every
     MoE variant."""
     seen: dict[tuple[MoeConfig, tuple[int, int]], int] = {}
-    e_pad = triton.next_power_of_2(num_experts)
     for t in range(1, max_tokens + 1):
         cfg = pick_moe_config(t, top_k, num_experts, hidden, inter, block)
-        seen.setdefault((cfg, _route_tile(t, e_pad)), t)
+        seen.setdefault((cfg, routing_launch(t, cfg, num_experts)), t)
     return tuple(seen.values())
 
 
@@ -535,21 +603,25 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
                                RUN=_gemv_run(w, tile, block), EVEN_K=k % tile.block_k == 0,
                                **meta)
         return
+    a8 = cfg.kind == "w8a8"
+    quant_a = a8 and a_scale is None
+    assert not quant_a or tile.block_k == bk, "a K step quantised in the kernel: one group"
     a_s = a_scale if a_scale is not None else ws
     _moe_mma_kernel[grid](a, a_s, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,
                           num_pairs, a.stride(0), a_s.stride(0), w.stride(0), w.stride(1),
-                          *ws_strides, out.stride(-2), stride_cs, A8=cfg.kind == "w8a8",
-                          BLOCK_M=cfg.block_m, SWAP=cfg.swap,
+                          *ws_strides, out.stride(-2), stride_cs, A8=a8,
+                          BLOCK_M=cfg.block_m, SWAP=cfg.swap, QUANT_A=quant_a,
                           PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **meta)
 
 
 def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,
                  w13_scale: Tensor | None, w2_scale: Tensor | None,
-                 block: tuple[int, int] | None, cfg: MoeConfig,
-                 sums: bool = False) -> Tensor | SplitSums:
+                 block: tuple[int, int] | None, cfg: MoeConfig, sums: bool = False,
+                 aligned: tuple[Tensor, Tensor] | None = None) -> Tensor | SplitSums:
     """`moe_experts` in `cfg`'s launches; sums: where the down projection can leave the top-k
     sum to its consumer (2..MAX_ROWS tokens, routing weights in x's dtype), its split-sum
-    slots (`_moe_epilogue`'s SLOT_K) rather than y."""
+    slots (`_moe_epilogue`'s SLOT_K) rather than y; aligned: moe_align's outputs for ids at
+    cfg.block_m, where they were made with the routing (`moe_route_align`)."""
     t, h = x.shape
     top_k = ids.shape[1]
     num_experts, two_i, _ = w13.shape
@@ -567,16 +639,19 @@ def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tenso
     weights = weights.contiguous()
     if cfg.kind == "gemv" and cfg.block_m == 1:
         return _one_token_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg)
-    sorted_ids, block_expert = moe_align(ids, num_experts, cfg.block_m)
+    sorted_ids, block_expert = aligned or moe_align(ids, num_experts, cfg.block_m)
     w8a8 = cfg.kind == "w8a8"
     assert not w8a8 or fp8
     group = block[1] if block is not None else 0
-    a, a_scale = quantize_fp8_groups(x, group) if w8a8 else (x, None)
+    # NOTE: swapped W8A8 (a few pairs an expert) quantises its activations in the kernel
+    # (QUANT_A: two launches fewer); unswapped (prefill), each column tile would redo it
+    pre_quant = w8a8 and not (cfg.swap and cfg.up.block_k == cfg.down.block_k == group)
+    a, a_scale = quantize_fp8_groups(x, group) if pre_quant else (x, None)
     inter_out = x.new_empty(pairs, inter)
     common = (weights, sorted_ids, block_expert, pairs)
     _launch_proj(a, a_scale, w13, w13_scale, inter_out, *common, row_div=top_k, glu=True,
                  block=block, cfg=cfg, tile=cfg.up)
-    a, a_scale = quantize_fp8_groups(inter_out, group) if w8a8 else (inter_out, None)
+    a, a_scale = quantize_fp8_groups(inter_out, group) if pre_quant else (inter_out, None)
     if sums and t <= MAX_ROWS and weights.dtype == x.dtype:
         slots = slot_buffer(x.device, top_k, t, h)
         _launch_proj(a, a_scale, w2, w2_scale, slots, *common, row_div=1, glu=False,
@@ -625,21 +700,52 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor
     return _moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg, sums)
 
 
+def _fused_moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
+               renormalize: bool, w13_scale: Tensor | None, w2_scale: Tensor | None,
+               block: tuple[int, int] | None, sums: bool) -> Tensor | SplitSums:
+    """Routing, then the experts: up to ROUTE_ALIGN_MAX_TOKENS tokens (one token excepted: it
+    needs no align) the routing and the align in one launch."""
+    t = x.shape[0]
+    cfg = pick_moe_config(t, top_k, w13.shape[0], x.shape[1], w2.shape[2], block)
+    if not _route_aligns(t, cfg):
+        weights, ids = moe_route(router_logits, top_k, renormalize)
+        return moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, sums=sums)
+    weights, ids, sorted_ids, block_expert = moe_route_align(router_logits, top_k, renormalize,
+                                                             cfg.block_m)
+    return _moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg, sums,
+                        (sorted_ids, block_expert))
+
+
+def _route_aligns(num_tokens: int, cfg: MoeConfig) -> bool:
+    """Whether the routing and the align are one launch (`moe_route_align`): 2 (the one-token
+    path has no align) to ROUTE_ALIGN_MAX_TOKENS tokens."""
+    return 2 <= num_tokens <= ROUTE_ALIGN_MAX_TOKENS and not (cfg.kind == "gemv"
+                                                              and cfg.block_m == 1)
+
+
+def routing_launch(num_tokens: int, cfg: MoeConfig, num_experts: int) -> tuple[int, int]:
+    """`fused_moe`'s routing launch at num_tokens: `_route_tile`'s, or (0, 0) for the routing
+    fused with the align (its variants follow cfg.block_m)."""
+    if _route_aligns(num_tokens, cfg):
+        return 0, 0
+    return _route_tile(num_tokens, triton.next_power_of_2(num_experts))
+
+
 def fused_moe_unreduced(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
                         renormalize: bool, w13_scale: Tensor | None = None,
                         w2_scale: Tensor | None = None, block: tuple[int, int] | None = None,
                         ) -> Tensor | SplitSums:
-    """fused_moe_ref on the GPU (moe_route, then moe_experts), its top-k sum left as
+    """fused_moe_ref on the GPU (routing, then moe_experts), its top-k sum left as
     `SplitSums` where it can be, for a consumer that takes them (`add_rms_norm`)."""
-    weights, ids = moe_route(router_logits, top_k, renormalize)
-    return moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, sums=True)
+    return _fused_moe(x, router_logits, w13, w2, top_k, renormalize, w13_scale, w2_scale,
+                      block, sums=True)
 
 
 def fused_moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
               renormalize: bool, w13_scale: Tensor | None = None,
               w2_scale: Tensor | None = None, block: tuple[int, int] | None = None) -> Tensor:
-    """fused_moe_ref on the GPU: moe_route, then moe_experts."""
-    weights, ids = moe_route(router_logits, top_k, renormalize)
-    y = moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block)
+    """fused_moe_ref on the GPU: routing, then moe_experts."""
+    y = _fused_moe(x, router_logits, w13, w2, top_k, renormalize, w13_scale, w2_scale, block,
+                   sums=False)
     assert isinstance(y, Tensor)
     return y

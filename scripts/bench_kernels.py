@@ -389,6 +389,13 @@ def _moe_experts_call(weights: dict[str, Any], cfg: moe_kernels.MoeConfig,
                                     weights.get("block"), cfg)
 
 
+def _fused_moe_call(weights: dict[str, Any], inputs: tuple[Tensor, ...]) -> object:
+    x, logits, _, _ = inputs
+    return moe_kernels.fused_moe(x, logits, weights["w13"], weights["w2"], A3B_K, True,
+                                 weights.get("w13_scale"), weights.get("w2_scale"),
+                                 weights.get("block"))
+
+
 def _fp8_linear_call(x: Tensor, cfg: GemvConfig | fp8_kernels.Fp8Config,
                      ws: tuple[Tensor, Tensor]) -> Tensor:
     y = fp8_kernels._launch_fp8_linear(x, ws[0], ws[1], FP8_BLOCK, None, cfg)
@@ -404,9 +411,10 @@ def _fp8_kind(cfg: GemvConfig | fp8_kernels.Fp8Config) -> str:
 
 
 def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...]) -> list[Row]:
-    """Each MoE kernel kind on Qwen3-30B-A3B's experts (routing and the top-k sum included;
-    the router's softmax / top-k timed apart), in a CUDA graph, over 8 random routings. GB/s:
-    the weights of the experts the tokens chose, read once; TFLOP/s: the pairs' projections."""
+    """Each MoE kernel kind on Qwen3-30B-A3B's experts (the align and the top-k sum included;
+    the router's softmax / top-k timed apart, and the whole layer as the model runs it, op
+    "fused"), in a CUDA graph, over 8 random routings. GB/s: the weights of the experts the
+    tokens chose, read once; TFLOP/s: the pairs' projections."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     out: list[Row] = []
     expert_bytes = 3 * A3B_H * A3B_I
@@ -433,6 +441,11 @@ def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...]) -> list[Row]:
             us = _time_us(lambda i: moe_kernels.moe_route(i[1], A3B_K, True), inputs)
             out.append({"op": "route", "fp8": fp8, "T": t, "kind": "-", "us": us,
                         "GBps": 0.0, "TFLOPs": 0.0, "chosen": True})
+            # the layer as the model runs it: its routing launch (fused with the align up to
+            # ROUTE_ALIGN_MAX_TOKENS), then the chosen experts' launches
+            us = _time_us(partial(_fused_moe_call, weights), inputs)
+            out.append({"op": "fused", "fp8": fp8, "T": t, "kind": "-", "us": us,
+                        "GBps": nbytes / us / 1e3, "TFLOPs": flops / us / 1e6, "chosen": True})
             for j, cfg in enumerate(_moe_kinds(t, fp8)):
                 us = _time_us(partial(_moe_experts_call, weights, cfg), inputs)
                 tile = cfg.up

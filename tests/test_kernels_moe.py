@@ -18,6 +18,7 @@ from arle_kernels.fp8_ref import FP8
 from arle_kernels.moe import (
     MOE_GEMV_MAX_TOKENS,
     MOE_W8A8_MIN_TOKENS,
+    ROUTE_ALIGN_MAX_TOKENS,
     ROUTE_ONE_WARP_MAX_TOKENS,
     MoeConfig,
     MoeTile,
@@ -28,8 +29,10 @@ from arle_kernels.moe import (
     moe_align,
     moe_gemv_tiles,
     moe_route,
+    moe_route_align,
     moe_token_classes,
     pick_moe_config,
+    routing_launch,
 )
 from arle_kernels.moe_ref import (
     fused_moe_ref,
@@ -210,16 +213,20 @@ def test_pick_config() -> None:
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_token_classes_cover_every_config(block: tuple[int, int] | None) -> None:
     """A warm-up running moe_token_classes meets every config of 1..max_tokens tokens, and
-    both of moe_route's launches, once."""
+    every routing launch (one token on one warp, fused with the align, 16 tokens a program),
+    once."""
     args = (8, 128, 2048, 768, block)
     classes = moe_token_classes(*args, max_tokens=4096)
 
     def launches(t: int) -> tuple[MoeConfig, tuple[int, int]]:
-        return pick_moe_config(t, *args), _route_tile(t, 128)
+        cfg = pick_moe_config(t, *args)
+        return cfg, routing_launch(t, cfg, 128)
 
     assert classes[0] == 1 and len({launches(t) for t in classes}) == len(classes)
     assert {launches(t) for t in range(1, 4097)} == {launches(t) for t in classes}
-    assert ROUTE_ONE_WARP_MAX_TOKENS + 1 in classes
+    routings = {launches(t)[1] for t in classes}
+    assert routings == {_route_tile(1, 128), (0, 0), _route_tile(4096, 128)}
+    assert launches(ROUTE_ALIGN_MAX_TOKENS + 1)[1] == _route_tile(4096, 128)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,6 +268,18 @@ def check_align(ids: torch.Tensor, e: int, bm: int) -> None:
     assert torch.equal(block_expert, want_blocks), (block_expert, want_blocks)
     used = int((block_expert >= 0).sum()) * bm
     assert torch.equal(sorted_ids[:used], want_ids[:used])
+
+
+def check_route_align(logits: torch.Tensor, k: int, bm: int) -> None:
+    """moe_route_align's one launch: the bits of moe_route, then moe_align on its ids."""
+    for renorm in (True, False):
+        weights, ids, sorted_ids, blocks = moe_route_align(logits, k, renorm, bm)
+        want_w, want_ids = moe_route(logits, k, renorm)
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+        want_sorted, want_blocks = moe_align(want_ids, logits.shape[1], bm)
+        assert torch.equal(blocks, want_blocks), (blocks, want_blocks)
+        used = int((want_blocks >= 0).sum()) * bm
+        assert used > 0 and torch.equal(sorted_ids[:used], want_sorted[:used])
 
 
 def make_experts(e: int, h: int, inter: int, gen: torch.Generator,
@@ -321,6 +340,10 @@ def interp_check_moe() -> None:
                         (70, 8, 2, 16), (17, 8, 8, 2)):
         check_align(torch.rand(t, e, generator=gen).topk(k).indices, e, bm)
     check_align(torch.zeros(5, 1, dtype=torch.long), 4, 2)  # every pair on one expert
+    # (60 experts: 16 tokens a routing chunk, so 33 tokens take three; tied logits)
+    for t, e, k, bm in ((2, 8, 2, 2), (33, 60, 4, 16), (9, 128, 8, 16)):
+        check_route_align(torch.randn(t, e, generator=gen).half(), k, bm)
+    check_route_align(torch.randint(0, 3, (20, 8), generator=gen).half(), 3, 4)
 
     h, inter = 40, 24  # 16-blocks: partial in both projections' K and N
     tiny = MoeTile(16, 16, num_stages=1)
@@ -452,6 +475,19 @@ def test_route_and_align_gpu(t: int) -> None:
             assert torch.equal(blocks.cpu(), want_blocks)
             used = int((want_blocks >= 0).sum()) * bm
             assert torch.equal(sorted_ids.cpu()[:used], want_sorted[:used])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [2, 8, ROUTE_ALIGN_MAX_TOKENS])
+def test_route_align_gpu(t: int) -> None:
+    """The routing and the align in one launch (decode batches): moe_route's and moe_align's
+    outputs, bit for bit, also on tied logits."""
+    _, logits = gpu_inputs(t)
+    ties = torch.randint(0, 3, logits.shape, device="cuda").bfloat16()
+    for lg in (logits, ties):
+        for bm in (16, 64):
+            check_route_align(lg, A3B["k"], bm)
 
 
 @pytest.mark.gpu
