@@ -19,8 +19,10 @@
 #     failing   the GPU tests of the FP8 weights and KV, by name
 #     kern kernbench   the GPU tests of the FP8, MoE and decode attention kernels and the engine
 #               on MoE and Qwen3.5; the micro-benchmarks of the FP8 and MoE kernels ($FP8_ARGS
-#               and $MOE_ARGS narrow them)
-#     moe30base   moe30d's decode and kernbench on the tree in .base (a baseline in the same call)
+#               and $MOE_ARGS narrow them, $KERNBENCH picks "fp8 moe" or one, each under
+#               $KERNBENCH_TIMEOUT)
+#     moe30base   moe30d's decode and kernbench on the tree in .base (a baseline in the same call;
+#               BASE_DECODE=0 skips the decode)
 #     structured   constrained decoding's per-step cost (Qwen3-4B, random weights)
 #     gdnsweep   the Gated DeltaNet decode kernel's launches at batch 1 and 8
 #     w4sweep   the W4A16 GEMV's tiles at Qwen3-4B's shapes (scripts/bench_kernels.py w4;
@@ -85,6 +87,15 @@ GPU_FILES=(tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_at
   tests/test_cuda_engine.py tests/test_qwen3_5.py tests/test_moe.py tests/test_fp8_weights.py
   tests/test_kernels_deltanet.py tests/test_kernels_moe.py tests/test_kernels_fp8.py
   tests/test_quantize_fp8.py tests/test_kernels_w4a16.py tests/test_int4_checkpoints.py)
+kernbench() {  # suffix: the FP8 and MoE micro-benchmarks ($KERNBENCH picks, $*_ARGS narrow)
+  local k args
+  for k in ${KERNBENCH:-fp8 moe}; do
+    if [ "$k" = fp8 ]; then args=${FP8_ARGS:-}; else args=${MOE_ARGS:-}; fi
+    # shellcheck disable=SC2086
+    phase "kernels_$k$1" "${KERNBENCH_TIMEOUT:-120}" python3 scripts/bench_kernels.py "$k" $args \
+      --out "$RES/kernels_$k$1.json"
+  done
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
   case $p in
@@ -178,25 +189,22 @@ for p in "$@"; do
            phase q35_decode 100 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3.5-4b.json ;;
     moe30d) d=$(model qwen3-30b-a3b-fp8)
            phase moe30_decode 150 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3-30b-a3b-fp8.json ;;
-    moe30base) # the same decode on the tree in .base (`git archive REV arle kernels scripts`)
+    moe30base) # the same on the tree in .base (`git archive REV arle kernels scripts`; its
+               # commit in $BASE_COMMIT)
            d=$(model qwen3-30b-a3b-fp8); mkdir -p /tmp/sitebase
            ln -sfn "$PWD/.base/kernels" /tmp/sitebase/arle_kernels
-           (cd .base && export PYTHONPATH=/tmp/sitebase:${PYTHONPATH:-}:$PWD/.base ARLE_COMMIT=base
-              phase moe30_decode_base 150 python3 scripts/bench_gpu.py decode "$d" \
-                --out $RES/decode_qwen3-30b-a3b-fp8_base.json
-              for k in fp8 moe; do
-                phase "kernels_${k}_base" 120 python3 scripts/bench_kernels.py $k \
-                  --out "$RES/kernels_${k}_base.json"
-              done) ;;
+           # NOTE: after the cd, $PWD is .base: its arle ahead of this tree's
+           (cd .base && export PYTHONPATH=/tmp/sitebase:$PWD:${PYTHONPATH:-} \
+              ARLE_COMMIT=${BASE_COMMIT:-base}
+              [ "${BASE_DECODE:-1}" = 0 ] || phase moe30_decode_base 150 \
+                python3 scripts/bench_gpu.py decode "$d" --out $RES/decode_qwen3-30b-a3b-fp8_base.json
+              kernbench _base) ;;
     kern) say kern; timeout 300 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE --tb=short \
              -k "not interpreter" -m gpu tests/test_kernels_fp8.py tests/test_kernels_gemv.py \
              tests/test_kernels_moe.py tests/test_fp8_weights.py tests/test_moe.py \
              tests/test_kernels_decode_attention.py tests/test_cuda_engine.py \
              >"$OUT/pytest_kern.txt" 2>&1; say "kern rc=$?"; tail -3 "$OUT/pytest_kern.txt" | tee -a "$LOG" ;;
-    kernbench) phase kernels_fp8 "${FP8_TIMEOUT:-120}" python3 scripts/bench_kernels.py fp8 \
-             ${FP8_ARGS:-} --out $RES/kernels_fp8.json
-           phase kernels_moe "${MOE_TIMEOUT:-120}" python3 scripts/bench_kernels.py moe \
-             ${MOE_ARGS:-} --out $RES/kernels_moe.json ;;
+    kernbench) kernbench "" ;;
     gdnsweep) phase kernels_deltanet 150 python3 scripts/bench_kernels.py deltanet --batches 1 8 \
               --sweep --prefill 512 --out $RES/kernels_deltanet.json ;;
     w4sweep) phase kernels_w4 "${W4_TIMEOUT:-200}" python3 scripts/bench_kernels.py w4 \
