@@ -73,6 +73,23 @@ def _load_tile(w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn,
 
 
 @triton.jit
+def _load_centred(w_ptr, offs_n, nmask, k0, K, stride_wn, BN: tl.constexpr, BK: tl.constexpr,
+                  MAGIC: tl.constexpr, CENTRE: tl.constexpr, dtype: tl.constexpr):
+    """`_load_tile`'s nibbles as q - 8 in dtype (exact), unscaled, by bits alone: q | MAGIC is
+    the float CENTRE - 8 + q (1024 + q in fp16, 128 + q in bf16, 2^23 + q in fp32), so no
+    int-to-float conversion (a quarter-rate instruction) and no fp32 tile for 16-bit x."""
+    offs_w = k0 // 8 + tl.arange(0, BK // 8)
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
+                    mask=nmask[:, None] & (offs_w < K // 8)[None, :], other=0)
+    shifts = tl.arange(0, 8) * 4
+    bits = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) | MAGIC
+    if dtype.primitive_bitwidth == 16:
+        bits = bits.to(tl.int16)
+    q = bits.to(dtype, bitcast=True) - CENTRE
+    return tl.reshape(q, (BN, BK))
+
+
+@triton.jit
 def _tile_columns(BK: tl.constexpr):
     """The column (from the tile's first) at each position of `_load_tile`'s order: position
     32 r + 8 i + j is the run r's word i, nibble j, column 32 r + 4 j + i."""
@@ -101,11 +118,16 @@ def _w4_dequant_kernel(w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_y
 def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
                     stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
                     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr = False):
+                    HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr, CENTRE: tl.constexpr,
+                    PARTIAL: tl.constexpr = False):
     """Program (BM x BN tile of y, split of K): x's tile (its columns in the words' order)
-    times the weight tile dequantized to x's dtype, on tensor cores, fp32 accumulation; + bias;
-    y in x's dtype. PARTIAL (split K): y is fp32 [splits, M, N] (stride_ys between splits) and
-    takes the split's sums, no bias. NOTE: k_per_split is a multiple of BK."""
+    times the weight tile, on tensor cores, fp32 accumulation; + bias; y in x's dtype.
+    - A K step inside one group (G a multiple of BK): the dot takes q - 8 exact in x's dtype
+      (`_load_centred`), the group's scale and zero come after, in fp32: scale * sum x (q - 8)
+      + zero * sum x. So the weight is never rounded, and its tile costs a few integer ops.
+    - Smaller groups: the tile dequantized in fp32 (`_load_tile`), rounded to x's dtype.
+    PARTIAL (split K): y is fp32 [splits, M, N] (stride_ys between splits) and takes the
+    split's sums, no bias. NOTE: k_per_split is a multiple of BK."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -118,11 +140,22 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     cols = _tile_columns(BK)
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BK):
-        w = _load_tile(w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, BN, BK, G)
         offs_k = k0 + cols
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=mmask[:, None] & (offs_k < K)[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(dtype)), acc)
+        if G % BK == 0:
+            q = _load_centred(w_ptr, offs_n, nmask, k0, K, stride_wn, BN, BK, MAGIC, CENTRE,
+                              dtype)
+            s_ptrs = s_ptr + offs_n * stride_sn + k0 // G
+            s = tl.load(s_ptrs, mask=nmask, other=0.0).to(tl.float32)
+            z = tl.load(s_ptrs + K // G, mask=nmask, other=0.0).to(tl.float32)
+            # NOTE: sum x by the tensor cores too (x times ones, already in each column's
+            # place): a row sum across lanes costs more shuffles than the MMA
+            xsum = tl.dot(x, tl.full([BK, BN], 1.0, dtype))
+            acc += tl.dot(x, tl.trans(q)) * s[None, :] + xsum * z[None, :]
+        else:
+            w = _load_tile(w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn, BN, BK, G)
+            acc = tl.dot(x, tl.trans(w.to(dtype)), acc)
     out_mask = mmask[:, None] & nmask[None, :]
     if PARTIAL:
         ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -144,6 +177,12 @@ GEMM_TILE_FEW_ROWS = (16, 64, 4)
 #: the dequantizing kernel's tile (rows, columns)
 DEQUANT_ROWS = 16
 DEQUANT_TILE = (32, 256)
+
+
+#: x's dtype -> the bits that make a nibble q the 16-bit float CENTRE - 8 + q (`_load_centred`)
+_CENTRED = {torch.float16: {"MAGIC": 0x6400, "CENTRE": 1032.0},
+            torch.bfloat16: {"MAGIC": 0x4300, "CENTRE": 136.0},
+            torch.float32: {"MAGIC": 0x4B000000, "CENTRE": 8388616.0}}
 
 
 def w4_linear(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None) -> Tensor:
@@ -191,7 +230,8 @@ def w4_gemm(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None
         x, weight, fmt.scales, bias if bias is not None else x, dst, m, n, k, per,
         x.stride(0), weight.stride(0), fmt.scales.stride(0), dst.stride(-2),
         dst.stride(0) if split > 1 else 0, G=fmt.group, BM=bm, BN=bn, BK=BLOCK_K,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=warps, num_stages=3)
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=warps, num_stages=3,
+        **_CENTRED[x.dtype])
     if split > 1:
         reduce_splits(dst, bias, y)
     return y

@@ -19,7 +19,7 @@
 #     failing   the GPU tests of the FP8 weights and KV, by name
 #     kern kernbench   the GPU tests of the FP8, MoE and decode attention kernels and the engine
 #               on MoE and Qwen3.5; the micro-benchmarks of the FP8 and MoE kernels ($FP8_ARGS
-#               and $MOE_ARGS narrow them, $KERNBENCH picks "fp8 moe" or one, each under
+#               and $MOE_ARGS narrow them; $KERNBENCH picks others, w4 too, each under
 #               $KERNBENCH_TIMEOUT)
 #     moe30base   moe30d's decode and kernbench on the tree in .base (a baseline in the same call;
 #               BASE_DECODE=0 skips the decode)
@@ -87,13 +87,13 @@ GPU_FILES=(tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_at
   tests/test_cuda_engine.py tests/test_qwen3_5.py tests/test_moe.py tests/test_fp8_weights.py
   tests/test_kernels_deltanet.py tests/test_kernels_moe.py tests/test_kernels_fp8.py
   tests/test_quantize_fp8.py tests/test_kernels_w4a16.py tests/test_int4_checkpoints.py)
-kernbench() {  # suffix: the FP8 and MoE micro-benchmarks ($KERNBENCH picks, $*_ARGS narrow)
+kernbench() {  # suffix: micro-benchmarks, $KERNBENCH (fp8 moe), each narrowed by its $FP8_ARGS..
   local k args
   for k in ${KERNBENCH:-fp8 moe}; do
-    if [ "$k" = fp8 ]; then args=${FP8_ARGS:-}; else args=${MOE_ARGS:-}; fi
+    args="${k^^}_ARGS"
     # shellcheck disable=SC2086
-    phase "kernels_$k$1" "${KERNBENCH_TIMEOUT:-120}" python3 scripts/bench_kernels.py "$k" $args \
-      --out "$RES/kernels_$k$1.json"
+    phase "kernels_$k$1" "${KERNBENCH_TIMEOUT:-120}" python3 scripts/bench_kernels.py "$k" \
+      ${!args:-} --out "$RES/kernels_$k$1.json"
   done
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1

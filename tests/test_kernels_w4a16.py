@@ -153,9 +153,13 @@ def test_w4a16_kernels_build_for_sm90() -> None:
     for group in (32, 128, 256):
         for (bm, bn, warps), partial in ((w4a16.GEMM_TILE, False),
                                          (w4a16.GEMM_TILE_FEW_ROWS, True)):
-            compile_.compile_for_hopper(w4a16._w4_gemm_kernel, {
+            kernel = compile_.compile_for_hopper(w4a16._w4_gemm_kernel, {
                 "G": group, "BM": bm, "BN": bn, "BK": w4a16.BLOCK_K, "HAS_BIAS": not partial,
-                "PARTIAL": partial}, num_warps=warps, **W4_TYPES)
+                "PARTIAL": partial, **w4a16._CENTRED[torch.bfloat16]},
+                num_warps=warps, **W4_TYPES)
+            # whole groups a K step: the nibbles become bf16 by bits, no int-to-float convert
+            i2f = re.findall(r"cvt\.rn\.f32\.[su]32", kernel.asm["ptx"])
+            assert bool(i2f) == (group % w4a16.BLOCK_K != 0), (group, len(i2f))
 
 
 def test_w4_gemv_streams_the_words_in_16_byte_loads() -> None:
