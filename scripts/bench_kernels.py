@@ -410,7 +410,8 @@ def _fp8_kind(cfg: GemvConfig | fp8_kernels.Fp8Config) -> str:
     return cfg.kind
 
 
-def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...]) -> list[Row]:
+def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...], chosen: bool = False
+              ) -> list[Row]:
     """Each MoE kernel kind on Qwen3-30B-A3B's experts (the align and the top-k sum included;
     the router's softmax / top-k timed apart, and the whole layer as the model runs it, op
     "fused"), in a CUDA graph, over 8 random routings. GB/s: the weights of the experts the
@@ -446,7 +447,7 @@ def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...]) -> list[Row]:
             us = _time_us(partial(_fused_moe_call, weights), inputs)
             out.append({"op": "fused", "fp8": fp8, "T": t, "kind": "-", "us": us,
                         "GBps": nbytes / us / 1e3, "TFLOPs": flops / us / 1e6, "chosen": True})
-            for j, cfg in enumerate(_moe_kinds(t, fp8)):
+            for j, cfg in enumerate(_moe_kinds(t, fp8)[:1] if chosen else _moe_kinds(t, fp8)):
                 us = _time_us(partial(_moe_experts_call, weights, cfg), inputs)
                 tile = cfg.up
                 out.append({"op": "experts", "fp8": fp8, "T": t, "kind": cfg.kind,
@@ -812,7 +813,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     if args.cmd == "decode":
         return bench_decode(tuple(args.batches), tuple(args.contexts))
     if args.cmd == "moe":
-        return bench_moe(tuple(args.tokens), tuple(w == "fp8" for w in args.weights))
+        return bench_moe(tuple(args.tokens), tuple(w == "fp8" for w in args.weights),
+                         args.chosen)
     if args.cmd == "fp8":
         return bench_fp8(tuple(args.rows), args.shapes)
     if args.cmd == "w4":
@@ -858,6 +860,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--tokens", type=int, nargs="+",
                    default=[1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192])
     c.add_argument("--weights", choices=["bf16", "fp8"], nargs="+", default=["bf16", "fp8"])
+    c.add_argument("--chosen", action="store_true", help="only the chosen config per count")
     c = sub.add_parser("fp8", help="block-FP8 linears: each kernel kind, and cuBLAS bf16")
     c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 2048])
     c.add_argument("--shapes", nargs="+", choices=list(FP8_SHAPES), default=list(A3B_LINEARS))

@@ -87,12 +87,14 @@ GPU_FILES=(tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_at
   tests/test_cuda_engine.py tests/test_qwen3_5.py tests/test_moe.py tests/test_fp8_weights.py
   tests/test_kernels_deltanet.py tests/test_kernels_moe.py tests/test_kernels_fp8.py
   tests/test_quantize_fp8.py tests/test_kernels_w4a16.py tests/test_int4_checkpoints.py)
+ROOT=$PWD
+# NOTE: this tree's benchmark script also times .base's kernels (moe30base): one method for both
 kernbench() {  # suffix: micro-benchmarks, $KERNBENCH (fp8 moe), each narrowed by its $FP8_ARGS..
   local k args
   for k in ${KERNBENCH:-fp8 moe}; do
     args="${k^^}_ARGS"
     # shellcheck disable=SC2086
-    phase "kernels_$k$1" "${KERNBENCH_TIMEOUT:-120}" python3 scripts/bench_kernels.py "$k" \
+    phase "kernels_$k$1" "${KERNBENCH_TIMEOUT:-120}" python3 "$ROOT/scripts/bench_kernels.py" "$k" \
       ${!args:-} --out "$RES/kernels_$k$1.json"
   done
 }
@@ -191,7 +193,8 @@ for p in "$@"; do
            phase moe30_decode 150 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3-30b-a3b-fp8.json ;;
     moe30base) # the same on the tree in .base (`git archive REV arle kernels scripts`; its
                # commit in $BASE_COMMIT)
-           d=$(model qwen3-30b-a3b-fp8); mkdir -p /tmp/sitebase
+           [ "${BASE_DECODE:-1}" = 0 ] || d=$(model qwen3-30b-a3b-fp8)
+           mkdir -p /tmp/sitebase
            ln -sfn "$PWD/.base/kernels" /tmp/sitebase/arle_kernels
            # NOTE: after the cd, $PWD is .base: its arle ahead of this tree's
            (cd .base && export PYTHONPATH=/tmp/sitebase:$PWD:${PYTHONPATH:-} \
