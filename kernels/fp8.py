@@ -46,22 +46,12 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride
     offs = tl.program_id(1) * GROUP + lanes
     mask = (rows < M)[:, None] & ((lanes < GROUP) & (offs < K))[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + r64 * stride_xm + offs[None, :], mask=mask, other=0.0)
-    q, scale = quantize_rows(x, q_ptr.dtype.element_ty)
-    tl.store(q_ptr + r64 * stride_qm + offs[None, :], q, mask=mask)
-    tl.store(s_ptr + rows * stride_sm + tl.program_id(1), scale, mask=rows < M)
-
-
-@triton.jit
-def quantize_rows(x, dtype: tl.constexpr):
-    """x [R, C] (one scale group a row; masked columns 0) -> (its FP8 values in dtype, the
-    scales [R] fp32): quantize_fp8_groups_ref's rule, which the grouped MoE kernel also
-    applies to its activation tiles in registers.
-    NOTE: IEEE divisions (div_rn), as torch's: the scale and the quotients are the ref's."""
-    x = x.to(tl.float32)
+    x = tl.load(x_ptr + r64 * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    # NOTE: IEEE divisions (div_rn), as torch's: the scale and the quotients are the ref's
     scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10), 448.0)  # FP8_MIN_AMAX, MAX
     q = tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0)
-    return q.to(dtype), scale
+    tl.store(q_ptr + r64 * stride_qm + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows * stride_sm + tl.program_id(1), scale, mask=rows < M)
 
 
 def quantize_fp8_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:

@@ -838,17 +838,19 @@ def w4_gemv_config(m: int, n: int, k: int) -> GemvConfig:
     return _split_to_fill(cfg, n, k)
 
 
-#: rows of x the 4-bit GEMV takes where K is long (`use_w4_gemv`; beyond: kernels/w4a16.py's
-#: GEMM)
+#: rows of x the 4-bit GEMV can take (`gemv_w4`)
 MAX_W4_ROWS = 8
+#: rows up to which a 4-bit product takes the GEMV (`use_w4_gemv`)
+W4_GEMV_ROWS = 2
 
 
-def use_w4_gemv(m: int, k: int) -> bool:
-    """Whether m rows against a 4-bit weight of K columns take the GEMV over the tensor-core
-    GEMM: up to 2 rows always; up to MAX_W4_ROWS where K is long (the GEMM's few programs
-    there, N / 64, do not fill the GPU). At 8 rows on an H100 (`bench_kernels.py w4`): qkv
-    32 us in the GEMM against 50 in the GEMV, down 90 in the GEMV against 114."""
-    return m <= 2 or (m <= MAX_W4_ROWS and k >= 4096)
+def use_w4_gemv(m: int) -> bool:
+    """Whether m rows against a 4-bit weight take the GEMV over kernels/w4a16.py's tensor-core
+    GEMM: up to W4_GEMV_ROWS. From 4 rows the GEMM (K split to fill the GPU) is faster at
+    every Qwen3-4B shape, long K too. On an H100 (`bench_kernels.py w4`, commit 12ba687) at 4
+    rows o_proj 17 us against 21, down 28 against 51; at 8 qkv 22 against 50, o_proj 19
+    against 38, down 31 against 87."""
+    return m <= W4_GEMV_ROWS
 
 
 def gemv_w4(x: Tensor, words: Tensor, w4: W4, bias: Tensor | None = None, *,

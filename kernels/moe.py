@@ -21,15 +21,15 @@ The Triton version (`fused_moe` = `moe_route` + `moe_experts`), as vLLM's and SG
   batches, where a launch costs more than the routing's work).
 - `_moe_mma_kernel`: the grouped GEMM over those blocks on tensor cores (bf16; FP8 weights
   dequantised in registers, W8A16; or FP8 x FP8 with activations quantised per token and bk
-  columns, W8A8: a pass before each projection, or in the kernel's registers where the
-  product is swapped), silu(gate) * up in the gate_up projection's epilogue and the routing
+  columns, W8A8), silu(gate) * up in the gate_up projection's epilogue and the routing
   weight in down's; `_moe_gemv_kernel`: the same contract for a few tokens with FMAs, one
   block per expert, so each chosen expert's weights are read once for all its rows; W
   streamed as kernels/gemv.py's GEMV streams it (16-byte runs a thread, FP8 at its exact
   values, each run's sum times its block's scale).
 - the per-pair outputs [T * top_k, H] summed over top_k by torch (fp32 accumulation); from 2
   to MAX_ROWS tokens `fused_moe_unreduced` leaves the sum to the next norm (split-sum slots).
-  So an FP8 decode batch of 3..32 tokens runs route + align, gate_up, down: three launches.
+  So an FP8 decode batch of 3..32 tokens runs route + align, gate_up and down, each
+  projection after its activations' FP8 pass: five launches.
 - one token (decode at batch 1): no align (its pairs are blocks of their own, the kernels read
   each pair's expert from the ids), and the down GEMV sums the top-k in its epilogue (each
   pair's output rounded and weighted as above, summed in fp32 in top-k order, rounded once):
@@ -50,7 +50,6 @@ from torch import Tensor
 from arle_kernels.fp8 import (
     dequant_tile,
     quantize_fp8_groups,
-    quantize_rows,
 )
 from arle_kernels.fused import silu_mul
 from arle_kernels.gemv import RUN_BYTES, load_chunk, load_run_sums
@@ -371,8 +370,7 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
                     ROW_DIV: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                     SLOT_K: tl.constexpr, W8: tl.constexpr, A8: tl.constexpr, GROUP_N: tl.constexpr,
                     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SWAP: tl.constexpr, QUANT_A: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr):
     """The grouped GEMM. Program (j, b): block b of the sorted pairs (BLOCK_M pairs of one
     expert, moe_align) times columns [j*BLOCK_N, (j+1)*BLOCK_N) of that expert's W^T, on
     tensor cores. A row of `a` is pair // ROW_DIV (the token, for the gate_up projection;
@@ -380,10 +378,7 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
     halves' columns n and n + N, storing silu(gate) * up. Blocks past the last group (expert
     -1) do nothing: the grid is sized from shapes, the work from the routing.
     SWAP ("swap AB", for ~1 pair an expert): each step multiplies W's tile by a^T (`_w_step`),
-    the sums are transposed back once, before the epilogue.
-    QUANT_A (A8, a in 16 or 32 bits, BLOCK_K == GROUP_K): each step's tile of a is quantised
-    in registers, one scale a row (kernels/fp8.py's `quantize_rows`, the bits
-    quantize_fp8_groups gives), so no pass over the activations runs before the kernel."""
+    the sums are transposed back once, before the epilogue."""
     expert, e64, pairs, row_ok, rows, offs_n, cols, ws_ptrs, up_ws_ptrs = _pair_block(
         sorted_ptr, block_expert_ptr, ws_ptr, N, num_pairs, stride_wse, stride_wsn, ROW_DIV,
         GROUP_N, BLOCK_M, BLOCK_N)
@@ -403,9 +398,7 @@ def _moe_mma_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, b
     for k0 in range(0, K, BLOCK_K):
         k_ok = kk < K - k0
         a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
-        if QUANT_A:
-            a, a_scale = quantize_rows(a, w_ptr.dtype.element_ty)
-        elif A8:
+        if A8:
             a_scale = tl.load(as_ptr + rows * stride_asm + k0 // GROUP_K)
         acc = _w_step(acc, a, a_scale, w_ptrs + k0, ws_ptrs + k0 // GROUP_K, k_ok, W8, A8,
                       SWAP, PRECISION)
@@ -603,14 +596,11 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
                                RUN=_gemv_run(w, tile, block), EVEN_K=k % tile.block_k == 0,
                                **meta)
         return
-    a8 = cfg.kind == "w8a8"
-    quant_a = a8 and a_scale is None
-    assert not quant_a or tile.block_k == bk, "a K step quantised in the kernel: one group"
     a_s = a_scale if a_scale is not None else ws
     _moe_mma_kernel[grid](a, a_s, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,
                           num_pairs, a.stride(0), a_s.stride(0), w.stride(0), w.stride(1),
-                          *ws_strides, out.stride(-2), stride_cs, A8=a8,
-                          BLOCK_M=cfg.block_m, SWAP=cfg.swap, QUANT_A=quant_a,
+                          *ws_strides, out.stride(-2), stride_cs, A8=cfg.kind == "w8a8",
+                          BLOCK_M=cfg.block_m, SWAP=cfg.swap,
                           PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **meta)
 
 
@@ -643,15 +633,12 @@ def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tenso
     w8a8 = cfg.kind == "w8a8"
     assert not w8a8 or fp8
     group = block[1] if block is not None else 0
-    # NOTE: swapped W8A8 (a few pairs an expert) quantises its activations in the kernel
-    # (QUANT_A: two launches fewer); unswapped (prefill), each column tile would redo it
-    pre_quant = w8a8 and not (cfg.swap and cfg.up.block_k == cfg.down.block_k == group)
-    a, a_scale = quantize_fp8_groups(x, group) if pre_quant else (x, None)
+    a, a_scale = quantize_fp8_groups(x, group) if w8a8 else (x, None)
     inter_out = x.new_empty(pairs, inter)
     common = (weights, sorted_ids, block_expert, pairs)
     _launch_proj(a, a_scale, w13, w13_scale, inter_out, *common, row_div=top_k, glu=True,
                  block=block, cfg=cfg, tile=cfg.up)
-    a, a_scale = quantize_fp8_groups(inter_out, group) if pre_quant else (inter_out, None)
+    a, a_scale = quantize_fp8_groups(inter_out, group) if w8a8 else (inter_out, None)
     if sums and t <= MAX_ROWS and weights.dtype == x.dtype:
         slots = slot_buffer(x.device, top_k, t, h)
         _launch_proj(a, a_scale, w2, w2_scale, slots, *common, row_div=1, glu=False,

@@ -16,12 +16,14 @@ in one group).
 The weight tensor carries its format (`attach_w4`), as an FP8 weight its scales: the products
 (`arle_kernels.linear`) see only the weight.
 
-- GEMV (decode rows, `use_w4_gemv`): kernels/gemv.py's `gemv_w4`, the FMA GEMVs' tiles and epilogue
-  (split K, bias, the fused gate_up's activation), each run unpacked by shifts in registers.
-- `_w4_gemm_kernel`: program (BM x BN tile, split of K): K in BK steps, the weight tile
-  dequantized to x's dtype and multiplied on tensor cores (tl.dot) with x's columns gathered
-  in the words' order, fp32 accumulation (up to DEQUANT_ROWS rows; K split where the tiles
-  leave SMs idle).
+- GEMV (1-2 rows, `use_w4_gemv`): kernels/gemv.py's `gemv_w4`, the FMA GEMVs' tiles and
+  epilogue (split K, bias, the fused gate_up's activation), each run unpacked by shifts in
+  registers.
+- `_w4_gemm_kernel` (3 to DEQUANT_ROWS - 1 rows): program (BM x BN tile, split of K): K in BK
+  steps, the weight tile on tensor cores (tl.dot) with x's columns gathered in the words'
+  order, fp32 accumulation; the tile is q - 8 made by bits, the group's scale and zero
+  applied after the dot where a step lies in one group, else dequantized in fp32; K split
+  where the tiles leave SMs idle.
 - Prefill chunks (DEQUANT_ROWS rows and more): `_w4_dequant_kernel` writes the weight in x's
   dtype and cuBLAS multiplies.
 """
@@ -192,7 +194,7 @@ def w4_linear(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = No
     m, k = x.shape
     assert k == fmt.k and w4_layout_ok(k, fmt.group), (x.shape, fmt.k, fmt.group)
     x = x.contiguous()
-    if use_w4_gemv(m, k):
+    if use_w4_gemv(m):
         return gemv_w4(x, weight, (fmt.scales, fmt.group), bias)
     if m < DEQUANT_ROWS:
         return w4_gemm(x, weight, fmt, bias)
@@ -241,7 +243,7 @@ def w4_silu_mul(x: Tensor, gate_up: Tensor, fmt: W4Format) -> Tensor | None:
     """silu(x gate^T) * (x up^T) for a 4-bit gate_up = [gate; up] in one GEMV launch (its
     epilogue takes the activation) where the GEMV takes the rows (`use_w4_gemv`); None
     otherwise (the caller's GEMM and activation)."""
-    if not use_w4_gemv(x.shape[0], x.shape[1]):
+    if not use_w4_gemv(x.shape[0]):
         return None
     assert x.shape[1] == fmt.k and w4_layout_ok(fmt.k, fmt.group)
     return gemv_w4(x.contiguous(), gate_up, (fmt.scales, fmt.group), glu=True)

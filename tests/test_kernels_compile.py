@@ -71,17 +71,17 @@ def test_gemv_kernels(glu: bool, even_k: bool, scaled: bool) -> None:
 def test_moe_kernels(glu: bool) -> None:
     route = {"ROW_DIV": 8 if glu else 1, "GLU": glu, "MUL_WEIGHT": not glu, "SLOT_K": 0}
     blocks = {"GROUP_N": 128, "GROUP_K": 128}
-    for a8, quant_a in ((False, False), (True, False), (True, True)):
+    for a8 in (False, True):
         for swap in (False, True):
             compile_for_hopper(moe._moe_mma_kernel, {
                 **route, **blocks, "W8": True, "A8": a8, "BLOCK_M": 16, "BLOCK_N": 64,
-                "BLOCK_K": 128, "SWAP": swap, "QUANT_A": quant_a, "PRECISION": "tf32"},
-                a_ptr="*fp8e4nv" if a8 and not quant_a else "*bf16")
+                "BLOCK_K": 128, "SWAP": swap, "PRECISION": "tf32"},
+                a_ptr="*fp8e4nv" if a8 else "*bf16")
     if not glu:  # down's top-k sum left in fp32 split-sum slots
         compile_for_hopper(moe._moe_mma_kernel, {
             **route, **blocks, "SLOT_K": 8, "W8": True, "A8": False, "BLOCK_M": 16,
-            "BLOCK_N": 64, "BLOCK_K": 128, "SWAP": True, "QUANT_A": False,
-            "PRECISION": "tf32"}, c_ptr="*fp32", topw_ptr="*bf16")
+            "BLOCK_N": 64, "BLOCK_K": 128, "SWAP": True, "PRECISION": "tf32"},
+            c_ptr="*fp32", topw_ptr="*bf16")
     for direct in (False, True):
         for even_k in (False, True):
             compile_for_hopper(moe._moe_gemv_kernel, {
