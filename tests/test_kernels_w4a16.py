@@ -99,6 +99,18 @@ def interp_check_w4a16() -> None:
             assert ((fused.float() - glu).abs() <= _tol(glu)).all(), (m, n, k, g, "glu")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_centred_bits_are_q_minus_8(dtype: torch.dtype) -> None:
+    """`_load_centred`'s rule for each x dtype, in torch's own bit views (the interpreter runs
+    fp16 and fp32 through the GEMM, not bf16): q | MAGIC, read as a float, minus CENTRE is
+    q - 8 for every nibble."""
+    c = w4a16._CENTRED[dtype]
+    q = torch.arange(16, dtype=torch.int32)
+    bits = q | c["MAGIC"]
+    floats = (bits.to(torch.int16) if dtype.itemsize == 2 else bits).view(dtype)
+    assert torch.equal(floats - c["CENTRE"], (q - 8).to(dtype))
+
+
 def test_w4a16_kernels_interpreted() -> None:
     run_interpreter_check("test_kernels_w4a16", "interp_check_w4a16")
 
