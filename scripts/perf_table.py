@@ -240,7 +240,7 @@ SOURCES = (
       for m in ("qwen3-4b", "qwen3.5-4b")),
     Source("h100/kernels_moe.json", "python3 scripts/bench_kernels.py moe --tokens 1 2 4 8 16 32 64 "
            "--weights fp8 --out docs/results/h100/kernels_moe.json"),
-    Source("h100/kernels_w4.json", "python3 scripts/bench_kernels.py w4 --rows 1 2 4 --shapes "
+    Source("h100/kernels_w4.json", "python3 scripts/bench_kernels.py w4 --rows 1 2 4 8 --shapes "
            "o_proj qkv down --tiles 1,1024,1 1,2048,2 2,2048,2 "
            "--out docs/results/h100/kernels_w4.json"),
     Source("h100/speculative_smollm2.json", "python3 scripts/bench_speculative.py --device cuda "
@@ -971,9 +971,26 @@ def _swap_ab(kernels: Any) -> str:
             f"quantised per token and 128 columns as the checkpoint's dynamic scheme has it): "
             f"{pairs} for the W8A16 GEMM, routing and top-k sum included. Swapped W8A16 (the "
             f"dequantised tile as wgmma's register operand) was slower still "
-            f"({us(8, 'mma', True, [128, 128, 8, 3]):.0f} us at 8 tokens). The serving figure "
-            f"above predates it. Not yet profiled; by its shape, a program streams only "
-            f"48-256 KB (a 64- or 128-row tile of one expert), so each pays a pipeline's ramp.")
+            f"({us(8, 'mma', True, [128, 128, 8, 3]):.0f} us at 8 tokens). The batch-8 step "
+            f"above runs it, with the routing and the align in one program and the top-k sum "
+            f"left to the next norm; the serving figure predates all three. At that step's "
+            f"commit the expert kernel quantised its activations in registers; that measured "
+            f"slower (commit c7c0461 gives the figures) and HEAD quantises them in a pass of "
+            f"their own again, not yet timed end to end. Not yet profiled; by its shape, a program streams only 48-256 KB (a 64- or "
+            f"128-row tile of one expert), so each pays a pipeline's ramp.")
+
+
+def _w4_gemm_vs_gemv(res: Results) -> str:
+    """The W4 GEMM (16 x 64 tiles, K split) against the GEMV's chosen tile at 8 rows, per
+    long-K shape of kernels_w4.json."""
+    rows = res.load("h100/kernels_w4.json")["results"]
+
+    def us(shape: str, kind: str, **match: object) -> float:
+        return next(r["us"] for r in rows if r["shape"] == shape and r["M"] == 8
+                    and r["kind"] == kind and all(r[k] == v for k, v in match.items()))
+
+    return "; ".join(f"{s} at 8 rows {us(s, 'gemm', tile=[16, 64, 4, 0]):.0f} us against "
+                     f"{us(s, 'gemv', chosen=True):.0f}" for s in ("o_proj", "down"))
 
 
 def _h100_bounds(res: Results) -> list[str]:
@@ -1027,9 +1044,12 @@ def _h100_bounds(res: Results) -> list[str]:
         f"both). Past it: two weights an instruction (the nibbles of a word into f16x2/bf16x2 "
         f"pairs by lop3, packed FMAs), which Triton does not emit from tensor code.",
         f"- 4-bit AWQ at batch 8: {awq['graph_replay_bs8_ms']:.2f} ms a step (bf16: "
-        f"{dec('qwen3-4b')['graph_replay_bs8_ms']:.2f}): the FMA GEMV pays x's conversion and "
-        f"its FMAs per row, and the tensor-core GEMM for the short-K layers gathers x's columns "
-        f"in the words' order. From 16 rows the weight is dequantized to bf16 and cuBLAS "
+        f"{dec('qwen3-4b')['graph_replay_bs8_ms']:.2f}) at commit {awq['commit']}, where the "
+        f"long-K layers (o_proj, down) still took the FMA GEMV, which pays x's conversion and "
+        f"its FMAs per row. The tensor-core GEMM (nibbles made 16-bit floats by their bits, "
+        f"each group's scale and zero after the dot, K split to fill the GPU) is faster there "
+        f"at 4 and 8 rows ({_w4_gemm_vs_gemv(res)}), so HEAD takes it from 3 rows: not yet "
+        f"timed end to end. From 16 rows the weight is dequantized to bf16 and cuBLAS "
         f"multiplies ({awq['graph_replay_bs32_ms']:.2f} ms at 32 rows); prefill of 512 tokens "
         f"takes {awq['batch1']['mean_ttft_ms']:.1f} ms (bf16: "
         f"{dec('qwen3-4b')['batch1']['mean_ttft_ms']:.1f}).",
