@@ -17,7 +17,7 @@ The Triton version (`fused_moe` = `moe_route` + `moe_experts`), as vLLM's and SG
   torch.topk picks on CUDA) + renormalise; ids int32.
 - `moe_align`: one program sorts the pairs p = token * top_k + j into per-expert groups, each
   padded to block_m, and names each block's expert (-1 past the last group).
-  `moe_route_align`: both in one program, for 2..ROUTE_ALIGN_MAX_TOKENS tokens (decode
+  `moe_route_align`: both in one program, for 2..ROUTE_ALIGN_MAX_TOKENS tokens (small decode
   batches, where a launch costs more than the routing's work).
 - `_moe_mma_kernel`: the grouped GEMM over those blocks on tensor cores (bf16; FP8 weights
   dequantised in registers, W8A16; or FP8 x FP8 with activations quantised per token and bk
@@ -28,7 +28,7 @@ The Triton version (`fused_moe` = `moe_route` + `moe_experts`), as vLLM's and SG
   values, each run's sum times its block's scale).
 - the per-pair outputs [T * top_k, H] summed over top_k by torch (fp32 accumulation); from 2
   to MAX_ROWS tokens `fused_moe_unreduced` leaves the sum to the next norm (split-sum slots).
-  So an FP8 decode batch of 3..32 tokens runs route + align, gate_up and down, each
+  So an FP8 decode batch of 3..16 tokens runs route + align, gate_up and down, each
   projection after its activations' FP8 pass: five launches.
 - one token (decode at batch 1): no align (its pairs are blocks of their own, the kernels read
   each pair's expert from the ids), and the down GEMV sums the top-k in its epilogue (each
@@ -63,8 +63,11 @@ from arle_kernels.split_sums import MAX_ROWS, SplitSums, slot_buffer
 MOE_GEMV_MAX_TOKENS = 2
 #: tokens up to which `moe_route` runs one token a program on one warp
 ROUTE_ONE_WARP_MAX_TOKENS = 4
-#: tokens up to which the routing and the align are one launch (`moe_route_align`)
-ROUTE_ALIGN_MAX_TOKENS = 64
+#: tokens up to which the routing and the align are one launch (`moe_route_align`). Its one
+#: program routes 16 tokens at a time, serially: on an H100 (`bench_kernels.py moe --chosen`,
+#: the layer against its experts alone, so the routing's share) it saved 2.5 us at 8 and 2.2
+#: at 16 tokens against moe_route's own launch, and cost 0.7 more at 32, 6 more at 64
+ROUTE_ALIGN_MAX_TOKENS = 16
 
 
 # ---------------------------------------------------------------------------------------------
