@@ -279,12 +279,29 @@ def load_w4_runs(w_ptrs, s_ptrs, k0, K, kw, cols, EVEN_K: tl.constexpr, GROUP: t
     return words, s, z
 
 
+#: a float dtype -> (MAGIC, CENTRE): for a nibble q, q | MAGIC read as that float is
+#: CENTRE - 8 + q (1024 + q in fp16, 128 + q in bf16, 2^23 + q in fp32), so q - 8 comes exact
+#: from the bits, with no int-to-float conversion (a quarter-rate instruction)
+W4_CENTRED = {torch.float16: (0x6400, 1032.0), torch.bfloat16: (0x4300, 136.0),
+              torch.float32: (0x4B000000, 8388616.0)}
+_F32_MAGIC = tl.constexpr(W4_CENTRED[torch.float32][0])
+_F32_CENTRE = tl.constexpr(W4_CENTRED[torch.float32][1])
+
+
+@triton.jit
+def centred_nibbles(words, MAGIC: tl.constexpr, CENTRE: tl.constexpr, dtype: tl.constexpr):
+    """Each word's low nibble q as the float q - 8 in dtype, exact (W4_CENTRED's rule)."""
+    bits = (words & 0xF) | MAGIC
+    if dtype.primitive_bitwidth == 16:
+        bits = bits.to(tl.int16)
+    return bits.to(dtype, bitcast=True) - CENTRE
+
+
 @triton.jit
 def _nibble_products(x_ptrs, k0, K, kx, words, j: tl.constexpr, EVEN_K: tl.constexpr):
-    """x at nibble j's columns (4j + i of each run) in fp32, and its products with q - 8.
-    NOTE: q - 8 comes exact from the bits: q | 0x4B000000 is the float 2^23 + q."""
+    """x at nibble j's columns (4j + i of each run) in fp32, and its products with q - 8."""
     x = load_chunk(x_ptrs + 4 * j, k0, K, kx + 4 * j, EVEN_K, "evict_last").to(tl.float32)
-    q = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    q = centred_nibbles(words >> (4 * j), _F32_MAGIC, _F32_CENTRE, tl.float32)
     return x, x * q
 
 

@@ -12,7 +12,7 @@ torch references beside them in kernels/moe_ref.py).
 FP8 weights (float8_e4m3fn, with per-(bn, bk)-block scales [E, ceil(N/bn), ceil(K/bk)]) are
 dequantised to x's dtype first (kernels/fp8.py's rule).
 
-The Triton version (`fused_moe` = `moe_route` + `moe_experts`), as vLLM's and SGLang's:
+The Triton version (`fused_moe` = routing + `_moe_experts`), as vLLM's and SGLang's:
 - `moe_route`: one kernel, softmax + top-k (equal probabilities: the lowest expert, the set
   torch.topk picks on CUDA) + renormalise; ids int32.
 - `moe_align`: one program sorts the pairs p = token * top_k + j into per-expert groups, each
@@ -117,12 +117,18 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_lt,
                 RENORM, E_PAD, BLOCK_T)
 
 
-def moe_route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
-    """moe_route_ref in one kernel; expert ids as int32."""
+def _route_buffers(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """The routing's outputs (empty): weights in the logits' dtype, ids int32, [T, top_k]."""
     t, e = router_logits.shape
     assert router_logits.stride(1) == 1 and 0 < top_k <= e
     weights = torch.empty(t, top_k, dtype=router_logits.dtype, device=router_logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    return weights, torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+
+
+def moe_route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """moe_route_ref in one kernel; expert ids as int32."""
+    t, e = router_logits.shape
+    weights, ids = _route_buffers(router_logits, top_k)
     if t > 0:
         e_pad = triton.next_power_of_2(e)
         block_t, warps = _route_tile(t, e_pad)
@@ -140,7 +146,12 @@ def _route_tile(num_tokens: int, e_pad: int) -> tuple[int, int]:
     warps. NOTE: `moe_token_classes` splits its classes here too (a warm-up builds both)."""
     if num_tokens <= ROUTE_ONE_WARP_MAX_TOKENS:
         return 1, 1
-    return max(1, min(16, 2048 // e_pad)), 4
+    return _route_block_t(e_pad), 4
+
+
+def _route_block_t(e_pad: int) -> int:
+    """Tokens a routing step takes on 4 or more warps: up to 16, 2048 logits."""
+    return max(1, min(16, 2048 // e_pad))
 
 
 @triton.jit
@@ -224,14 +235,13 @@ def moe_route_align(router_logits: Tensor, top_k: int, renormalize: bool,
     """moe_route then moe_align in one launch (one program: for a decode batch's few tokens,
     where a launch costs more than the work): weights, ids, sorted_ids, block_expert."""
     t, e = router_logits.shape
-    assert router_logits.stride(1) == 1 and 0 < top_k <= e and t > 0
-    weights = torch.empty(t, top_k, dtype=router_logits.dtype, device=router_logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    assert t > 0
+    weights, ids = _route_buffers(router_logits, top_k)
     sorted_ids, block_expert, meta = _align_buffers(t, top_k, e, block_m, ids.device)
     _route_align_kernel[(1,)](
         router_logits, weights, ids, sorted_ids, block_expert, t, e, router_logits.stride(0),
         block_expert.shape[0], TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        RENORM=renormalize, BLOCK_T=max(1, min(16, 2048 // meta["E_PAD"])), **meta)
+        RENORM=renormalize, BLOCK_T=_route_block_t(meta["E_PAD"]), **meta)
     return weights, ids, sorted_ids, block_expert
 
 
@@ -611,16 +621,23 @@ def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tenso
                  w13_scale: Tensor | None, w2_scale: Tensor | None,
                  block: tuple[int, int] | None, cfg: MoeConfig, sums: bool = False,
                  aligned: tuple[Tensor, Tensor] | None = None) -> Tensor | SplitSums:
-    """`moe_experts` in `cfg`'s launches; sums: where the down projection can leave the top-k
-    sum to its consumer (2..MAX_ROWS tokens, routing weights in x's dtype), its split-sum
-    slots (`_moe_epilogue`'s SLOT_K) rather than y; aligned: moe_align's outputs for ids at
-    cfg.block_m, where they were made with the routing (`moe_route_align`)."""
+    """moe_experts_ref on the GPU in `cfg`'s launches (`pick_moe_config`): the pairs sorted
+    into per-expert blocks, the gate_up projection with silu(gate) * up in its epilogue, the
+    down projection times the routing weights, the sum over top_k. sums: where the down
+    projection can leave the top-k sum to its consumer (2..MAX_ROWS tokens, routing weights
+    in x's dtype), its split-sum slots (`_moe_epilogue`'s SLOT_K) rather than y; aligned:
+    moe_align's outputs for ids at cfg.block_m, where they were made with the routing
+    (`moe_route_align`). Reads no device tensor on the host: buffers and grids come from
+    shapes (graph-safe)."""
     t, h = x.shape
     top_k = ids.shape[1]
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
     assert w13.shape[2] == h and w2.shape == (num_experts, h, inter)
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    assert w13.dtype == w2.dtype and w13.dtype in (x.dtype, torch.float8_e4m3fn), (
+        f"experts in {w13.dtype} / {w2.dtype} for activations in {x.dtype}: the weights are "
+        "the activations' dtype or FP8")
     fp8 = w13_scale is not None
     assert fp8 == (w2_scale is not None) == (block is not None), "FP8: both scales and block"
     if cfg.kind == "gemv":
@@ -672,24 +689,6 @@ def _one_token_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2:
     return out
 
 
-def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,
-                w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
-                block: tuple[int, int] | None = None, *,
-                sums: bool = False) -> Tensor | SplitSums:
-    """moe_experts_ref on the GPU: the pairs sorted into per-expert blocks, the gate_up
-    projection with silu(gate) * up in its epilogue, the down projection times the routing
-    weights, the sum over top_k (sums: left to the consumer where it can be, see
-    `_moe_experts`). Reads no device tensor on the host: buffers and grids come from shapes
-    (graph-safe), the launches from `pick_moe_config`."""
-    fp8 = torch.float8_e4m3fn
-    assert w13.dtype == w2.dtype and w13.dtype in (x.dtype, fp8), (
-        f"experts in {w13.dtype} / {w2.dtype} for activations in {x.dtype}: the weights are "
-        "the activations' dtype or FP8")
-    cfg = pick_moe_config(x.shape[0], ids.shape[1], w13.shape[0], x.shape[1],
-                          w2.shape[2], block)
-    return _moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg, sums)
-
-
 def _fused_moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
                renormalize: bool, w13_scale: Tensor | None, w2_scale: Tensor | None,
                block: tuple[int, int] | None, sums: bool) -> Tensor | SplitSums:
@@ -697,13 +696,15 @@ def _fused_moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k:
     needs no align) the routing and the align in one launch."""
     t = x.shape[0]
     cfg = pick_moe_config(t, top_k, w13.shape[0], x.shape[1], w2.shape[2], block)
-    if not _route_aligns(t, cfg):
+    aligned = None
+    if _route_aligns(t, cfg):
+        weights, ids, sorted_ids, block_expert = moe_route_align(router_logits, top_k,
+                                                                 renormalize, cfg.block_m)
+        aligned = (sorted_ids, block_expert)
+    else:
         weights, ids = moe_route(router_logits, top_k, renormalize)
-        return moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, sums=sums)
-    weights, ids, sorted_ids, block_expert = moe_route_align(router_logits, top_k, renormalize,
-                                                             cfg.block_m)
     return _moe_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg, sums,
-                        (sorted_ids, block_expert))
+                        aligned)
 
 
 def _route_aligns(num_tokens: int, cfg: MoeConfig) -> bool:
@@ -725,7 +726,7 @@ def fused_moe_unreduced(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tenso
                         renormalize: bool, w13_scale: Tensor | None = None,
                         w2_scale: Tensor | None = None, block: tuple[int, int] | None = None,
                         ) -> Tensor | SplitSums:
-    """fused_moe_ref on the GPU (routing, then moe_experts), its top-k sum left as
+    """fused_moe_ref on the GPU (routing, then `_moe_experts`), its top-k sum left as
     `SplitSums` where it can be, for a consumer that takes them (`add_rms_norm`)."""
     return _fused_moe(x, router_logits, w13, w2, top_k, renormalize, w13_scale, w2_scale,
                       block, sums=True)
@@ -734,7 +735,7 @@ def fused_moe_unreduced(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tenso
 def fused_moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
               renormalize: bool, w13_scale: Tensor | None = None,
               w2_scale: Tensor | None = None, block: tuple[int, int] | None = None) -> Tensor:
-    """fused_moe_ref on the GPU: routing, then moe_experts."""
+    """fused_moe_ref on the GPU: routing, then `_moe_experts`."""
     y = _fused_moe(x, router_logits, w13, w2, top_k, renormalize, w13_scale, w2_scale, block,
                    sums=False)
     assert isinstance(y, Tensor)

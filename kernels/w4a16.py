@@ -37,6 +37,8 @@ import triton.language as tl
 from torch import Tensor
 
 from arle_kernels.gemv import (
+    W4_CENTRED,
+    centred_nibbles,
     fill_splits,
     gemv_w4,
     reduce_splits,
@@ -77,17 +79,13 @@ def _load_tile(w_ptr, s_ptr, offs_n, nmask, k0, K, stride_wn, stride_sn,
 @triton.jit
 def _load_centred(w_ptr, offs_n, nmask, k0, K, stride_wn, BN: tl.constexpr, BK: tl.constexpr,
                   MAGIC: tl.constexpr, CENTRE: tl.constexpr, dtype: tl.constexpr):
-    """`_load_tile`'s nibbles as q - 8 in dtype (exact), unscaled, by bits alone: q | MAGIC is
-    the float CENTRE - 8 + q (1024 + q in fp16, 128 + q in bf16, 2^23 + q in fp32), so no
-    int-to-float conversion (a quarter-rate instruction) and no fp32 tile for 16-bit x."""
+    """`_load_tile`'s nibbles as q - 8 in dtype (exact), unscaled, by bits alone
+    (kernels/gemv.py's `centred_nibbles`): no fp32 tile for 16-bit x."""
     offs_w = k0 // 8 + tl.arange(0, BK // 8)
     words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
                     mask=nmask[:, None] & (offs_w < K // 8)[None, :], other=0)
     shifts = tl.arange(0, 8) * 4
-    bits = ((words[:, :, None] >> shifts[None, None, :]) & 0xF) | MAGIC
-    if dtype.primitive_bitwidth == 16:
-        bits = bits.to(tl.int16)
-    q = bits.to(dtype, bitcast=True) - CENTRE
+    q = centred_nibbles(words[:, :, None] >> shifts[None, None, :], MAGIC, CENTRE, dtype)
     return tl.reshape(q, (BN, BK))
 
 
@@ -181,12 +179,6 @@ DEQUANT_ROWS = 16
 DEQUANT_TILE = (32, 256)
 
 
-#: x's dtype -> the bits that make a nibble q the 16-bit float CENTRE - 8 + q (`_load_centred`)
-_CENTRED = {torch.float16: {"MAGIC": 0x6400, "CENTRE": 1032.0},
-            torch.bfloat16: {"MAGIC": 0x4300, "CENTRE": 136.0},
-            torch.float32: {"MAGIC": 0x4B000000, "CENTRE": 8388616.0}}
-
-
 def w4_linear(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None) -> Tensor:
     """`w4_linear_ref` in Triton: kernels/gemv.py's 4-bit GEMV where it takes the rows
     (`use_w4_gemv`), the GEMM below DEQUANT_ROWS, else the weight dequantized for cuBLAS.
@@ -233,7 +225,7 @@ def w4_gemm(x: Tensor, weight: Tensor, fmt: W4Format, bias: Tensor | None = None
         x.stride(0), weight.stride(0), fmt.scales.stride(0), dst.stride(-2),
         dst.stride(0) if split > 1 else 0, G=fmt.group, BM=bm, BN=bn, BK=BLOCK_K,
         HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=warps, num_stages=3,
-        **_CENTRED[x.dtype])
+        MAGIC=W4_CENTRED[x.dtype][0], CENTRE=W4_CENTRED[x.dtype][1])
     if split > 1:
         reduce_splits(dst, bias, y)
     return y

@@ -104,11 +104,11 @@ def test_centred_bits_are_q_minus_8(dtype: torch.dtype) -> None:
     """`_load_centred`'s rule for each x dtype, in torch's own bit views (the interpreter runs
     fp16 and fp32 through the GEMM, not bf16): q | MAGIC, read as a float, minus CENTRE is
     q - 8 for every nibble."""
-    c = w4a16._CENTRED[dtype]
+    magic, centre = gemv.W4_CENTRED[dtype]
     q = torch.arange(16, dtype=torch.int32)
-    bits = q | c["MAGIC"]
+    bits = q | magic
     floats = (bits.to(torch.int16) if dtype.itemsize == 2 else bits).view(dtype)
-    assert torch.equal(floats - c["CENTRE"], (q - 8).to(dtype))
+    assert torch.equal(floats - centre, (q - 8).to(dtype))
 
 
 def test_w4a16_kernels_interpreted() -> None:
@@ -167,7 +167,8 @@ def test_w4a16_kernels_build_for_sm90() -> None:
                                          (w4a16.GEMM_TILE_FEW_ROWS, True)):
             kernel = compile_.compile_for_hopper(w4a16._w4_gemm_kernel, {
                 "G": group, "BM": bm, "BN": bn, "BK": w4a16.BLOCK_K, "HAS_BIAS": not partial,
-                "PARTIAL": partial, **w4a16._CENTRED[torch.bfloat16]},
+                "PARTIAL": partial, "MAGIC": gemv.W4_CENTRED[torch.bfloat16][0],
+                "CENTRE": gemv.W4_CENTRED[torch.bfloat16][1]},
                 num_warps=warps, **W4_TYPES)
             # whole groups a K step: the nibbles become bf16 by bits, no int-to-float convert
             i2f = re.findall(r"cvt\.rn\.f32\.[su]32", kernel.asm["ptx"])
