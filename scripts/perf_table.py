@@ -226,7 +226,7 @@ SOURCES = (
         ("decode_qwen3.5-4b", "decode /tmp/models/qwen3.5-4b"),
         ("context_qwen3-4b", "context /tmp/models/qwen3-4b --output-len 64"),
         ("context_qwen3.5-4b", "context /tmp/models/qwen3.5-4b --output-len 64"),
-        ("serve_qwen3-30b-a3b-fp8", "serve /tmp/models/qwen3-30b-a3b-fp8 --concurrency 1 8 64 "
+        ("serve_qwen3-30b-a3b-fp8", "serve /tmp/models/qwen3-30b-a3b-fp8 --concurrency 8 "
                                     "--serve-args=\"--kv-cache-dtype fp8_e4m3\""),
         ("serve_qwen3-4b_scale", "serve /tmp/models/qwen3-4b --concurrency 1 8 64 256 "
                                  "--num-prompts 64"),
@@ -485,7 +485,7 @@ def _h100_figures() -> list[Figure]:
                _Q4, tuple(Field(sc, f"runs.{c}.mean_tpot_ms", "{:.2f} ms")
                           for c in (1, 8, 64, 256)), sep=" / "),
         *(Figure("h100", f"`arle serve --kv-cache-dtype fp8_e4m3` + `arle bench`, {_RANDOM}, "
-                 f"c = {c}", _MOE, _serve(sm, c)) for c in (1, 8, 64)),
+                 f"c = {c}", _MOE, _serve(sm, c)) for c in (8,)),
         Figure("h100", "`arle serve`: time to ready, cold Triton cache", _MOE,
                (Field(sm, "time_to_ready_s", "{:.2f} s"),)),
         *(Figure("h100", f"`arle serve` + `arle bench`, {_RANDOM}, c = {c}", _Q35,
@@ -972,12 +972,11 @@ def _swap_ab(kernels: Any) -> str:
             f"{pairs} for the W8A16 GEMM, routing and top-k sum included. Swapped W8A16 (the "
             f"dequantised tile as wgmma's register operand) was slower still "
             f"({us(8, 'mma', True, [128, 128, 8, 3]):.0f} us at 8 tokens). The batch-8 step "
-            f"above runs it, with the routing and the align in one program and the top-k sum "
-            f"left to the next norm; the serving figure predates all three. At that step's "
-            f"commit the expert kernel quantised its activations in registers; that measured "
-            f"slower (commit c7c0461 gives the figures) and HEAD quantises them in a pass of "
-            f"their own again, not yet timed end to end. Not yet profiled; by its shape, a program streams only 48-256 KB (a 64- or "
-            f"128-row tile of one expert), so each pays a pipeline's ramp.")
+            f"and the serving figure above run it, with the routing and the align in one "
+            f"program from 2 to 16 tokens and the top-k sum left to the next norm; the "
+            f"activations are quantised in a pass of their own (inside the expert kernel it "
+            f"measured slower: commit c7c0461). By its shape, a program streams only 48-256 KB "
+            f"(a 64- or 128-row tile of one expert), so each pays a pipeline's ramp.")
 
 
 def _w4_gemm_vs_gemv(res: Results) -> str:
@@ -1044,12 +1043,11 @@ def _h100_bounds(res: Results) -> list[str]:
         f"both). Past it: two weights an instruction (the nibbles of a word into f16x2/bf16x2 "
         f"pairs by lop3, packed FMAs), which Triton does not emit from tensor code.",
         f"- 4-bit AWQ at batch 8: {awq['graph_replay_bs8_ms']:.2f} ms a step (bf16: "
-        f"{dec('qwen3-4b')['graph_replay_bs8_ms']:.2f}) at commit {awq['commit']}, where the "
-        f"long-K layers (o_proj, down) still took the FMA GEMV, which pays x's conversion and "
-        f"its FMAs per row. The tensor-core GEMM (nibbles made 16-bit floats by their bits, "
-        f"each group's scale and zero after the dot, K split to fill the GPU) is faster there "
-        f"at 4 and 8 rows ({_w4_gemm_vs_gemv(res)}), so HEAD takes it from 3 rows: not yet "
-        f"timed end to end. From 16 rows the weight is dequantized to bf16 and cuBLAS "
+        f"{dec('qwen3-4b')['graph_replay_bs8_ms']:.2f}). From 3 rows every linear layer "
+        f"takes the tensor-core GEMM (nibbles made 16-bit floats by their bits, each group's "
+        f"scale and zero after the dot, K split to fill the GPU), which beats the FMA GEMV "
+        f"(x's conversion and its FMAs paid per row) at 4 and 8 rows "
+        f"({_w4_gemm_vs_gemv(res)}). From 16 rows the weight is dequantized to bf16 and cuBLAS "
         f"multiplies ({awq['graph_replay_bs32_ms']:.2f} ms at 32 rows); prefill of 512 tokens "
         f"takes {awq['batch1']['mean_ttft_ms']:.1f} ms (bf16: "
         f"{dec('qwen3-4b')['batch1']['mean_ttft_ms']:.1f}).",
