@@ -3,6 +3,7 @@ and the reference kernels/decode_attention.py's kernels are tested against."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 
@@ -14,13 +15,26 @@ import torch.nn.functional as F
 REF_CHUNK_ELEMENTS = 1 << 26
 
 
+def _row_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: list[int], length: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's first `length` keys and values [L, KVH, D] on its `pages`: a view of the cache
+    where the pages are consecutive (no copy), else gathered into the same shape."""
+    kvh, d = k_cache.shape[2:]
+    if pages[-1] - pages[0] == len(pages) - 1 and all(
+            b - a == 1 for a, b in itertools.pairwise(pages)):
+        k, v = (c[pages[0]:pages[0] + len(pages)] for c in (k_cache, v_cache))
+    else:
+        index = torch.tensor(pages)
+        k, v = (c[index] for c in (k_cache, v_cache))
+    return k.view(-1, kvh, d)[:length], v.view(-1, kvh, d)[:length]
+
+
 def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: list[list[int]], seq_lens: list[int], rows: list[int],
                      scale: float, out: torch.Tensor) -> None:
-    """`decode_attention_ref` of `rows`, one row at a time: a row whose pages are consecutive
-    is read in place (one view of the cache, no copy); other rows' pages are gathered into
-    the same shape. NOTE: a row's numbers depend on its tokens alone, not on where its pages
-    lie (page allocation differs with speculation on) nor on the rows beside it.
+    """`decode_attention_ref` of `rows`, one row at a time, each on its pages (`_row_kv`).
+    NOTE: a row's numbers depend on its tokens alone, not on where its pages lie (page
+    allocation differs with speculation on) nor on the rows beside it.
     (2-core CPU, 9 heads of 64: a row in place costs 38 us at 64 tokens against 69 in a
     gather, 0.5 ms at 6,144 against 2.1.)"""
     ps, kvh, d = k_cache.shape[1:]
@@ -30,17 +44,61 @@ def _attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if length == 0:
             out[row] = 0
             continue
-        pages = page_table[row][:-(-length // ps)]
-        if pages[-1] - pages[0] == len(pages) - 1 and all(
-                b - a == 1 for a, b in itertools.pairwise(pages)):
-            k, v = (c[pages[0]:pages[0] + len(pages)] for c in (k_cache, v_cache))
-        else:
-            index = torch.tensor(pages)
-            k, v = (c[index] for c in (k_cache, v_cache))
-        k, v = (c.view(-1, kvh, d)[:length] for c in (k, v))  # [L, KVH, D]
+        k, v = _row_kv(k_cache, v_cache, page_table[row][:-(-length // ps)], length)
         qg = q[row].to(k_cache.dtype).view(kvh, h // kvh, d)
         probs = torch.softmax(torch.matmul(qg, k.permute(1, 2, 0)) * scale, dim=-1)
         out[row] = torch.matmul(probs, v.transpose(0, 1)).view(h, d)
+
+
+#: a verify row's tokens share one q K^T and one softmax (`attend_run`) where its first token
+#: has this many keys or more: below it torch's softmax and the BLAS take other code paths by
+#: length (measured: rows of 1-15 keys differ from their decode rows in the last bit)
+RUN_MIN_KEYS = 64
+
+
+def attend_run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: list[int],
+               first: int, scale: float, out: torch.Tensor) -> None:
+    """`decode_attention_ref` of n rows that are one request's consecutive tokens on `pages`
+    (row i attends to `first` + i keys; a verify row): q K^T and the softmax once for all n,
+    each token's later keys masked, then P V token by token. NOTE (exactness): a token gets
+    the bits its decode row gets (`_attend_in_place`): the scores are the same dot products
+    of 64-or-so terms, the masked keys add exact zeros to the softmax's sum, and P V runs on
+    the row's own keys alone (over more keys, zeros included, the BLAS blocks the sum
+    differently). `run_is_exact` checks it on this machine before the engine relies on it.
+    (2-core CPU, 9 heads of 64, 8 tokens at 500 keys: 0.30 ms a layer against 0.74.)"""
+    n, h, d = q.shape
+    kvh = k_cache.shape[2]
+    g, last = h // kvh, first + n - 1
+    k, v = _row_kv(k_cache, v_cache, pages, last)
+    qg = q.to(k_cache.dtype).view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)) * scale  # [KVH, n * g, last]
+    ends = torch.arange(first, last + 1).repeat_interleave(g)
+    scores.masked_fill_(torch.arange(last) >= ends[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(kvh, n, g, last)
+    vt = v.transpose(0, 1)
+    for i in range(n):
+        out[i] = torch.matmul(probs[:, i, :, :first + i], vt[:, :first + i]).view(h, d)
+
+
+@functools.cache
+def run_is_exact(kv_heads: int, group: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether `attend_run` gives every token its decode row's bits on this machine's BLAS,
+    for this head shape: random rows of a few lengths from RUN_MIN_KEYS, both ways (a few ms,
+    once a process). Where not, verify rows attend row by row."""
+    gen = torch.Generator().manual_seed(0)
+    ps = 16
+    for first, n in ((RUN_MIN_KEYS, 9), (100, 4), (257, 8), (1021, 5)):
+        pages = -(-(first + n) // ps)
+        k, v = (torch.randn(pages, ps, kv_heads, head_dim, generator=gen, dtype=dtype)
+                for _ in range(2))
+        q = torch.randn(n, kv_heads * group, head_dim, generator=gen, dtype=dtype)
+        run, rows = torch.empty_like(q), torch.empty_like(q)
+        attend_run(q, k, v, list(range(pages)), first, head_dim ** -0.5, run)
+        _attend_in_place(q, k, v, [list(range(pages))] * n, list(range(first, first + n)),
+                         list(range(n)), head_dim ** -0.5, rows)
+        if not torch.equal(run, rows):
+            return False
+    return True
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

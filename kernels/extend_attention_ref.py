@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from arle_kernels.decode_attention_ref import decode_attention_ref
+from arle_kernels.decode_attention_ref import (
+    RUN_MIN_KEYS,
+    attend_run,
+    decode_attention_ref,
+    run_is_exact,
+)
 
 
 def plan_blocks(q_lens: list[int], seq_lens: list[int], block_t: int, capacity: int
@@ -49,6 +54,16 @@ def check_rows(page_table: Tensor, cu_q_lens: Tensor, seq_lens: Tensor) -> None:
                          f"{tuple(page_table.shape)})")
 
 
+def _runs(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, out: Tensor, first: int) -> bool:
+    """Whether a verify row whose first token has `first` keys attends as one run
+    (`attend_run`: its decode rows' bits, in fewer products)."""
+    _, h, d = q.shape
+    kvh = k_cache.shape[2]
+    return (first >= RUN_MIN_KEYS and k_scale is None and q.dtype == k_cache.dtype == out.dtype
+            and q.dtype in (torch.float32, torch.float64)
+            and run_is_exact(kvh, h // kvh, d, q.dtype))
+
+
 def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
                          cu_q_lens: Tensor, seq_lens: Tensor, scale: float, max_q_len: int, *,
                          k_scale: Tensor | None = None, v_scale: Tensor | None = None,
@@ -73,7 +88,13 @@ def extend_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table
             # NOTE: a short row over a cached prefix (a verify row of speculative decoding)
             # attends token by token as decode rows do: its tokens then get the decode step's
             # numbers to the bit, and greedy speculation the tokens of speculation off
-            lens = torch.arange(seq_len - n + 1, seq_len + 1, dtype=torch.int32)
+            first = seq_len - n + 1
+            if _runs(q, k_cache, k_scale, out, first):
+                run_pages = page_table[r, :-(-seq_len // page_size)].tolist()
+                attend_run(q[start:end], k_cache, v_cache, run_pages, first, scale,
+                           out[start:end])
+                continue
+            lens = torch.arange(first, seq_len + 1, dtype=torch.int32)
             out[start:end] = decode_attention_ref(
                 q[start:end], k_cache, v_cache, page_table[r:r + 1].expand(n, -1), lens,
                 scale, 1, k_scale=k_scale, v_scale=v_scale).to(out.dtype)

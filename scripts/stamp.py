@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,16 @@ def commit() -> str | None:
     return git.stdout.strip() or None
 
 
+def cpu_model() -> str | None:
+    """The host CPU's model name (Linux), which CPU figures depend on."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or None
+    return next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), None)
+
+
 def stamp() -> dict[str, str | None]:
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-            "commit": commit()}
+            "commit": commit(), "cpu": cpu_model()}

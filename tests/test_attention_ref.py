@@ -6,11 +6,18 @@ its decode rows through `decode_attention_ref` and its extend rows through
 from __future__ import annotations
 
 import itertools
+from unittest.mock import patch
 
 import pytest
 import torch
 
-from arle_kernels.decode_attention_ref import decode_attention_ref
+import arle_kernels.extend_attention_ref as extend_ref
+from arle_kernels.decode_attention_ref import (
+    RUN_MIN_KEYS,
+    attend_run,
+    decode_attention_ref,
+    run_is_exact,
+)
 from arle_kernels.extend_attention_ref import extend_attention_ref
 
 
@@ -108,3 +115,35 @@ def test_decode_rows_read_in_place_match_dense(lens: list[int], scattered: bool)
                                      torch.tensor([one_run], dtype=torch.int32),
                                      torch.tensor([n], dtype=torch.int32), scale, 1)
         assert torch.equal(moved[0], got[r])
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (6, 2, 32)])
+@pytest.mark.parametrize("first,n,scattered", [(RUN_MIN_KEYS, 9, False), (300, 8, True),
+                                               (1000, 4, False), (20, 5, False)])
+def test_verify_row_gets_its_decode_rows_bits(first: int, n: int, scattered: bool, heads: int,
+                                              kv_heads: int, d: int) -> None:
+    """A verify row (n tokens over a cached prefix, one extend row) gives each token the bits
+    of a decode row of that token, whether it attends as one run (`attend_run`, from
+    RUN_MIN_KEYS keys where this machine's BLAS allows it) or token by token: what keeps
+    greedy speculation's tokens and logprobs those of speculation off."""
+    gen = torch.Generator().manual_seed(first + n)
+    page_size, seq_len = 16, first + n - 1
+    n_pages = -(-seq_len // page_size)
+    num_pages = 2 * n_pages + 4
+    k_cache = torch.randn(num_pages, page_size, kv_heads, d, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, kv_heads, d, generator=gen)
+    pages = list(range(1, 2 * n_pages + 1, 2) if scattered else range(2, n_pages + 2))
+    table = torch.tensor([pages], dtype=torch.int32)
+    q = torch.randn(n, heads, d, generator=gen)
+    scale = d ** -0.5
+    runs = []
+    with patch.object(extend_ref, "attend_run", side_effect=lambda *a: (runs.append(a),
+                                                                          attend_run(*a))):
+        got = extend_attention_ref(q, k_cache, v_cache, table,
+                                   torch.tensor([0, n], dtype=torch.int32),
+                                   torch.tensor([seq_len], dtype=torch.int32), scale, n)
+    rows = decode_attention_ref(q, k_cache, v_cache, table.expand(n, -1),
+                                torch.arange(first, seq_len + 1, dtype=torch.int32), scale, 1)
+    assert torch.equal(got, rows)
+    exact = run_is_exact(kv_heads, heads // kv_heads, d, torch.float32)
+    assert len(runs) == (first >= RUN_MIN_KEYS and exact)

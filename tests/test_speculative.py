@@ -401,9 +401,9 @@ async def test_ngram_drafts_on_the_default_model(smol: LoadedModel, make_engine:
 async def test_int4_default_model_equals_off(make_engine: Any) -> None:
     """The default model as the CPU runs it (int4 and int8 weights, bf16 products): a batch
     of the three benchmark tasks, speculation on (K = 8) against off, the same tokens and
-    logprobs. It holds because a verify row's tokens attend as decode rows, one row at a time
-    (kernels/extend_attention.py), and the packed kernels give a row the same numbers
-    whatever the rows beside it; a batched, padded attention flipped near-ties here. The
+    logprobs. It holds because a verify row's tokens get their decode rows' attention bits
+    (kernels/extend_attention_ref.py: token by token, or one run from 64 keys), and the
+    packed kernels give a row the same numbers whatever the rows beside it; a batched, padded attention flipped near-ties here. The
     prefills are not row-invariant: a long step runs bf16-expanded weights, a short one
     (PACKED_MAX_ROWS) the packed kernel. So the three requests arrive together in both engines
     (`run_together`), and the prefix cache is off (a prefix one request computed in another's

@@ -51,7 +51,9 @@ class SpecConfig:
 
 #: CPU: scripts/bench_speculative.py on the default model (int4 weights), 2 cores: a verify
 #: step with 8 drafts costs 2.84x a decode step at batch 1 (0.23 of a step per draft; its
-#: tokens attend one by one, as decode rows, so that it stays exact). A step past 48 tokens
+#: tokens get their decode rows' attention bits, so that it stays exact; the figures are of
+#: 48-token chats, where they attend token by token: past 64 keys they share one q K^T and one
+#: softmax, and cost less, `attend_run`). A step past 48 tokens
 #: leaves the packed int4 kernels for the bf16 expansion (arle_kernels.quant,
 #: PACKED_MAX_ROWS): at batch 8 with 8 drafts each (72 tokens) 5.1x, so drafts stop at 48.
 #: The packed matmuls take rows 4 at a time, each 4 a read of the weights: 3 drafts cost 1.51x
