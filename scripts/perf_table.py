@@ -97,6 +97,7 @@ class Machine:
     setup: tuple[str, ...]  # commands to run once before the sources' commands
 
 
+_SPEC_FILE = "cpu/speculative_smollm2.json"
 MACHINES = (
     Machine("h200", "One NVIDIA H200", "1 H200",
             (Field("h200/decode_qwen3-4b.json", "torch", "torch {}"),
@@ -130,7 +131,8 @@ MACHINES = (
              Field("cpu/bench_cpu.json", "machine.cpu_capability", "{}"),
              Field("cpu/bench_cpu.json", "machine.torch", "torch {}"),
              Field("cpu/bench_cpu.json", "machine.torch_threads", "{} threads"),
-             Field("cpu/bench_cpu.json", "dtype", "--dtype {} (integer weights kept)")),
+             Field("cpu/bench_cpu.json", "dtype", "--dtype {} (integer weights kept)"),
+             Field(_SPEC_FILE, "cpu", "the speculation figures on {}")),
             ()),
 )
 
@@ -287,7 +289,7 @@ _HF = "h200/hf_qwen3-4b.json"
 _CPU = "cpu/bench_cpu.json"
 _CPU_BOUNDS = "cpu/cpu_bounds.json"
 _CPU_Q35 = "cpu/bench_cpu_qwen3.5.json"
-_SPEC = "cpu/speculative_smollm2.json"
+_SPEC = _SPEC_FILE
 _SPEC_OFF = "speculation off, the same requests in the same run"
 
 
