@@ -30,7 +30,9 @@
 #     awq       quant's 4-bit AWQ decode alone
 #     spec      speculative decoding: a verify step's cost against a decode step (K = 1..4,
 #               batch 1 and 8, with graphs and without) on $SPEC_MODELS (Qwen3-4B and
-#               Qwen3.5-4B); n-gram on the default model where it is installed
+#               Qwen3.5-4B); n-gram on the default model where it is installed ($SPEC_SMOL=0
+#               skips it); $SPEC_ARGS replaces --eager-verify (empty: no third engine, so
+#               two copies of a 30B model fit one card)
 #     spectests the GPU tests of speculative decoding, by name
 #     gpunew    the GPU tests of the files this wave changed most (pytest_new.txt)
 #     quant     Qwen3-4B decode under --quantization fp8 and as 4-bit AWQ (decode's bf16 figure
@@ -216,8 +218,9 @@ for p in "$@"; do
     spec) for m in ${SPEC_MODELS:-qwen3-4b qwen3.5-4b}; do d=$(model $m)
             phase "spec_$m" "${SPEC_TIMEOUT:-200}" python3 scripts/bench_speculative.py \
               --model "$d" --device cuda --parts cost --cost-k 1 2 3 4 --batch 1 8 \
-              --eager-verify --out $RES/speculative_cost_$m.json
+              ${SPEC_ARGS---eager-verify} --out $RES/speculative_cost_$m.json
           done
+          [ "${SPEC_SMOL:-1}" = 1 ] || continue
           python3 -c "from arle.model.default import default_model_path as p; p()" 2>/dev/null \
             || { say "spec_smol: no default model here"; continue; }
           phase spec_smol 200 python3 scripts/bench_speculative.py --device cuda --parts tasks \
