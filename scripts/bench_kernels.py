@@ -484,9 +484,10 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
             kinds: list[GemvConfig | fp8_kernels.Fp8Config] = [chosen] + [
                 fp8_kernels.Fp8Config(kind, block_m, 64 if m <= 64 else 128, 128)
                 for kind in ("w8a16", "w8a8") if kind != _fp8_kind(chosen)]
-            if m <= 2:  # the FMA GEMV's other K chunks and warps
-                kinds += [c for c in (GemvConfig(m, bk, num_warps=w) for bk, w in
-                                      ((1024, 1), (2048, 2), (2048, 4), (4096, 2), (4096, 4)))
+            if m <= 2:  # the FMA GEMV's other K chunks and warps; W's rows a program
+                kinds += [c for c in (GemvConfig(bn, bk, num_warps=w) for bn in sorted({m, 2 * m, 4})
+                                      for bk, w in ((1024, 1), (2048, 2), (2048, 4), (4096, 2),
+                                                    (4096, 4)))
                           if c != chosen]
             if m <= 4:  # the tensor-core GEMV (swap AB) at few rows, K split or not
                 kinds += [c for c in (GemvConfig(bn, 128, 4, 3, split_k=s, mma=True)
