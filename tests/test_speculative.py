@@ -353,15 +353,17 @@ def test_cpu_verify_rows_come_in_blocks_of_four() -> None:
         assert drafter.propose(drafter.start(), tokens, 0, room) == list(range(want))
 
 
-def test_a_hybrid_engine_drafts_by_its_own_rule(models: dict[str, LoadedModel],
-                                                make_engine: Any,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """An engine of Gated DeltaNet layers takes its device's HYBRID_RULES (CUDA's, measured
-    there; here a CPU entry stands in for it), a dense one the device's rule."""
+def test_hybrid_and_moe_engines_draft_by_their_own_rules(models: dict[str, LoadedModel],
+                                                         make_engine: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine of Gated DeltaNet layers takes its device's HYBRID_RULES, one of expert MLPs
+    its MOE_RULES (CUDA's, measured there; here CPU entries stand in for them), a dense one
+    the device's rule."""
     import arle.engine.speculative as speculative
 
     monkeypatch.setitem(speculative.HYBRID_RULES, "cpu", (0.5, 0.07))
-    for name, want in (("hybrid", (0.5, 0.07)), ("dense", (0.0, 0.23))):
+    monkeypatch.setitem(speculative.MOE_RULES, "cpu", (2.0, 0.01))
+    for name, want in (("hybrid", (0.5, 0.07)), ("moe", (2.0, 0.01)), ("dense", (0.0, 0.23))):
         drafter = make_engine(models[name], speculative="ngram").scheduler.drafter
         assert drafter is not None
         assert (drafter.config.verify_cost, drafter.config.draft_cost) == want, name

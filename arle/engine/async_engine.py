@@ -125,7 +125,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, executor: Executor,
                  model_name: str, max_model_len: int,
                  generation_defaults: dict[str, Any] | None = None,
-                 model_info: dict[str, Any] | None = None) -> None:
+                 model_info: dict[str, Any] | None = None, moe: bool = False) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.executor = executor
@@ -149,7 +149,7 @@ class AsyncEngine:
             chunked_prefill_size=min(config.chunked_prefill_size, config.max_batched_tokens),
             max_waiting_requests=config.max_waiting_requests,
             overlap_restores=executor.overlaps_restores), self.cache,
-            drafter=make_drafter(config, hybrid=executor.state is not None))
+            drafter=make_drafter(config, hybrid=executor.state is not None, moe=moe))
         self._requests: dict[str, Sequence] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None

@@ -81,7 +81,7 @@ def engine_from_loaded(config: EngineConfig, loaded: LoadedModel,
         info["ranks"] = ranks.infos
         log.info("tensor_parallel_ranks", ranks=ranks.infos)
     return AsyncEngine(config, loaded.tokenizer, executor, loaded.name, _max_len(config, loaded),
-                       loaded.generation_defaults, info)
+                       loaded.generation_defaults, info, moe=loaded.config.moe is not None)
 
 
 def _device(device: str) -> str:

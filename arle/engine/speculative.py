@@ -65,23 +65,31 @@ class SpecConfig:
 #: CUDA: the same bench on an H100, random Qwen3-4B, graphs: a verify step of 1-4 drafts
 #: costs 1.19-1.20x a decode step at batch 1 (1.08-1.22x at batch 8), almost all of it fixed
 #: (the extend step's launches); the hybrid Qwen3.5-4B 1.94-2.06x at batch 1 (its verify rows
-#: keep a recurrent state per position): HYBRID_RULES.
+#: keep a recurrent state per position): HYBRID_RULES. Random Qwen3-30B-A3B-FP8 (commit 0aa3fc0):
+#: 3.02-3.03x at batch 1 for K = 1-4 (1.5-2.2x at batch 8): its verify steps replay a 32-token
+#: extend graph, the smallest, whose padding rows route to experts too, and each real token
+#: reads its own 8 experts: MOE_RULES.
 DEVICE_RULES = {"cpu": SpecConfig(num_tokens=8, draft_cost=0.23, step_tokens=48,
                                   row_block=4, min_n=3),
                 "cuda": SpecConfig(num_tokens=4, verify_cost=0.19, draft_cost=0.01,
                                    step_tokens=64)}
 #: (verify_cost, draft_cost) of a hybrid model, by device
 HYBRID_RULES = {"cuda": (0.90, 0.04)}
+#: (verify_cost, draft_cost) of a mixture-of-experts model, by device
+MOE_RULES = {"cuda": (2.0, 0.01)}
 
 
-def spec_config(config: EngineConfig, hybrid: bool = False) -> SpecConfig | None:
+def spec_config(config: EngineConfig, hybrid: bool = False, moe: bool = False
+                ) -> SpecConfig | None:
     """The drafting rule of an engine config (its device filled in) and model (hybrid: Gated
-    DeltaNet layers); None: speculation off."""
+    DeltaNet layers; moe: expert MLPs; both: the costlier rule); None: speculation off."""
     if config.speculative == "off":
         return None
     rule = DEVICE_RULES.get(config.device, DEVICE_RULES["cpu"])
-    if hybrid and config.device in HYBRID_RULES:
-        verify_cost, draft_cost = HYBRID_RULES[config.device]
+    costs = [rules[config.device] for kind, rules in ((hybrid, HYBRID_RULES), (moe, MOE_RULES))
+             if kind and config.device in rules]
+    if costs:
+        verify_cost, draft_cost = max(costs)
         rule = replace(rule, verify_cost=verify_cost, draft_cost=draft_cost)
     return replace(rule, num_tokens=config.num_speculative_tokens or rule.num_tokens)
 
@@ -224,9 +232,10 @@ class MTPDrafter(Drafter):
         return num_output >= spec.resume_at  # its step in flight brings new drafts
 
 
-def make_drafter(config: EngineConfig, hybrid: bool = False) -> Drafter | None:
+def make_drafter(config: EngineConfig, hybrid: bool = False, moe: bool = False
+                 ) -> Drafter | None:
     """The drafter of an engine config (its device filled in); None: speculation off."""
-    spec = spec_config(config, hybrid)
+    spec = spec_config(config, hybrid, moe)
     if spec is None:
         return None
     return MTPDrafter(spec) if config.speculative == "mtp" else Drafter(spec)
