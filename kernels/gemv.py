@@ -819,11 +819,17 @@ def fp8_gemv_config(m: int, n: int, k: int, scale_k: int) -> GemvConfig:
     kernel's tiles at 1..2 rows (its 16-byte runs hold 16 FP8 weights), the cp.async
     tensor-core kernel's at 3..MMA_MAX_M with BLOCK_K inside one scale block. A function of
     (N, K) only at 3.. rows, as `_mma_config`."""
-    if m == 1 or (m == 2 and k >= 4096):
-        # NOTE: 4 warps a row (bf16's tiles give 1-2): an FP8 row is half the bytes, and its
-        # dequantising conversions, not the loads, bound it; measured on the H200 at
-        # Qwen3-30B-A3B's qkv / o_proj (`bench_kernels.py fp8`): 6.6 / 4.1 us against 7.0 / 5.4
-        # at one row, o_proj 7.2 against 7.9 at two
+    if m == 1:
+        # NOTE: short K (qkv, gate_up): 4 rows of W a program, one warp, so a chunk of x
+        # (twice an FP8 row's bytes in bf16) serves 4 rows; long K (o_proj, down): one row,
+        # 2 warps. On an H100 (`bench_kernels.py fp8`, commit 1bc0691), against one row and
+        # 4 warps: Qwen3-30B-A3B's qkv 5.3 us against 6.7, Qwen3-4B's qkv 8.1 against 9.4,
+        # gate_up 22.5 against 25.4, down 10.4 against 11.3, o_proj 4.8 against 5.1
+        if k >= 4096:
+            return GemvConfig(block_n=1, block_k=2048, num_warps=2)
+        return GemvConfig(block_n=4, block_k=1024, num_warps=1)
+    if m == 2 and k >= 4096:
+        # NOTE: 4 warps a row pair: o_proj 7.2 us against 7.9 with bf16's tile (H200)
         return GemvConfig(block_n=m, block_k=2048, num_warps=4)
     if m <= USE_GEMV_MAX_M:
         return _pick_config(m, n, k)

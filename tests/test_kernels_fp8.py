@@ -194,7 +194,8 @@ def interp_check_fp8() -> None:
                                                       for kind in ("w8a16", "w8a8")]
                 if m in (1, 3):  # kernels/gemv.py's FMA (runs of 16) and tensor-core GEMVs:
                     # one row, and rows padded to 4 (4 rows is the same code, unmasked)
-                    cfgs += [GemvConfig(2, 32, num_warps=1), GemvConfig(1, 16, split_k=2),
+                    cfgs += [GemvConfig(2, 32, num_warps=1), GemvConfig(4, 32, num_warps=1),
+                             GemvConfig(1, 16, split_k=2),
                              GemvConfig(16, 16, num_warps=1, mma=True),
                              GemvConfig(16, 16, num_warps=1, split_k=2, mma=True)]
                 for cfg in cfgs:
