@@ -72,12 +72,19 @@ def attend_run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
     k, v = _row_kv(k_cache, v_cache, pages, last)
     qg = q.to(k_cache.dtype).view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)
     scores = torch.matmul(qg, k.permute(1, 2, 0)) * scale  # [KVH, n * g, last]
-    ends = torch.arange(first, last + 1).repeat_interleave(g)
-    scores.masked_fill_(torch.arange(last) >= ends[:, None], float("-inf"))
+    scores.masked_fill_(_later_keys(first, n, g), float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(kvh, n, g, last)
     vt = v.transpose(0, 1)
     for i in range(n):
         out[i] = torch.matmul(probs[:, i, :, :first + i], vt[:, :first + i]).view(h, d)
+
+
+@functools.lru_cache(maxsize=64)
+def _later_keys(first: int, n: int, group: int) -> torch.Tensor:
+    """`attend_run`'s mask [n * group, first + n - 1]: True at the keys past each token's own.
+    NOTE: kept, not remade: every layer of a step asks for the same one."""
+    ends = torch.arange(first, first + n).repeat_interleave(group)
+    return torch.arange(first + n - 1) >= ends[:, None]
 
 
 @functools.cache

@@ -98,8 +98,8 @@ def _interpreter_runs_tensor_loop_bounds() -> bool:
 
 
 #: seconds an interpreter check may take: a guard against a hang, not a speed bound. NOTE: the
-#: slowest (the Qwen3.5 model through the kernels) took past 300 s on a 2-core Xeon whose
-#: other core ran the rest of the suite (pytest -n 2)
+#: slowest (the Qwen3.5 model through the kernels) takes about 370 s alone on a 2-core Xeon,
+#: longer beside the rest of the suite (pytest -n 2)
 INTERPRETER_TIMEOUT_S = 1200
 
 
