@@ -98,8 +98,8 @@ TILES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
 #: the W4A16 GEMV's tiles (block_n, block_k, num_warps) for `w4`, K split by the chosen rule
 #: (`w4_gemv_config`); and the GEMM's (BM, BN, warps, splits of K; 0: `w4_gemm`'s default) from 3
 #: rows
-W4_TILES = ((1, 1024, 1), (2, 1024, 1), (4, 1024, 1), (8, 1024, 1), (2, 2048, 1),
-            (1, 2048, 2), (2, 2048, 2), (4, 2048, 2))
+W4_TILES = ((1, 1024, 1), (2, 1024, 1), (2, 1024, 2), (4, 1024, 4), (8, 1024, 8),
+            (4, 2048, 4), (1, 2048, 2), (2, 2048, 2))
 W4_GEMM_TILES = ((16, 32, 4, 0), (16, 64, 4, 0), (16, 64, 4, 1), (64, 64, 4, 0))
 #: (BLOCK_N, num_warps, num_stages) of decode attention's split kernel tried besides its default
 DECODE_CONFIGS = ((64, 8, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3),
@@ -486,8 +486,8 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
                 for kind in ("w8a16", "w8a8") if kind != _fp8_kind(chosen)]
             if m <= 2:  # the FMA GEMV's other K chunks and warps; W's rows a program
                 kinds += [c for c in (GemvConfig(bn, bk, num_warps=w) for bn in sorted({m, 2 * m, 4})
-                                      for bk, w in ((1024, 1), (2048, 2), (2048, 4), (4096, 2),
-                                                    (4096, 4)))
+                                      for bk, w in ((512, 4), (1024, 1), (1024, 4), (2048, 2),
+                                                    (2048, 4), (4096, 2), (4096, 4)))
                           if c != chosen]
             if m <= 4:  # the tensor-core GEMV (swap AB) at few rows, K split or not
                 kinds += [c for c in (GemvConfig(bn, 128, 4, 3, split_k=s, mma=True)

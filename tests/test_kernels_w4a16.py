@@ -55,10 +55,11 @@ SHAPES = [(1, 40, 256, 32), (3, 17, 512, 128), (8, 24, 160, 32), (2, 16, 512, 25
 assert any(m >= w4a16.DEQUANT_ROWS for m, *_ in SHAPES)
 
 #: GEMV configs besides the chosen ones (`scripts/bench_kernels.py w4` times them on a GPU):
-#: more rows a program, K split (with and without whole chunks), two warps
+#: more rows a program, K split (with and without whole chunks), two warps, a warp a row
 OTHER_CONFIGS = (GemvConfig(block_n=4, block_k=128, num_warps=1, split_k=2),
                  GemvConfig(block_n=1, block_k=64, num_warps=1, split_k=3),
-                 GemvConfig(block_n=2, block_k=256, num_warps=2))
+                 GemvConfig(block_n=2, block_k=256, num_warps=2),
+                 GemvConfig(block_n=4, block_k=64, num_warps=4))
 
 
 def _tol(want: torch.Tensor) -> torch.Tensor:
@@ -111,6 +112,27 @@ def test_centred_bits_are_q_minus_8(dtype: torch.dtype) -> None:
     assert torch.equal(floats - centre, (q - 8).to(dtype))
 
 
+def test_nibble_denormals_are_exact() -> None:
+    """The 4-bit GEMV's rule (`_nibble_denormal`), in torch's own bit views: nibble j of a
+    word, masked in place (nibbles 5-7 from the word >> 12), read as an fp32 denormal, is
+    q 2^(4J - 149) exactly; x scaled by 2^(W4_SHIFT - 4J) times it is x q 2^(W4_SHIFT - 149)
+    for every bf16 x below 2^28, so the products sum as x q would."""
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
+    x = (torch.randn(4096, generator=gen) * 2.0 ** torch.randint(-20, 27, (4096,),
+                                                                generator=gen)).bfloat16()
+    shift = int(gemv.W4_SHIFT.value)
+    for j in range(8):
+        big = 3 if j >= 5 else 0
+        src, J = (words >> (4 * big)) & 0xFFFFFFFF, j - big
+        q = (words >> (4 * j)) & 0xF
+        bits = (src & (0xF << (4 * J))).to(torch.int32).view(torch.float32)
+        assert torch.equal(bits.double() * 2.0 ** (149 - 4 * J), q.double()), j
+        scaled = x.float() * 2.0 ** (shift - 4 * J)
+        assert torch.equal((scaled * bits).double(),
+                           x.double() * q.double() * 2.0 ** (shift - 149)), j
+
+
 def test_w4a16_kernels_interpreted() -> None:
     run_interpreter_check("test_kernels_w4a16", "interp_check_w4a16")
 
@@ -127,12 +149,14 @@ def test_gemm_splits_fill_the_gpu_at_decode_rows_only() -> None:
 
 
 def test_gemv_configs_keep_one_layout_and_fill_the_gpu() -> None:
-    """Qwen3-4B's decode shapes at 1..8 rows: each thread on its own run (BLOCK_K >= 1024 a
-    warp: x's and W's loads in one register layout), and at least 2 programs an SM."""
+    """Qwen3-4B's decode shapes at 1..8 rows: each thread on its own run (BLOCK_K >= 1024, and
+    the warps on further runs or rows: x's and W's loads in one register layout), and at
+    least 2 programs an SM."""
     for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)):
         for m in (1, 2, 4, 8):
             cfg = w4_gemv_config(m, n, k)
-            assert cfg.block_k >= 1024 * cfg.num_warps and not cfg.mma
+            assert cfg.block_k >= 1024 and not cfg.mma
+            assert cfg.num_warps <= cfg.block_n * cfg.block_k // 1024
             assert -(-n // cfg.block_n) * cfg.split_k >= 2 * 132
 
 
@@ -176,18 +200,20 @@ def test_w4a16_kernels_build_for_sm90() -> None:
 
 
 def test_w4_gemv_streams_the_words_in_16_byte_loads() -> None:
-    """Built for sm_90 at one row, as launched (aligned pointers and strides): W's words come
-    in 16-byte loads (a run a thread), x's in 8 (4 values a nibble), and no data goes
-    through shared memory (one register layout for x and W: `_gemv_w4_kernel`'s NOTE)."""
+    """Built for sm_90 at one row, as launched (aligned pointers and strides): W's words and
+    x's values both come in 16-byte loads (a run's words, and its 32 values of x in four).
+    Shared memory holds at most a chunk of x, which the program's warps (a row each) share:
+    x and W keep one register layout (`_gemv_w4_kernel`'s NOTE)."""
     for even_k in (True, False):
-        kernel = _gemv_w4_build(1, w4_gemv_config(1, 6144, 2560), EVEN_K=even_k)
+        cfg = w4_gemv_config(1, 6144, 2560)
+        kernel = _gemv_w4_build(1, cfg, EVEN_K=even_k)
         ptx = kernel.asm["ptx"]  # type: ignore[attr-defined]
         loads = re.findall(r"ld\.global\S*", ptx)
         words = [ld for ld in loads if "evict_first" in ld]
         xs = [ld for ld in loads if "evict_last" in ld]
         assert words and all(ld.endswith(".v4.b32") for ld in words), loads
-        assert xs and all(ld.endswith(".v2.b32") for ld in xs), loads
-        assert kernel.metadata.shared == 0  # type: ignore[attr-defined]
+        assert xs and all(ld.endswith(".v4.b32") for ld in xs), loads
+        assert kernel.metadata.shared <= 2 * cfg.block_k  # type: ignore[attr-defined]
 
 
 # ---- on the GPU -------------------------------------------------------------------------------
