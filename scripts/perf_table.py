@@ -246,9 +246,10 @@ SOURCES = (
            "--out docs/results/h100/speculative_cost_qwen3-30b-a3b-fp8.json"),
     Source("h100/kernels_moe.json", "python3 scripts/bench_kernels.py moe --tokens 1 2 4 8 16 32 64 "
            "--weights fp8 --out docs/results/h100/kernels_moe.json"),
-    Source("h100/kernels_w4.json", "python3 scripts/bench_kernels.py w4 --rows 1 2 4 8 --shapes "
-           "o_proj qkv down --tiles 1,1024,1 1,2048,2 2,2048,2 "
-           "--out docs/results/h100/kernels_w4.json"),
+    Source("h100/kernels_w4.json", "python3 scripts/bench_kernels.py w4 --rows 1 2 --shapes "
+           "qkv o_proj down gate_up --out docs/results/h100/kernels_w4.json (rows 4 and 8: "
+           "`--rows 1 2 4 8 --shapes o_proj qkv down --tiles 1,1024,1 1,2048,2 2,2048,2` at "
+           "12ba687, each such row tagged with its commit)"),
     Source("h100/speculative_smollm2.json", "python3 scripts/bench_speculative.py --device cuda "
            "--parts tasks --out docs/results/h100/speculative_smollm2.json"),
     Source("h100/kv_tier_qwen3-4b.json", "python3 scripts/bench_kv_tier.py --model "
@@ -1040,15 +1041,25 @@ def _h100_bounds(res: Results) -> list[str]:
         f"the 1.2 ms goal is below this card's floor ({floor('qwen3-4b_fp8'):.2f} ms), and on an "
         f"H200 the same ratio would give "
         f"{f1 / floor('qwen3-4b_fp8') * fp8['floor_bytes']['batch1']['total'] / 4.18e9:.2f} ms: "
-        f"not met. The FP8 GEMV does not stream as the bf16 one does.",
+        f"not met. The FP8 GEMV does not stream as the bf16 one does: each weight costs a "
+        f"conversion (e4m3 pairs to f16, then f32) and an FMA where a bf16 weight costs a shift "
+        f"and an FMA for twice the bytes. Where K is short (qkv, gate_up) a program's 4 warps "
+        f"take a row each and share x's loads (Qwen3-4B's qkv 6.6 us against 8.1 with 4 rows "
+        f"in each thread of one warp): {f1:.3f} ms against 2.247 in the same call at d0d865e.",
         f"- {_Q4} as 4-bit AWQ, batch 1: {a1:.3f} ms, {a1 / floor('qwen3-4b-awq'):.1f}x its floor "
         f"(bf16: {dec('qwen3-4b')['graph_replay_bs1_ms']:.3f} ms); the goal is 0.8 ms: not met. "
-        f"The W4 GEMV is {w4 / _kernel_ms(awq, 1, ''):.0%} of the profiled step. It is bound by "
-        f"its instructions, not its bytes: a weight costs a shift, a mask, the magic-number "
-        f"conversion (q | 0x4B000000, an add), an FMA and its share of x's conversion, ~6 "
-        f"instructions for half a byte, where the bf16 GEMV spends ~2 on 2 bytes (sm_90 SASS of "
-        f"both). Past it: two weights an instruction (the nibbles of a word into f16x2/bf16x2 "
-        f"pairs by lop3, packed FMAs), which Triton does not emit from tensor code.",
+        f"The W4 GEMV is {w4 / _kernel_ms(awq, 1, ''):.0%} of the profiled step. It was bound "
+        f"by the L1's requests, not by DRAM or its instructions (ncu at Qwen3-4B's qkv, one row: "
+        f"L1 81% busy, DRAM 18%, a warp issued every 1.8 cycles): each thread read x a nibble at "
+        f"a time, 8-byte loads 64 bytes apart across the lanes. Now a thread reads its run's 32 "
+        f"values of x in four 16-byte loads, a program's 4 warps take a row each and share them, "
+        f"and a nibble becomes an fp32 denormal by one AND (x pre-scaled by a power of two: "
+        f"exact): qkv 8.4 us against 12.9, down 13.5 against 18.0; {a1:.3f} ms against 2.680 "
+        f"in the same call at d0d865e. The kernel still reads ~1 TB/s, a third of the card's; "
+        f"it was not profiled again. Past it: x's 16-byte loads still touch 16 lines a request "
+        f"(a run is 32 contiguous columns, a lane's own), which a layout with the lanes' runs "
+        f"interleaved would make contiguous; two weights an instruction (packed f16x2 FMAs) "
+        f"need inline PTX.",
         f"- 4-bit AWQ at batch 8: {awq['graph_replay_bs8_ms']:.2f} ms a step (bf16: "
         f"{dec('qwen3-4b')['graph_replay_bs8_ms']:.2f}). From 3 rows every linear layer "
         f"takes the tensor-core GEMM (nibbles made 16-bit floats by their bits, each group's "
