@@ -297,9 +297,9 @@ def centred_nibbles(words, MAGIC: tl.constexpr, CENTRE: tl.constexpr, dtype: tl.
 
 #: the exponent that x's products with a nibble's denormal carry (`_nibble_denormal`): x is
 #: scaled up by 2^(W4_SHIFT - 4J) and the nibble is q 2^(4J - 149), so each product is
-#: x q 2^(W4_SHIFT - 149) in every nibble position. 100 keeps x exact up to |x| < 2^28 and
-#: products normal down to |x q| >= 2^-77.
-W4_SHIFT = tl.constexpr(100)
+#: x q 2^(W4_SHIFT - 149) in every nibble position. 88 keeps x exact up to |x| < 2^40 and
+#: products normal (so exact) down to |x q| >= 2^-65, far past activations either way.
+W4_SHIFT = tl.constexpr(88)
 
 
 @triton.jit

@@ -116,11 +116,13 @@ def test_nibble_denormals_are_exact() -> None:
     """The 4-bit GEMV's rule (`_nibble_denormal`), in torch's own bit views: nibble j of a
     word, masked in place (nibbles 5-7 from the word >> 12), read as an fp32 denormal, is
     q 2^(4J - 149) exactly; x scaled by 2^(W4_SHIFT - 4J) times it is x q 2^(W4_SHIFT - 149)
-    for every bf16 x below 2^28, so the products sum as x q would."""
+    exactly for every bf16 x of 2^-60 <= |x| < 2^40, so the products sum as x q would."""
     gen = torch.Generator().manual_seed(0)
     words = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
-    x = (torch.randn(4096, generator=gen) * 2.0 ** torch.randint(-20, 27, (4096,),
-                                                                generator=gen)).bfloat16()
+    sign = torch.randint(0, 2, (4096,), generator=gen) * 2 - 1
+    x = (sign * (1 + torch.rand(4096, generator=gen))
+         * 2.0 ** torch.randint(-60, 39, (4096,), generator=gen)).bfloat16()
+    assert x.abs().max() < 2**40 and x.abs().min() >= 2**-60
     shift = int(gemv.W4_SHIFT.value)
     for j in range(8):
         big = 3 if j >= 5 else 0
