@@ -23,6 +23,7 @@
 #               $KERNBENCH_TIMEOUT)
 #     moe30base   moe30d's decode and kernbench on the tree in .base (a baseline in the same call;
 #               BASE_DECODE=0 skips the decode)
+#     quantbase   quant's two decodes on the tree in .base
 #     structured   constrained decoding's per-step cost (Qwen3-4B, random weights)
 #     gdnsweep   the Gated DeltaNet decode kernel's launches at batch 1 and 8
 #     w4sweep   the W4A16 GEMV's tiles at Qwen3-4B's shapes (scripts/bench_kernels.py w4;
@@ -99,6 +100,14 @@ kernbench() {  # suffix: micro-benchmarks, $KERNBENCH (fp8 moe), each narrowed b
     phase "kernels_$k$1" "${KERNBENCH_TIMEOUT:-120}" python3 "$ROOT/scripts/bench_kernels.py" "$k" \
       ${!args:-} --out "$RES/kernels_$k$1.json"
   done
+}
+in_base() {  # command...: run it on the tree in .base (`git archive REV arle kernels scripts`,
+  # its commit in $BASE_COMMIT): its arle and kernels ahead of this tree's
+  mkdir -p /tmp/sitebase
+  ln -sfn "$PWD/.base/kernels" /tmp/sitebase/arle_kernels
+  # NOTE: after the cd, $PWD is .base
+  (cd .base && export PYTHONPATH=/tmp/sitebase:$PWD:${PYTHONPATH:-} \
+     ARLE_COMMIT=${BASE_COMMIT:-base} && "$@")
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 for p in "$@"; do
@@ -193,17 +202,16 @@ for p in "$@"; do
            phase q35_decode 100 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3.5-4b.json ;;
     moe30d) d=$(model qwen3-30b-a3b-fp8)
            phase moe30_decode 150 "${BENCH[@]}" decode "$d" --out $RES/decode_qwen3-30b-a3b-fp8.json ;;
-    moe30base) # the same on the tree in .base (`git archive REV arle kernels scripts`; its
-               # commit in $BASE_COMMIT)
-           [ "${BASE_DECODE:-1}" = 0 ] || d=$(model qwen3-30b-a3b-fp8)
-           mkdir -p /tmp/sitebase
-           ln -sfn "$PWD/.base/kernels" /tmp/sitebase/arle_kernels
-           # NOTE: after the cd, $PWD is .base: its arle ahead of this tree's
-           (cd .base && export PYTHONPATH=/tmp/sitebase:$PWD:${PYTHONPATH:-} \
-              ARLE_COMMIT=${BASE_COMMIT:-base}
-              [ "${BASE_DECODE:-1}" = 0 ] || phase moe30_decode_base 150 \
-                python3 scripts/bench_gpu.py decode "$d" --out $RES/decode_qwen3-30b-a3b-fp8_base.json
-              kernbench _base) ;;
+    moe30base) if [ "${BASE_DECODE:-1}" = 1 ]; then d=$(model qwen3-30b-a3b-fp8)
+             in_base phase moe30_decode_base 150 python3 scripts/bench_gpu.py decode "$d" \
+               --out $RES/decode_qwen3-30b-a3b-fp8_base.json
+           fi
+           in_base kernbench _base ;;
+    quantbase) d=$(model qwen3-4b); a=$(model qwen3-4b-awq)
+           in_base phase quant_fp8_base 150 python3 scripts/bench_gpu.py decode "$d" \
+             --quantization fp8 --out $RES/decode_qwen3-4b_fp8_base.json
+           in_base phase quant_awq_base 150 python3 scripts/bench_gpu.py decode "$a" \
+             --out $RES/decode_qwen3-4b-awq_base.json ;;
     kern) say kern; timeout 300 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE --tb=short \
              -k "not interpreter" -m gpu tests/test_kernels_fp8.py tests/test_kernels_gemv.py \
              tests/test_kernels_moe.py tests/test_fp8_weights.py tests/test_moe.py \
