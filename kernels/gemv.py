@@ -295,22 +295,11 @@ def centred_nibbles(words, MAGIC: tl.constexpr, CENTRE: tl.constexpr, dtype: tl.
     return bits.to(dtype, bitcast=True) - CENTRE
 
 
-#: the exponent that x's products with a nibble's denormal carry (`_nibble_denormal`): x is
-#: scaled up by 2^(W4_SHIFT - 4J) and the nibble is q 2^(4J - 149), so each product is
+#: the exponent that x's products with a nibble carry (`_nibble_product`): x is scaled up by
+#: 2^(W4_SHIFT - 4J) and the nibble is the denormal q 2^(4J - 149), so each product is
 #: x q 2^(W4_SHIFT - 149) in every nibble position. 88 keeps x exact up to |x| < 2^40 and
 #: products normal (so exact) down to |x q| >= 2^-65, far past activations either way.
 W4_SHIFT = tl.constexpr(88)
-
-
-@triton.jit
-def _nibble_denormal(words, high, j: tl.constexpr):
-    """Nibble j of each word as the fp32 q 2^(4J - 149), exact, by one AND: the nibble stays at
-    bits 4J.. of a float whose exponent bits are zero (a denormal, which the FMA takes at full
-    rate). Bits 23.. are the exponent's, so nibbles 5-7 come from `high` (the words >> 12) at
-    J = j - 3."""
-    J: tl.constexpr = j - 3 if j >= 5 else j
-    src = high if j >= 5 else words
-    return (src & (0xF << (4 * J))).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -341,7 +330,7 @@ def _x_slice(x_ptrs, k0, K, kx, j: tl.constexpr, EVEN_K: tl.constexpr):
 @triton.jit
 def _load_x_slices(x_ptrs, k0, K, kx, EVEN_K: tl.constexpr, WIDE: tl.constexpr):
     """A chunk of x's runs as its 8 nibble slices [M_PAD, 1, R, 4] (`_nibble_slices`). WIDE
-    (`_w4_x_columns`): a thread's 32 values in four 16-byte loads; else a load a slice."""
+    (`_w4_x_ptrs`): a thread's 32 values in four 16-byte loads; else a load a slice."""
     if WIDE:
         x = load_chunk(x_ptrs, k0, K, kx, EVEN_K, "evict_last").to(tl.float32)
         x0, x1, x2, x3, x4, x5, x6, x7 = _nibble_slices(x)
@@ -358,29 +347,36 @@ def _load_x_slices(x_ptrs, k0, K, kx, EVEN_K: tl.constexpr, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _w4_x_columns(BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
-    """x's column offsets in a chunk: WIDE [1, 1, 4, R, 8], each run's 32 columns in four
-    16-byte pieces (the runs, not the pieces, on the lanes, as W's); else [1, 1, R, 4], nibble
-    0's columns (4j + i for nibble j: `_x_slice`)."""
+def _w4_x_ptrs(x_ptr, rows_x, stride_xm, BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
+    """x's pointers in a chunk and their column offsets: WIDE [M_PAD, 1, 4, R, 8], each run's
+    32 columns in four 16-byte pieces (the runs, not the pieces, on the lanes, as W's); else
+    [M_PAD, 1, R, 4] at nibble 0's columns (4j + i for nibble j: `_x_slice`)."""
     runs = tl.arange(0, BLOCK_K // 32)
     if WIDE:
         cols = (tl.arange(0, 4)[:, None, None] * 8 + runs[None, :, None] * 32
                 + tl.arange(0, 8)[None, None, :])[None, None, :, :, :]
+        ptrs = x_ptr + rows_x[:, None, None, None, None] * stride_xm + cols
     else:
         cols = (runs[:, None] * 32 + tl.arange(0, 4)[None, :])[None, None, :, :]
-    return cols
+        ptrs = x_ptr + rows_x[:, None, None, None] * stride_xm + cols
+    return ptrs, cols
 
 
 @triton.jit
 def _nibble_product(x, words, high, j: tl.constexpr):
-    """x at nibble j's columns times q, times 2^(W4_SHIFT - 149) (exact: powers of two)."""
+    """x at nibble j's columns times q, times 2^(W4_SHIFT - 149) (exact: powers of two).
+    Nibble j becomes the fp32 q 2^(4J - 149) by one AND: it stays at bits 4J.. of a float
+    whose exponent bits are zero (a denormal, which the FMA takes at full rate). Bits 23..
+    are the exponent's, so nibbles 5-7 come from `high` (the words >> 12) at J = j - 3."""
     J: tl.constexpr = j - 3 if j >= 5 else j
-    return (x * (2.0 ** (W4_SHIFT - 4 * J))) * _nibble_denormal(words, high, j)
+    src = high if j >= 5 else words
+    q = (src & (0xF << (4 * J))).to(tl.float32, bitcast=True)
+    return (x * (2.0 ** (W4_SHIFT - 4 * J))) * q
 
 
 @triton.jit
 def w4_run_sums(x_ptrs, k0, K, kx, words, s, z, EVEN_K: tl.constexpr, WIDE: tl.constexpr):
-    """A chunk of 4-bit runs (`load_w4_runs`) times x (pointers at `_w4_x_columns`) ->
+    """A chunk of 4-bit runs (`load_w4_runs`) times x (pointers from `_w4_x_ptrs`) ->
     [M_PAD, BLOCK_N, R]: per run, scale * sum x (q - 8) + zero * sum x, computed as
     (scale 2^(149 - W4_SHIFT)) * sum x q 2^(W4_SHIFT - 149) + (zero - 8 scale) * sum x.
     Nibble j of a run's word i is the run's column 4j + i (kernels/w4a16.py's layout); x comes
@@ -426,14 +422,10 @@ def _gemv_w4_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
     # NOTE: literals: a run is W4_RUN = 4 words, W4_RUN_COLS = 32 columns
     runs = tl.arange(0, BLOCK_K // 32)[:, None]
     kw = (runs * 4 + tl.arange(0, 4)[None, :])[None, None, :, :]  # [1, 1, R, 4]: word offsets
-    kx = _w4_x_columns(BLOCK_K, WIDE)
     cols = (runs * 32)[None, None, :, :]  # [1, 1, R, 1]: each run's first column
     rows_x = tl.minimum(offs_m, M - 1)  # padded rows / columns re-read the last valid one
     rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
-    if WIDE:
-        x_ptrs = x_ptr + rows_x[:, None, None, None, None] * stride_xm + kx
-    else:
-        x_ptrs = x_ptr + rows_x[:, None, None, None] * stride_xm + kx
+    x_ptrs, kx = _w4_x_ptrs(x_ptr, rows_x, stride_xm, BLOCK_K, WIDE)
     w_ptrs = w_ptr + rows_w[None, :, None, None] * stride_wn + kw
     s_ptrs = ws_ptr + rows_w[None, :, None, None] * stride_wsn
     up_ptrs = w_ptrs + N * stride_wn  # GLU only

@@ -18,7 +18,7 @@ The weight tensor carries its format (`attach_w4`), as an FP8 weight its scales:
 
 - GEMV (1-2 rows, `use_w4_gemv`): kernels/gemv.py's `gemv_w4`, the FMA GEMVs' tiles and
   epilogue (split K, bias, the fused gate_up's activation), each nibble masked in place
-  into an fp32 denormal in registers (`_nibble_denormal`).
+  into an fp32 denormal in registers (`_nibble_product`).
 - `_w4_gemm_kernel` (3 to DEQUANT_ROWS - 1 rows): program (BM x BN tile, split of K): K in BK
   steps, the weight tile on tensor cores (tl.dot) with x's columns gathered in the words'
   order, fp32 accumulation; the tile is q - 8 made by bits, the group's scale and zero

@@ -113,7 +113,7 @@ def test_centred_bits_are_q_minus_8(dtype: torch.dtype) -> None:
 
 
 def test_nibble_denormals_are_exact() -> None:
-    """The 4-bit GEMV's rule (`_nibble_denormal`), in torch's own bit views: nibble j of a
+    """The 4-bit GEMV's rule (`_nibble_product`), in torch's own bit views: nibble j of a
     word, masked in place (nibbles 5-7 from the word >> 12), read as an fp32 denormal, is
     q 2^(4J - 149) exactly; x scaled by 2^(W4_SHIFT - 4J) times it is x q 2^(W4_SHIFT - 149)
     exactly for every bf16 x of 2^-60 <= |x| < 2^40, so the products sum as x q would."""
