@@ -1044,8 +1044,9 @@ def _h100_bounds(res: Results) -> list[str]:
         f"not met. The FP8 GEMV does not stream as the bf16 one does: each weight costs a "
         f"conversion (e4m3 pairs to f16, then f32) and an FMA where a bf16 weight costs a shift "
         f"and an FMA for twice the bytes. Where K is short (qkv, gate_up) a program's 4 warps "
-        f"take a row each and share x's loads (Qwen3-4B's qkv 6.6 us against 8.1 with 4 rows "
-        f"in each thread of one warp): {f1:.3f} ms against 2.247 in the same call at d0d865e.",
+        f"take a row each and share x's loads: {f1:.3f} ms against "
+        f"{fp8['baseline_same_call']['graph_replay_bs1_ms']:.3f} in the same call at "
+        f"{fp8['baseline_same_call']['commit']} (`baseline_same_call` in its JSON).",
         f"- {_Q4} as 4-bit AWQ, batch 1: {a1:.3f} ms, {a1 / floor('qwen3-4b-awq'):.1f}x its floor "
         f"(bf16: {dec('qwen3-4b')['graph_replay_bs1_ms']:.3f} ms); the goal is 0.8 ms: not met. "
         f"The W4 GEMV is {w4 / _kernel_ms(awq, 1, ''):.0%} of the profiled step. It was bound "
@@ -1054,8 +1055,9 @@ def _h100_bounds(res: Results) -> list[str]:
         f"a time, 8-byte loads 64 bytes apart across the lanes. Now a thread reads its run's 32 "
         f"values of x in four 16-byte loads, a program's 4 warps take a row each and share them, "
         f"and a nibble becomes an fp32 denormal by one AND (x pre-scaled by a power of two: "
-        f"exact): qkv 8.4 us against 12.9, down 13.5 against 18.0; {a1:.3f} ms against 2.680 "
-        f"in the same call at d0d865e. The kernel still reads ~1 TB/s, a third of the card's; "
+        f"exact): {a1:.3f} ms against {awq['baseline_same_call']['graph_replay_bs1_ms']:.3f} "
+        f"in the same call at {awq['baseline_same_call']['commit']} (`baseline_same_call` in its "
+        f"JSON). The kernel still reads ~1 TB/s, a third of the card's; "
         f"it was not profiled again. Past it: x's 16-byte loads still touch 16 lines a request "
         f"(a run is 32 contiguous columns, a lane's own), which a layout with the lanes' runs "
         f"interleaved would make contiguous; two weights an instruction (packed f16x2 FMAs) "
