@@ -94,6 +94,7 @@ class GemvConfig:
     split_k: int = 1
     mma: bool = False  # tensor cores (3..32 rows) rather than FMAs
     tma: bool = False  # with mma: tiles brought in by TMA (`_gemv_tma_kernel`, Hopper)
+    stack: bool = False  # 4-bit: a program takes 2 x block_n rows, a thread one of each half
 
 
 @triton.jit
@@ -303,100 +304,107 @@ W4_SHIFT = tl.constexpr(88)
 
 
 @triton.jit
-def _nibble_slices(x):
-    """x [M_PAD, 1, 4, R, 8] (each run's 32 columns, fp32) -> its 8 slices [M_PAD, 1, R, 4] by
-    nibble: slice j holds the run's columns 4j..4j+3, which nibble j of its 4 words weighs.
-    NOTE: a thread holds its run's 32 values, so the reshapes and splits move no data."""
-    M_PAD: tl.constexpr = x.shape[0]
-    R: tl.constexpr = x.shape[3]
-    x = tl.reshape(tl.permute(x, (0, 1, 3, 2, 4)), (M_PAD, 1, R, 8, 4))  # [.., j, i]
-    x = tl.permute(x, (0, 1, 2, 4, 3))  # [.., i, j]
-    c0, c1 = tl.split(tl.reshape(x, (M_PAD, 1, R, 4, 2, 2, 2)))  # j = 4a + 2b + c
-    c0b0, c0b1 = tl.split(c0)
-    c1b0, c1b1 = tl.split(c1)
-    x0, x4 = tl.split(c0b0)
-    x2, x6 = tl.split(c0b1)
-    x1, x5 = tl.split(c1b0)
-    x3, x7 = tl.split(c1b1)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _x_slice(x_ptrs, k0, K, kx, j: tl.constexpr, EVEN_K: tl.constexpr):
-    """x at nibble j's columns (4j + i of each run: one 8-byte load a thread), fp32."""
-    return load_chunk(x_ptrs + 4 * j, k0, K, kx + 4 * j, EVEN_K, "evict_last").to(tl.float32)
-
-
-@triton.jit
-def _load_x_slices(x_ptrs, k0, K, kx, EVEN_K: tl.constexpr, WIDE: tl.constexpr):
-    """A chunk of x's runs as its 8 nibble slices [M_PAD, 1, R, 4] (`_nibble_slices`). WIDE
-    (`_w4_x_ptrs`): a thread's 32 values in four 16-byte loads; else a load a slice."""
-    if WIDE:
-        x = load_chunk(x_ptrs, k0, K, kx, EVEN_K, "evict_last").to(tl.float32)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _nibble_slices(x)
-    else:
-        x0 = _x_slice(x_ptrs, k0, K, kx, 0, EVEN_K)
-        x1 = _x_slice(x_ptrs, k0, K, kx, 1, EVEN_K)
-        x2 = _x_slice(x_ptrs, k0, K, kx, 2, EVEN_K)
-        x3 = _x_slice(x_ptrs, k0, K, kx, 3, EVEN_K)
-        x4 = _x_slice(x_ptrs, k0, K, kx, 4, EVEN_K)
-        x5 = _x_slice(x_ptrs, k0, K, kx, 5, EVEN_K)
-        x6 = _x_slice(x_ptrs, k0, K, kx, 6, EVEN_K)
-        x7 = _x_slice(x_ptrs, k0, K, kx, 7, EVEN_K)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _w4_x_ptrs(x_ptr, rows_x, stride_xm, BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
-    """x's pointers in a chunk and their column offsets: WIDE [M_PAD, 1, 4, R, 8], each run's
-    32 columns in four 16-byte pieces (the runs, not the pieces, on the lanes, as W's); else
-    [M_PAD, 1, R, 4] at nibble 0's columns (4j + i for nibble j: `_x_slice`)."""
+def _w4_x_ptrs(x_ptr, row, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row `row` of x: its pointers at nibble 0's columns of each run in a chunk, [1, BLOCK_N,
+    R, P]: bf16 x as int32 pairs of columns (P = 2, `_x_slice`), else single columns (P = 4).
+    NOTE: a row at a time, broadcast over the program's rows of W, x gets the words' register
+    layout: each warp loads the x of its own rows (L1 hits). With x's own layout (or rows of x
+    as a dimension) Triton moved x through shared memory every chunk (stmatrix, barriers)."""
+    PAIRS: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    P: tl.constexpr = 2 if PAIRS else 4
     runs = tl.arange(0, BLOCK_K // 32)
-    if WIDE:
-        cols = (tl.arange(0, 4)[:, None, None] * 8 + runs[None, :, None] * 32
-                + tl.arange(0, 8)[None, None, :])[None, None, :, :, :]
-        ptrs = x_ptr + rows_x[:, None, None, None, None] * stride_xm + cols
+    # NOTE: offsets in the loaded unit (a pair or a value), so Triton sees them contiguous
+    offs = (runs[:, None] * (32 // (4 // P)) + tl.arange(0, P)[None, :])[None, None, :, :]
+    if PAIRS:
+        ptrs = x_ptr.to(tl.pointer_type(tl.int32)) + row * (stride_xm // 2) + offs
     else:
-        cols = (runs[:, None] * 32 + tl.arange(0, 4)[None, :])[None, None, :, :]
-        ptrs = x_ptr + rows_x[:, None, None, None] * stride_xm + cols
-    return ptrs, cols
+        ptrs = x_ptr + row * stride_xm + offs
+    return tl.broadcast_to(ptrs, (1, BLOCK_N, BLOCK_K // 32, P))
 
 
 @triton.jit
-def _nibble_product(x, words, high, j: tl.constexpr):
-    """x at nibble j's columns times q, times 2^(W4_SHIFT - 149) (exact: powers of two).
-    Nibble j becomes the fp32 q 2^(4J - 149) by one AND: it stays at bits 4J.. of a float
-    whose exponent bits are zero (a denormal, which the FMA takes at full rate). Bits 23..
-    are the exponent's, so nibbles 5-7 come from `high` (the words >> 12) at J = j - 3."""
+def _x_slice(x_ptrs, live, j: tl.constexpr):
+    """x at nibble j's columns 4j + i of each run (x_ptrs at the chunk's nibble 0; zeros where
+    not `live`), times 2^(W4_SHIFT - 4J)
+    (J as `_nibble_product`), as fp32 [.., R, 2] at i = 0, 2 and at i = 1, 3.
+    bf16 pairs are scaled as they become fp32: the shift goes into the exponent bits, one
+    integer op a value (exact for normal x; a zero becomes 2^-127 in effect, nothing to a sum)."""
+    J: tl.constexpr = j - 3 if j >= 5 else j
+    SCALE: tl.constexpr = W4_SHIFT - 4 * J
+    if x_ptrs.dtype.element_ty == tl.int32:
+        p = tl.load(x_ptrs + 2 * j, mask=live, other=0, eviction_policy="evict_last")
+        even = ((p << 16) + (SCALE << 23)).to(tl.float32, bitcast=True)
+        odd = ((p & -65536) + (SCALE << 23)).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(x_ptrs + 4 * j, mask=live, other=0.0, eviction_policy="evict_last")
+        x = x.to(tl.float32)
+        x = x * (2.0 ** SCALE)
+        even, odd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], x.shape[2], 2, 2)))
+    return even, odd
+
+
+@triton.jit
+def _nibble_product(x, words, high, dot, j: tl.constexpr):
+    """x from `_x_slice` times q: each product is x q 2^(W4_SHIFT - 149) (exact: powers of
+    two). Nibble j becomes the fp32 q 2^(4J - 149) by one AND: it stays at bits 4J.. of a
+    float whose exponent bits are zero (a denormal, which the FMA takes at full rate). Bits
+    23.. are the exponent's, so nibbles 5-7 come from `high` (the words >> 12) at J = j - 3."""
     J: tl.constexpr = j - 3 if j >= 5 else j
     src = high if j >= 5 else words
-    q = (src & (0xF << (4 * J))).to(tl.float32, bitcast=True)
-    return (x * (2.0 ** (W4_SHIFT - 4 * J))) * q
+    return tl.fma(x, (src & (0xF << (4 * J))).to(tl.float32, bitcast=True), dot)
 
 
 @triton.jit
-def w4_run_sums(x_ptrs, k0, K, kx, words, s, z, EVEN_K: tl.constexpr, WIDE: tl.constexpr):
-    """A chunk of 4-bit runs (`load_w4_runs`) times x (pointers from `_w4_x_ptrs`) ->
-    [M_PAD, BLOCK_N, R]: per run, scale * sum x (q - 8) + zero * sum x, computed as
-    (scale 2^(149 - W4_SHIFT)) * sum x q 2^(W4_SHIFT - 149) + (zero - 8 scale) * sum x.
-    Nibble j of a run's word i is the run's column 4j + i (kernels/w4a16.py's layout); x comes
-    in the words' register layout, so no data moves between threads and a thread's x serves
-    all its rows of W. A weight costs an AND and an FMA; x's conversion, scaling and sum are
-    shared by a thread's rows."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_slices(x_ptrs, k0, K, kx, EVEN_K, WIDE)
-    high = words >> 12
-    dot = _nibble_product(x0, words, high, 0)
-    dot += _nibble_product(x1, words, high, 1)
-    dot += _nibble_product(x2, words, high, 2)
-    dot += _nibble_product(x3, words, high, 3)
-    dot += _nibble_product(x4, words, high, 4)
-    dot += _nibble_product(x5, words, high, 5)
-    dot += _nibble_product(x6, words, high, 6)
-    dot += _nibble_product(x7, words, high, 7)
-    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+def _split_words(words):
+    """A chunk's words [.., R, 4] -> those of i = 0, 2 and of i = 1, 3, each with its words
+    >> 12 (`_nibble_product`'s `high`), [.., R, 2]."""
+    even, odd = tl.split(tl.reshape(words, (words.shape[0], words.shape[1], words.shape[2], 2,
+                                            2)))
+    return even, odd, even >> 12, odd >> 12
+
+
+@triton.jit
+def _run_result(dot, xs, s, z):
+    """Per run: (scale 2^(149 - W4_SHIFT)) * sum(dot) + (zero - 8 scale) * sum(xs)."""
     s = tl.sum(s, axis=3).to(tl.float32)
     return (tl.sum(dot, axis=3) * (s * (2.0 ** (149 - W4_SHIFT)))
-            + tl.sum(xs, axis=3) * (tl.sum(z, axis=3).to(tl.float32) - 8.0 * s))
+            + xs * (tl.sum(z, axis=3).to(tl.float32) - 8.0 * s))
+
+
+@triton.jit
+def w4_run_sums(x_ptrs, k0, K, cols, words, s, z, words2, s2, z2, EVEN_K: tl.constexpr,
+                TWO: tl.constexpr):
+    """A chunk of 4-bit runs (`load_w4_runs`) times x (pointers from `_w4_x_ptrs`) ->
+    [M_PAD, BLOCK_N, R]: per run, scale * sum x (q - 8) + zero * sum x, computed as
+    (scale 2^(149 - W4_SHIFT)) * sum x q 2^(W4_SHIFT - 149) + (zero - 8 scale) * sum x;
+    TWO: the same for a second chunk of runs (words2, s2, z2: other rows, or GLU's up) on the
+    same x, whose loads, conversions and sum both share (else the second result is the first).
+    Nibble j of a run's word i is the run's column 4j + i (kernels/w4a16.py's layout); x comes
+    in the words' register layout, so no data moves between threads. A weight costs an AND and
+    an FMA, its x value a conversion (with the scale, `_x_slice`) and an add."""
+    PER: tl.constexpr = 2 if x_ptrs.dtype.element_ty == tl.int32 else 1  # values a load unit
+    x_ptrs += k0 // PER
+    # NOTE: a mask a run ([1, 1, R, 1]: a run lies wholly before or past K), so x's loads keep
+    # their vectors; past K the words, scales and zeros load as 0 too. Moving the pointers
+    # instead (tl.where) made Triton move x's products through shared memory
+    live = True if EVEN_K else k0 + cols < K
+    e, o, eh, oh = _split_words(words)
+    e2, o2, eh2, oh2 = _split_words(words2)
+    dot = tl.zeros(e.shape, tl.float32)
+    dot2 = dot
+    xs = tl.zeros(e.shape, tl.float32)
+    for j in tl.static_range(8):
+        xe, xo = _x_slice(x_ptrs, live, j)
+        dot = _nibble_product(xo, o, oh, _nibble_product(xe, e, eh, dot, j), j)
+        if TWO:
+            dot2 = _nibble_product(xo, o2, oh2, _nibble_product(xe, e2, eh2, dot2, j), j)
+        xs = tl.fma(xe + xo, 2.0 ** (4 * (j - 3 if j >= 5 else j) - W4_SHIFT), xs)  # unscaled
+    xs = tl.sum(xs, axis=3)
+    acc = _run_result(dot, xs, s, z)
+    acc2 = acc
+    if TWO:
+        acc2 = _run_result(dot2, xs, s2, z2)
+    return acc, acc2
 
 
 @triton.jit
@@ -404,54 +412,90 @@ def _gemv_w4_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
                     stride_xm, stride_wn, stride_wsn, stride_ym, stride_ys,
                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GLU: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr):
+                    GLU: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr,
+                    STACK: tl.constexpr, PREFETCH: tl.constexpr):
     """`_gemv_kernel`'s contract for a 4-bit weight (W4A16, kernels/w4a16.py's layout): w_ptr
     int32 words [N (GLU: 2N), K / 8], ws_ptr fp16 scales and zeros [N, 2, K / GROUP].
 
     A K chunk is R = BLOCK_K / 32 runs of 4 words; a thread owns a run of each of its rows
     (one 16-byte load each) and sums its 32 products a row (`w4_run_sums`); lanes span the
-    runs, warps further runs or rows.
-    At one row (WIDE) a thread loads its run's 32 values of x in four 16-byte loads: with a
-    load a nibble (8 bytes, lanes 64 bytes apart) the L1's requests bounded the kernel (ncu,
-    H100, qkv: L1 81% busy, DRAM 18%). From 2 rows x comes a nibble at a time, which measured
-    faster there (Triton 3.6).
-    NOTE: BLOCK_K >= 1024 and num_warps <= BLOCK_N * BLOCK_K / 1024 keep every thread on its
-    own run, so x and the words [1, BLOCK_N, R, 4] get one register layout (no conversions)."""
+    runs (or two rows' runs), warps further rows. A thread takes two rows of W on the same x
+    (GLU: a gate row and its up row; STACK: a row and the row BLOCK_N on), which share x's
+    loads, conversions and sums; rows of x (M <= MAX_W4_ROWS = 2) go one at a time.
+    PREFETCH: the next chunk's words are loaded before this chunk's sums.
+    The kernel was bound by its instructions and latency, not by DRAM (ncu, H100, qkv at one
+    row before these rules: 12 instructions a weight, a warp issued every 1.45 cycles, DRAM
+    22% busy): x is read in the words' layout (no shared memory), bf16 x converted and scaled
+    by integer adds, each x value shared by two rows.
+    NOTE: num_warps <= BLOCK_N * BLOCK_K / 1024 keeps every thread on its own run, so x and the
+    words [1, BLOCK_N, R, 4] get one register layout (no conversions)."""
     pid_k, offs_m, offs_n = _program_tile(M_PAD, BLOCK_N, PDL)
-    WIDE: tl.constexpr = M_PAD == 1
+    TWO: tl.constexpr = GLU or STACK
+    if STACK:
+        offs_n += tl.program_id(0) * BLOCK_N  # a program's rows: offs_n, then offs_n + BLOCK_N
     # NOTE: literals: a run is W4_RUN = 4 words, W4_RUN_COLS = 32 columns
     runs = tl.arange(0, BLOCK_K // 32)[:, None]
     kw = (runs * 4 + tl.arange(0, 4)[None, :])[None, None, :, :]  # [1, 1, R, 4]: word offsets
     cols = (runs * 32)[None, None, :, :]  # [1, 1, R, 1]: each run's first column
-    rows_x = tl.minimum(offs_m, M - 1)  # padded rows / columns re-read the last valid one
-    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
-    x_ptrs, kx = _w4_x_ptrs(x_ptr, rows_x, stride_xm, BLOCK_K, WIDE)
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)  # padded rows re-read the last valid one
+    # the second set of rows: GLU's up (N rows on), STACK's next BLOCK_N rows
+    rows_2 = rows_w + N if GLU else tl.minimum(offs_n + BLOCK_N, N - 1).to(tl.int64)
+    x0_ptrs = _w4_x_ptrs(x_ptr, 0, stride_xm, BLOCK_N, BLOCK_K)
+    x1_ptrs = _w4_x_ptrs(x_ptr, tl.minimum(1, M - 1), stride_xm, BLOCK_N, BLOCK_K)
     w_ptrs = w_ptr + rows_w[None, :, None, None] * stride_wn + kw
     s_ptrs = ws_ptr + rows_w[None, :, None, None] * stride_wsn
-    up_ptrs = w_ptrs + N * stride_wn  # GLU only
-    up_s_ptrs = s_ptrs + N * stride_wsn
+    w2_ptrs = w_ptr + rows_2[None, :, None, None] * stride_wn + kw  # TWO only
+    s2_ptrs = ws_ptr + rows_2[None, :, None, None] * stride_wsn
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)  # the last split may end past K
     # the first chunk of W before waiting for the kernel before (PDL), as `_gemv_kernel`
     words, s, z = load_w4_runs(w_ptrs, s_ptrs, k_lo, K, kw, cols, EVEN_K, GROUP)
-    if GLU:
-        words_up, s_up, z_up = load_w4_runs(up_ptrs, up_s_ptrs, k_lo, K, kw, cols, EVEN_K,
-                                            GROUP)
+    words2, s2, z2 = words, s, z
+    if TWO:
+        words2, s2, z2 = load_w4_runs(w2_ptrs, s2_ptrs, k_lo, K, kw, cols, EVEN_K, GROUP)
     if PDL:
         gdc_wait()
-    acc = w4_run_sums(x_ptrs, k_lo, K, kx, words, s, z, EVEN_K, WIDE)  # [M_PAD, BLOCK_N, R]
-    acc_up = acc
-    if GLU:
-        acc_up = w4_run_sums(x_ptrs, k_lo, K, kx, words_up, s_up, z_up, EVEN_K, WIDE)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        words, s, z = load_w4_runs(w_ptrs, s_ptrs, k0, K, kw, cols, EVEN_K, GROUP)
-        acc += w4_run_sums(x_ptrs, k0, K, kx, words, s, z, EVEN_K, WIDE)
-        if GLU:
-            words_up, s_up, z_up = load_w4_runs(up_ptrs, up_s_ptrs, k0, K, kw, cols, EVEN_K,
-                                                GROUP)
-            acc_up += w4_run_sums(x_ptrs, k0, K, kx, words_up, s_up, z_up, EVEN_K, WIDE)
-    store_rows(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), offs_m, offs_n, pid_k, b_ptr,
-               y_ptr, M, N, stride_ym, stride_ys, HAS_BIAS, PARTIAL, GLU)
+    # [1, BLOCK_N, R]: x's row 0 (acc), row 1 (acc1) against W's rows (acc*) and the second
+    # set (acc2*)
+    acc = tl.zeros((1, BLOCK_N, BLOCK_K // 32), tl.float32)
+    acc2, acc1, acc21 = acc, acc, acc
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        # the next chunk's loads go out before this one's sums (the last chunk reloads itself)
+        kn = tl.where(k0 + BLOCK_K < k_hi, k0 + BLOCK_K, k0)
+        if PREFETCH:
+            nw, ns, nz = load_w4_runs(w_ptrs, s_ptrs, kn, K, kw, cols, EVEN_K, GROUP)
+            nw2, ns2, nz2 = nw, ns, nz
+            if TWO:
+                nw2, ns2, nz2 = load_w4_runs(w2_ptrs, s2_ptrs, kn, K, kw, cols, EVEN_K, GROUP)
+        a, a2 = w4_run_sums(x0_ptrs, k0, K, cols, words, s, z, words2, s2, z2, EVEN_K, TWO)
+        acc += a
+        acc2 += a2
+        if M_PAD == 2:
+            a, a2 = w4_run_sums(x1_ptrs, k0, K, cols, words, s, z, words2, s2, z2, EVEN_K, TWO)
+            acc1 += a
+            acc21 += a2
+        if PREFETCH:
+            words, s, z, words2, s2, z2 = nw, ns, nz, nw2, ns2, nz2
+        else:
+            words, s, z = load_w4_runs(w_ptrs, s_ptrs, kn, K, kw, cols, EVEN_K, GROUP)
+            if TWO:
+                words2, s2, z2 = load_w4_runs(w2_ptrs, s2_ptrs, kn, K, kw, cols, EVEN_K, GROUP)
+    y = _x_rows(tl.sum(acc, axis=2), tl.sum(acc1, axis=2), M_PAD)
+    y2 = _x_rows(tl.sum(acc2, axis=2), tl.sum(acc21, axis=2), M_PAD)
+    store_rows(y, y2, offs_m, offs_n, pid_k, b_ptr, y_ptr, M, N, stride_ym, stride_ys, HAS_BIAS,
+               PARTIAL, GLU)
+    if STACK:
+        store_rows(y2, y2, offs_m, offs_n + BLOCK_N, pid_k, b_ptr, y_ptr, M, N, stride_ym,
+                   stride_ys, HAS_BIAS, PARTIAL, False)
+
+
+@triton.jit
+def _x_rows(y0, y1, M_PAD: tl.constexpr):
+    """Rows 0 and 1 of x's results ([1, BLOCK_N] each) as [M_PAD, BLOCK_N]."""
+    y = y0
+    if M_PAD == 2:
+        y = tl.reshape(tl.permute(tl.join(y0, y1), (0, 2, 1)), (2, y0.shape[1]))
+    return y
 
 
 @triton.jit
@@ -656,7 +700,8 @@ def fill_splits(programs: int, chunks: int, min_chunks: int) -> int:
 
 def _split_to_fill(cfg: GemvConfig, n: int, k: int) -> GemvConfig:
     """cfg with K split where its programs leave SMs idle (splits of >= 2 chunks)."""
-    split = fill_splits(triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k), 2)
+    rows = cfg.block_n * (2 if cfg.stack else 1)
+    split = fill_splits(triton.cdiv(n, rows), triton.cdiv(k, cfg.block_k), 2)
     return replace(cfg, split_k=split)
 
 
@@ -793,7 +838,9 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
     if w4 is not None:
         assert not cfg.mma and cfg.block_k % W4_RUN_COLS == 0
         ws, group = w4
-        meta.update(GROUP=group)
+        meta.update(GROUP=group, STACK=cfg.stack, PREFETCH=cfg.num_stages > 1, num_stages=1)
+        assert not (cfg.stack and glu), "glu already pairs each gate row with its up row"
+        grid = (triton.cdiv(n, cfg.block_n * (2 if cfg.stack else 1)), splits)
     if cfg.mma and cfg.tma and scale is None and _tma_ok(x, weight):
         _launch_tma(x, weight, b, dst, dst_strides, cfg, meta, grid, k_per_split)
     else:
@@ -929,36 +976,36 @@ def gemv_fp8(x: Tensor, weight: Tensor, scale: Scale, bias: Tensor | None = None
     return _launch(x, weight, bias, None, cfg, sums=sums, scale=scale)
 
 
-def w4_gemv_config(m: int, n: int, k: int) -> GemvConfig:
-    """The 4-bit GEMV's tile at m <= MAX_W4_ROWS rows: at one row 4 rows a program, a warp a
-    row; from 2 rows two rows a program on two warps. A chunk is a warp's 32 runs (BLOCK_K
-    1024), two where K is long (o_proj, down). K split as `_pick_config` splits it.
-    NOTE: at one row the 4 warps of a program share x's loads (Triton stages them through
-    shared memory). The best of `bench_kernels.py w4` at Qwen3-4B's shapes on an H100 at one
-    row: qkv 8.4 us, o_proj 6.1, down 13.5, gate_up (unfused) 23.2, against 12.2, 7.8,
-    21.6, 32.4 with a warp a program; at two rows: qkv 15.8, o_proj 10.7, down 22.9, gate_up
-    41.7, against 19.1, 10.7, 22.9, 55.6 with BLOCK_K 2048 throughout."""
-    long_k = k >= 4096
-    if m == 1:
-        cfg = GemvConfig(block_n=4, block_k=2048 if long_k else 1024, num_warps=4)
+def w4_gemv_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
+    """The 4-bit GEMV's tile at m <= MAX_W4_ROWS rows of x against n rows of words (glu:
+    [gate; up]). Each thread takes a run of two rows of W, which share its x's loads and
+    conversions: a row and the row block_n on (`stack`), or glu's gate and up rows. Long K
+    (o_proj, down): 4 warps, 2048 columns a chunk; short K: 8 warps, 1024 columns, the next
+    chunk's words loaded ahead (num_stages 2: `PREFETCH`), or where W has many rows (gate_up),
+    2 warps on 512 columns (two rows a warp). K split as `_pick_config` splits it.
+    NOTE: the best of `bench_kernels.py w4` at Qwen3-4B's shapes on an H100 (its tiles swept),
+    at one row: qkv 6.1 us, o_proj 4.7, down 12.8, gate_up (unfused) 14.7; at two rows: 8.3,
+    5.6, 16.2, 18.5 (with a row a thread: 8.3, 6.0, 15.3, 22.7 at one row)."""
+    if k >= 4096:
+        cfg = GemvConfig(block_n=4, block_k=2048, num_warps=4)
+    elif n >= 16384:
+        cfg = GemvConfig(block_n=4, block_k=512, num_warps=2, num_stages=2)
     else:
-        cfg = GemvConfig(block_n=2, block_k=2048 if long_k else 1024, num_warps=2)
-    return _split_to_fill(cfg, n, k)
+        cfg = GemvConfig(block_n=8, block_k=1024, num_warps=8, num_stages=2)
+    return _split_to_fill(replace(cfg, stack=not glu), n // 2 if glu else n, k)
 
 
-#: rows of x the 4-bit GEMV can take (`gemv_w4`)
-MAX_W4_ROWS = 8
-#: rows up to which a 4-bit product takes the GEMV (`use_w4_gemv`)
-W4_GEMV_ROWS = 2
+#: rows of x the 4-bit GEMV can take (`gemv_w4`) and takes (`use_w4_gemv`)
+MAX_W4_ROWS = 2
 
 
 def use_w4_gemv(m: int) -> bool:
     """Whether m rows against a 4-bit weight take the GEMV over kernels/w4a16.py's tensor-core
-    GEMM: up to W4_GEMV_ROWS. From 4 rows the GEMM (K split to fill the GPU) is faster at
+    GEMM: up to MAX_W4_ROWS. From 4 rows the GEMM (K split to fill the GPU) is faster at
     every Qwen3-4B shape, long K too. On an H100 (`bench_kernels.py w4`, commit 12ba687) at 4
     rows o_proj 17 us against 21, down 28 against 51; at 8 qkv 22 against 50, o_proj 19
     against 38, down 31 against 87."""
-    return m <= W4_GEMV_ROWS
+    return m <= MAX_W4_ROWS
 
 
 def gemv_w4(x: Tensor, words: Tensor, w4: W4, bias: Tensor | None = None, *,
@@ -967,10 +1014,13 @@ def gemv_w4(x: Tensor, words: Tensor, w4: W4, bias: Tensor | None = None, *,
     [N, 2, K / group], group)) and x of 1..MAX_W4_ROWS rows; glu: `gemv_silu_mul`'s product
     for words = [gate; up]."""
     assert x.shape[0] <= MAX_W4_ROWS
+    if x.dtype == torch.bfloat16 and (x.data_ptr() % 4 or x.stride(0) % 2):
+        x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)  # NOTE: the
+        # kernel reads bf16 x as int32 pairs (`_w4_x_ptrs`): a row must start 4-byte aligned
     if cfg is None:
-        cfg = w4_gemv_config(x.shape[0], words.shape[0], x.shape[1])
+        cfg = w4_gemv_config(x.shape[0], words.shape[0], x.shape[1], glu)
     if glu:
-        cfg = replace(cfg, split_k=1)
+        cfg = replace(cfg, split_k=1, stack=False)
     y = _launch(x, words, bias, None, cfg, glu=glu, w4=w4)
     assert isinstance(y, Tensor)
     return y

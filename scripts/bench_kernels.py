@@ -485,7 +485,7 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
                 fp8_kernels.Fp8Config(kind, block_m, 64 if m <= 64 else 128, 128)
                 for kind in ("w8a16", "w8a8") if kind != _fp8_kind(chosen)]
             if m <= 2:  # the FMA GEMV's other K chunks and warps; W's rows a program
-                kinds += [c for c in (GemvConfig(bn, bk, num_warps=w) for bn in sorted({m, 2 * m, 4})
+                kinds += [c for c in (GemvConfig(bn, bk, num_warps=w) for bn in sorted({m, 2 * m, 4, 8})
                                       for bk, w in ((512, 4), (1024, 1), (1024, 4), (2048, 2),
                                                     (2048, 4), (4096, 2), (4096, 4)))
                           if c != chosen]
@@ -546,12 +546,16 @@ def bench_w4(rows: tuple[int, ...], shapes: list[str],
         for m in rows:
             x = _x(m, k, gen)
             chosen = w4_gemv_config(m, n, k)
-            cfgs = [chosen] + [c for c in (replace(chosen, block_n=bn, block_k=bk, num_warps=w)
-                                           for bn, bk, w in tiles) if c != chosen]
+            cfgs = [chosen] + [c for c in (replace(chosen, block_n=bn, block_k=bk, num_warps=w,
+                                                   stack=bool(st), num_stages=ns)
+                                           for bn, bk, w, st, ns in (tuple(t) + (0, 1)[len(t) - 3:]
+                                                                     for t in tiles))
+                               if c != chosen]
             for cfg in cfgs:
                 us = _time_us(partial(_w4_gemv_call, x, cfg), copies)
                 out.append(_w4_row(name, m, "gemv", [cfg.block_n, cfg.block_k, cfg.num_warps,
-                                                     cfg.split_k], us, nbytes, cfg == chosen))
+                                                     cfg.split_k, int(cfg.stack), cfg.num_stages],
+                                   us, nbytes, cfg == chosen))
             for tile in W4_GEMM_TILES if m > 2 else ():
                 us = _time_us(partial(_w4_gemm_call, x, tile), copies)
                 out.append(_w4_row(name, m, "gemm", list(tile), us, nbytes, False))
@@ -869,7 +873,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="M")
     _shapes_arg(c)
     c.add_argument("--tiles", type=_ints, nargs="+", default=list(W4_TILES),
-                   help="block_n,block_k,num_warps ... (default: W4_TILES)")
+                   help="block_n,block_k,num_warps[,stack[,stages]] ... (default: W4_TILES)")
     c = sub.add_parser("deltanet", help="Gated DeltaNet (Qwen3.5-4B): decode steps, a prefill")
     c.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="decode rows")
     c.add_argument("--prefill", type=int, default=4096, help="tokens of the prefill row")

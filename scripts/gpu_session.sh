@@ -23,7 +23,7 @@
 #               $KERNBENCH_TIMEOUT)
 #     moe30base   moe30d's decode and kernbench on the tree in .base (a baseline in the same call;
 #               BASE_DECODE=0 skips the decode)
-#     quantbase   quant's two decodes on the tree in .base
+#     quantbase awqbase   quant's two decodes / its AWQ decode on the tree in .base
 #     structured   constrained decoding's per-step cost (Qwen3-4B, random weights)
 #     gdnsweep   the Gated DeltaNet decode kernel's launches at batch 1 and 8
 #     w4sweep   the W4A16 GEMV's tiles at Qwen3-4B's shapes (scripts/bench_kernels.py w4;
@@ -82,6 +82,10 @@ BENCH=(python3 scripts/bench_gpu.py)
 awq_decode() {  # Qwen3-4B's shapes as a 4-bit AWQ checkpoint, batch 1 and 8
   local a; a=$(model qwen3-4b-awq)
   phase quant_awq 150 "${BENCH[@]}" decode "$a" --out $RES/decode_qwen3-4b-awq.json
+}
+awq_base() {  # awq_decode on the tree in .base
+  local a; a=$(model qwen3-4b-awq)
+  in_base phase quant_awq_base 150 "${BENCH[@]}" decode "$a" --out $RES/decode_qwen3-4b-awq_base.json
 }
 GPU_FILES=(tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py
   tests/test_kernels_extend_attention.py tests/test_kernels_fused.py tests/test_kernels_gemv.py
@@ -207,11 +211,11 @@ for p in "$@"; do
                --out $RES/decode_qwen3-30b-a3b-fp8_base.json
            fi
            in_base kernbench _base ;;
-    quantbase) d=$(model qwen3-4b); a=$(model qwen3-4b-awq)
+    quantbase) d=$(model qwen3-4b)
            in_base phase quant_fp8_base 150 python3 scripts/bench_gpu.py decode "$d" \
              --quantization fp8 --out $RES/decode_qwen3-4b_fp8_base.json
-           in_base phase quant_awq_base 150 python3 scripts/bench_gpu.py decode "$a" \
-             --out $RES/decode_qwen3-4b-awq_base.json ;;
+           awq_base ;;
+    awqbase) awq_base ;;
     kern) say kern; timeout 300 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE --tb=short \
              -k "not interpreter" -m gpu tests/test_kernels_fp8.py tests/test_kernels_gemv.py \
              tests/test_kernels_moe.py tests/test_fp8_weights.py tests/test_moe.py \

@@ -168,7 +168,8 @@ def interp_check_w4a16_model() -> None:
     # NOTE: 16 rows a GEMV program, not 1: the interpreter runs programs one by one in Python
     # (the chosen tiles are test_kernels_w4a16's)
     chosen = gemv.w4_gemv_config
-    gemv.w4_gemv_config = lambda m, n, k: replace(chosen(m, n, k), block_n=16)  # type: ignore
+    gemv.w4_gemv_config = (  # type: ignore[assignment]
+        lambda m, n, k, glu=False: replace(chosen(m, n, k, glu), block_n=16))
     with tempfile.TemporaryDirectory() as tmp:
         write_int4_model_dir(Path(tmp) / "q", hf_config("Qwen3ForCausalLM"), Path(tmp) / "twin",
                              "awq", 128)

@@ -6,6 +6,7 @@ under the interpreter (tiny shapes, fp16: the interpreter's bf16 dots are wrong)
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -55,11 +56,12 @@ SHAPES = [(1, 40, 256, 32), (3, 17, 512, 128), (8, 24, 160, 32), (2, 16, 512, 25
 assert any(m >= w4a16.DEQUANT_ROWS for m, *_ in SHAPES)
 
 #: GEMV configs besides the chosen ones (`scripts/bench_kernels.py w4` times them on a GPU):
-#: more rows a program, K split (with and without whole chunks), two warps, a warp a row
+#: more rows a program, K split (with and without whole chunks), two warps, a warp a row, two
+#: rows a thread (stack), the next chunk loaded ahead (num_stages 2)
 OTHER_CONFIGS = (GemvConfig(block_n=4, block_k=128, num_warps=1, split_k=2),
-                 GemvConfig(block_n=1, block_k=64, num_warps=1, split_k=3),
-                 GemvConfig(block_n=2, block_k=256, num_warps=2),
-                 GemvConfig(block_n=4, block_k=64, num_warps=4))
+                 GemvConfig(block_n=1, block_k=64, num_warps=1, split_k=3, stack=True),
+                 GemvConfig(block_n=2, block_k=256, num_warps=2, num_stages=2),
+                 GemvConfig(block_n=4, block_k=64, num_warps=4, stack=True, num_stages=2))
 
 
 def _tol(want: torch.Tensor) -> torch.Tensor:
@@ -92,6 +94,15 @@ def interp_check_w4a16() -> None:
         for cfg in OTHER_CONFIGS:
             got = gemv_w4(x, words, (fmt.scales, fmt.group), cfg=cfg).float()
             assert ((got - want).abs() <= _tol(want)).all(), (m, n, k, g, cfg)
+        # bf16 x takes its own path (int32 pairs, the scale added to the exponent bits); a
+        # zero in x stays (in effect) zero; the output is bf16 (the interpreter truncates to
+        # it: one ulp, 2^-7)
+        xb = x.bfloat16()
+        xb[0, :3] = 0.0
+        want_b = w4_linear_ref(xb.float(), words, fmt)
+        for cfg in (None, *OTHER_CONFIGS):
+            got = gemv_w4(xb, words, (fmt.scales, fmt.group), cfg=cfg).float()
+            assert ((got - want_b).abs() <= want_b.abs() * 2**-7 + 1e-3).all(), (m, n, k, g, cfg)
         fused = w4_silu_mul(x, words, fmt) if n % 2 == 0 else None
         assert (fused is not None) == (n % 2 == 0 and use_w4_gemv(m))
         if fused is not None:
@@ -113,16 +124,21 @@ def test_centred_bits_are_q_minus_8(dtype: torch.dtype) -> None:
 
 
 def test_nibble_denormals_are_exact() -> None:
-    """The 4-bit GEMV's rule (`_nibble_product`), in torch's own bit views: nibble j of a
-    word, masked in place (nibbles 5-7 from the word >> 12), read as an fp32 denormal, is
-    q 2^(4J - 149) exactly; x scaled by 2^(W4_SHIFT - 4J) times it is x q 2^(W4_SHIFT - 149)
-    exactly for every bf16 x of 2^-60 <= |x| < 2^40, so the products sum as x q would."""
+    """The 4-bit GEMV's rules (`_x_slice`, `_nibble_product`), in torch's own bit views: nibble
+    j of a word, masked in place (nibbles 5-7 from the word >> 12), read as an fp32 denormal,
+    is q 2^(4J - 149) exactly; a bf16 pair of x made fp32 with 2^(W4_SHIFT - 4J) added into its
+    exponent bits is x 2^(W4_SHIFT - 4J) for every x of 2^-60 <= |x| < 2^40, and a zero is
+    2^(W4_SHIFT - 4J - 127) (2^-127 in effect); their product is x q 2^(W4_SHIFT - 149)
+    exactly, so the products sum as x q would."""
     gen = torch.Generator().manual_seed(0)
     words = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
     sign = torch.randint(0, 2, (4096,), generator=gen) * 2 - 1
     x = (sign * (1 + torch.rand(4096, generator=gen))
          * 2.0 ** torch.randint(-60, 39, (4096,), generator=gen)).bfloat16()
     assert x.abs().max() < 2**40 and x.abs().min() >= 2**-60
+    x[:2] = 0.0
+    pairs = x.view(torch.int16).to(torch.int32).view(-1, 2)  # [lo, hi] as each int32 holds them
+    packed = (pairs[:, 0] & 0xFFFF) | (pairs[:, 1] << 16)
     shift = int(gemv.W4_SHIFT.value)
     for j in range(8):
         big = 3 if j >= 5 else 0
@@ -130,9 +146,15 @@ def test_nibble_denormals_are_exact() -> None:
         q = (words >> (4 * j)) & 0xF
         bits = (src & (0xF << (4 * J))).to(torch.int32).view(torch.float32)
         assert torch.equal(bits.double() * 2.0 ** (149 - 4 * J), q.double()), j
-        scaled = x.float() * 2.0 ** (shift - 4 * J)
-        assert torch.equal((scaled * bits).double(),
-                           x.double() * q.double() * 2.0 ** (shift - 149)), j
+        add = (shift - 4 * J) << 23
+        even = ((packed << 16) + add).view(torch.float32)
+        odd = ((packed & -65536) + add).view(torch.float32)
+        scaled = torch.stack([even, odd], 1).flatten()
+        want = x.double() * 2.0 ** (shift - 4 * J)
+        want[:2] = 2.0 ** (shift - 4 * J - 127)
+        assert torch.equal(scaled.double(), want), j
+        assert torch.equal((scaled * bits).double()[2:],
+                           x.double()[2:] * q.double()[2:] * 2.0 ** (shift - 149)), j
 
 
 def test_w4a16_kernels_interpreted() -> None:
@@ -151,15 +173,18 @@ def test_gemm_splits_fill_the_gpu_at_decode_rows_only() -> None:
 
 
 def test_gemv_configs_keep_one_layout_and_fill_the_gpu() -> None:
-    """Qwen3-4B's decode shapes at 1..8 rows: each thread on its own run (BLOCK_K >= 1024, and
-    the warps on further runs or rows: x's and W's loads in one register layout), and at
-    least 2 programs an SM."""
+    """Qwen3-4B's decode shapes at 1..MAX_W4_ROWS rows: each thread on its own run (a warp's
+    lanes on one row's runs, or two rows', and the warps on further rows: x's and W's loads in
+    one register layout), two rows of W a thread, and at least 2 programs an SM; glu pairs
+    gate and up rows itself, K whole."""
     for n, k in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)):
-        for m in (1, 2, 4, 8):
+        for m in range(1, MAX_W4_ROWS + 1):
             cfg = w4_gemv_config(m, n, k)
-            assert cfg.block_k >= 1024 and not cfg.mma
+            assert cfg.block_k >= 512 and not cfg.mma and cfg.stack
             assert cfg.num_warps <= cfg.block_n * cfg.block_k // 1024
-            assert -(-n // cfg.block_n) * cfg.split_k >= 2 * 132
+            assert -(-n // (2 * cfg.block_n)) * cfg.split_k >= 2 * 132
+            glu = w4_gemv_config(m, n, k, glu=True)
+            assert not glu.stack and glu.split_k == 1
 
 
 # ---- sm_90 builds (no GPU needed) -------------------------------------------------------------
@@ -174,7 +199,7 @@ def _gemv_w4_build(m_pad: int, cfg: GemvConfig, **flags: bool) -> object:
         pytest.skip("this triton cannot compile for NVIDIA GPUs")
     meta = {"HAS_BIAS": False, "PARTIAL": False, "EVEN_K": True, "GLU": False, "PDL": False,
             **flags, "M_PAD": m_pad, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-            "GROUP": 128}
+            "GROUP": 128, "STACK": cfg.stack, "PREFETCH": cfg.num_stages > 1}
     return compile_.compile_for_hopper(gemv._gemv_w4_kernel, meta, num_warps=cfg.num_warps,
                                        aligned=True, **W4_TYPES)
 
@@ -182,11 +207,12 @@ def _gemv_w4_build(m_pad: int, cfg: GemvConfig, **flags: bool) -> object:
 def test_w4a16_kernels_build_for_sm90() -> None:
     """The GEMV in the chosen configs at every row class (bias, split K, the fused gate_up,
     PDL), the GEMM at every group (whole and split K)."""
-    for m in (1, 2, 4, 8):
-        cfg = w4_gemv_config(m, 6144, 2560)
-        _gemv_w4_build(m, cfg, EVEN_K=False, HAS_BIAS=True, PDL=True)
-        _gemv_w4_build(m, cfg, PARTIAL=True)
-        _gemv_w4_build(m, cfg, GLU=True)
+    for m in range(1, MAX_W4_ROWS + 1):
+        for n, k in ((6144, 2560), (19456, 2560), (2560, 9728)):
+            cfg = w4_gemv_config(m, n, k)
+            _gemv_w4_build(m, cfg, EVEN_K=False, HAS_BIAS=True, PDL=True)
+            _gemv_w4_build(m, cfg, PARTIAL=True)
+            _gemv_w4_build(m, replace(cfg, stack=False), GLU=True)
     compile_ = pytest.importorskip("test_kernels_compile")
     for group in (32, 128, 256):
         for (bm, bn, warps), partial in ((w4a16.GEMM_TILE, False),
@@ -202,20 +228,23 @@ def test_w4a16_kernels_build_for_sm90() -> None:
 
 
 def test_w4_gemv_streams_the_words_in_16_byte_loads() -> None:
-    """Built for sm_90 at one row, as launched (aligned pointers and strides): W's words and
-    x's values both come in 16-byte loads (a run's words, and its 32 values of x in four).
-    Shared memory holds at most a chunk of x, which the program's warps (a row each) share:
-    x and W keep one register layout (`_gemv_w4_kernel`'s NOTE)."""
-    for even_k in (True, False):
-        cfg = w4_gemv_config(1, 6144, 2560)
-        kernel = _gemv_w4_build(1, cfg, EVEN_K=even_k)
-        ptx = kernel.asm["ptx"]  # type: ignore[attr-defined]
-        loads = re.findall(r"ld\.global\S*", ptx)
-        words = [ld for ld in loads if "evict_first" in ld]
-        xs = [ld for ld in loads if "evict_last" in ld]
-        assert words and all(ld.endswith(".v4.b32") for ld in words), loads
-        assert xs and all(ld.endswith(".v4.b32") for ld in xs), loads
-        assert kernel.metadata.shared <= 2 * cfg.block_k  # type: ignore[attr-defined]
+    """Built for sm_90 at one and two rows, as launched (aligned pointers and strides): W's
+    words come in 16-byte loads (a run's), bf16 x in 8-byte ones (a nibble's 4 columns) where
+    K is whole chunks, and nothing goes through shared memory inside the K loop: x and W keep
+    one register layout (`_w4_x_ptrs`)."""
+    for m in range(1, MAX_W4_ROWS + 1):
+        for even_k in (True, False):
+            cfg = w4_gemv_config(m, 6144, 2560)
+            kernel = _gemv_w4_build(m, cfg, EVEN_K=even_k)
+            ptx = kernel.asm["ptx"]  # type: ignore[attr-defined]
+            loads = re.findall(r"ld\.global\S*", ptx)
+            words = [ld for ld in loads if "evict_first" in ld]
+            xs = [ld for ld in loads if "evict_last" in ld]
+            assert words and all(ld.endswith(".v4.b32") for ld in words), loads
+            assert xs and (not even_k or all(ld.endswith(".v2.b32") for ld in xs)), loads
+            # NOTE: x moved through shared memory every chunk took ~20 barriers (and stmatrix /
+            # ldmatrix); the sums across warps after the loop take 3
+            assert ptx.count("bar.sync") <= 4 and "matrix" not in ptx, (m, even_k)
 
 
 # ---- on the GPU -------------------------------------------------------------------------------
