@@ -980,13 +980,17 @@ def w4_gemv_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
     """The 4-bit GEMV's tile at m <= MAX_W4_ROWS rows of x against n rows of words (glu:
     [gate; up]). Each thread takes a run of two rows of W, which share its x's loads and
     conversions: a row and the row block_n on (`stack`), or glu's gate and up rows. Long K
-    (o_proj, down): 4 warps, 2048 columns a chunk; short K: 8 warps, 1024 columns, the next
-    chunk's words loaded ahead (num_stages 2: `PREFETCH`), or where W has many rows (gate_up),
-    2 warps on 512 columns (two rows a warp). K split as `_pick_config` splits it.
+    (o_proj, down): 4 warps, 2048 columns a chunk; at one row and K >= 8192 (down), 8 warps
+    (two on a row's chunk: N = 2560 rows leave too few warps to hide the loads' latency) and
+    the next chunk's words loaded ahead (num_stages 2: `PREFETCH`); short K: 8 warps, 1024
+    columns, loaded ahead, or where W has many rows (gate_up) 2 warps on 512 columns (two rows
+    a warp). K split as `_pick_config` splits it.
     NOTE: the best of `bench_kernels.py w4` at Qwen3-4B's shapes on an H100 (its tiles swept),
-    at one row: qkv 6.1 us, o_proj 4.7, down 12.8, gate_up (unfused) 14.7; at two rows: 8.3,
-    5.6, 16.2, 18.5 (with a row a thread: 8.3, 6.0, 15.3, 22.7 at one row)."""
-    if k >= 4096:
+    at one row: qkv 5.6 us, o_proj 4.6, down 8.5, gate_up (unfused) 15.3; at two rows: 8.4,
+    5.5, 12.1, 18.7 (a row a thread, 4 or 8 warps: 7.0, 6.1, 11.7, 19.9 at one row)."""
+    if k >= 8192 and m == 1:
+        cfg = GemvConfig(block_n=4, block_k=2048, num_warps=8, num_stages=2)
+    elif k >= 4096:
         cfg = GemvConfig(block_n=4, block_k=2048, num_warps=4)
     elif n >= 16384:
         cfg = GemvConfig(block_n=4, block_k=512, num_warps=2, num_stages=2)
