@@ -247,7 +247,8 @@ SOURCES = (
     Source("h100/kernels_moe.json", "python3 scripts/bench_kernels.py moe --tokens 1 2 4 8 16 32 64 "
            "--weights fp8 --out docs/results/h100/kernels_moe.json"),
     Source("h100/kernels_w4.json", "python3 scripts/bench_kernels.py w4 --rows 1 2 --shapes "
-           "qkv o_proj down gate_up --out docs/results/h100/kernels_w4.json (rows 4 and 8: "
+           "qkv o_proj down gate_up --tiles 4,1024,4,0,1 4,2048,4,0,1 "
+           "--out docs/results/h100/kernels_w4.json (rows 4 and 8: "
            "`--rows 1 2 4 8 --shapes o_proj qkv down --tiles 1,1024,1 1,2048,2 2,2048,2` at "
            "12ba687, each such row tagged with its commit)"),
     Source("h100/speculative_smollm2.json", "python3 scripts/bench_speculative.py --device cuda "
@@ -998,6 +999,18 @@ def _w4_gemm_vs_gemv(res: Results) -> str:
                      f"{us(s, 'gemv', chosen=True):.0f}" for s in ("o_proj", "down"))
 
 
+def _w4_chosen(res: Results) -> str:
+    """The 4-bit GEMV's chosen tile at one and two rows, per shape of kernels_w4.json."""
+    rows = res.load("h100/kernels_w4.json")["results"]
+
+    def us(shape: str, m: int) -> float:
+        return next(r["us"] for r in rows if r["shape"] == shape and r["M"] == m
+                    and r["kind"] == "gemv" and r["chosen"])
+
+    return ", ".join(f"{s} {us(s, 1):.1f} / {us(s, 2):.1f} us"
+                     for s in ("qkv", "o_proj", "down", "gate_up"))
+
+
 def _h100_bounds(res: Results) -> list[str]:
     """This wave's goals (issues 51 and 53, set for the H200) against the H100 run: each
     figure over its floor on the card it ran on, and what its profile says bounds it."""
@@ -1049,25 +1062,26 @@ def _h100_bounds(res: Results) -> list[str]:
         f"{fp8['baseline_same_call']['commit']} (`baseline_same_call` in its JSON).",
         f"- {_Q4} as 4-bit AWQ, batch 1: {a1:.3f} ms, {a1 / floor('qwen3-4b-awq'):.1f}x its floor "
         f"(bf16: {dec('qwen3-4b')['graph_replay_bs1_ms']:.3f} ms); the goal is 0.8 ms: not met. "
-        f"The W4 GEMV is {w4 / _kernel_ms(awq, 1, ''):.0%} of the profiled step. It was bound "
-        f"by the L1's requests, not by DRAM or its instructions (ncu at Qwen3-4B's qkv, one row: "
-        f"L1 81% busy, DRAM 18%, a warp issued every 1.8 cycles): each thread read x a nibble at "
-        f"a time, 8-byte loads 64 bytes apart across the lanes. Now a thread reads its run's 32 "
-        f"values of x in four 16-byte loads, a program's 4 warps take a row each and share them, "
-        f"and a nibble becomes an fp32 denormal by one AND (x pre-scaled by a power of two: "
-        f"exact): {a1:.3f} ms against {awq['baseline_same_call']['graph_replay_bs1_ms']:.3f} "
-        f"in the same call at {awq['baseline_same_call']['commit']} (`baseline_same_call` in its "
-        f"JSON). The kernel still reads ~1 TB/s, a third of the card's; "
-        f"it was not profiled again. Past it: x's 16-byte loads still touch 16 lines a request "
-        f"(a run is 32 contiguous columns, a lane's own), which a layout with the lanes' runs "
-        f"interleaved would make contiguous; two weights an instruction (packed f16x2 FMAs) "
-        f"need inline PTX.",
+        f"The W4 GEMV is {w4 / _kernel_ms(awq, 1, ''):.0%} of the profiled step. ncu put its "
+        f"bound on instructions and latency, not DRAM (Qwen3-4B's qkv, one row: 12 instructions "
+        f"a weight, DRAM 22% busy): Triton moved x through shared memory every chunk. Now x's "
+        f"pointers are broadcast over the program's rows of W, so x loads straight into the "
+        f"words' registers; bf16 x becomes fp32 by integer ops that also add the nibble's power "
+        f"of two to its exponent; a thread takes two rows of W on one x (a row and one further "
+        f"on, or gate_up's gate and up rows): {a1:.3f} ms against "
+        f"{awq['baseline_same_call']['graph_replay_bs1_ms']:.3f} in the same call at "
+        f"{awq['baseline_same_call']['commit']} (`baseline_same_call` in its JSON). The GEMV "
+        f"alone at one / two rows: {_w4_chosen(res)}. What bounds it now (ncu, qkv, one row): 7 "
+        f"instructions a weight, and 43% of the warps' samples wait on global loads with 21 "
+        f"warps an SM (76 registers): too few bytes in flight, 32 of words a thread a chunk. "
+        f"What would close it: two adjacent runs a lane (more in flight without running past a "
+        f"short K), fewer registers, and K split where W has few rows (o_proj, down: 2560).",
         f"- 4-bit AWQ at batch 8: {awq['graph_replay_bs8_ms']:.2f} ms a step (bf16: "
         f"{dec('qwen3-4b')['graph_replay_bs8_ms']:.2f}). From 3 rows every linear layer "
         f"takes the tensor-core GEMM (nibbles made 16-bit floats by their bits, each group's "
-        f"scale and zero after the dot, K split to fill the GPU), which beats the FMA GEMV "
-        f"(x's conversion and its FMAs paid per row) at 4 and 8 rows "
-        f"({_w4_gemm_vs_gemv(res)}). From 16 rows the weight is dequantized to bf16 and cuBLAS "
+        f"scale and zero after the dot, K split to fill the GPU), which beat the FMA GEMV of "
+        f"commit 12ba687 (x's conversion and its FMAs paid per row) at 4 and 8 rows "
+        f"({_w4_gemm_vs_gemv(res)}); the GEMV now takes 1-2 rows only. From 16 rows the weight is dequantized to bf16 and cuBLAS "
         f"multiplies ({awq['graph_replay_bs32_ms']:.2f} ms at 32 rows); prefill of 512 tokens "
         f"takes {awq['batch1']['mean_ttft_ms']:.1f} ms (bf16: "
         f"{dec('qwen3-4b')['batch1']['mean_ttft_ms']:.1f}).",
