@@ -986,8 +986,8 @@ def w4_gemv_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
     columns, loaded ahead, or where W has many rows (gate_up) 2 warps on 512 columns (two rows
     a warp). K split as `_pick_config` splits it.
     NOTE: the best of `bench_kernels.py w4` at Qwen3-4B's shapes on an H100 (its tiles swept),
-    at one row: qkv 5.6 us, o_proj 4.6, down 8.5, gate_up (unfused) 15.3; at two rows: 8.4,
-    5.5, 12.1, 18.7 (a row a thread, 4 or 8 warps: 7.0, 6.1, 11.7, 19.9 at one row)."""
+    at one row: qkv 5.6 us, o_proj 4.6, down 8.4, gate_up (unfused) 15.0; at two rows: 8.4,
+    5.5, 12.1, 18.3 (a row a thread, 4 warps: 7.0, 6.1, 11.5, 19.4 at one row)."""
     if k >= 8192 and m == 1:
         cfg = GemvConfig(block_n=4, block_k=2048, num_warps=8, num_stages=2)
     elif k >= 4096:
