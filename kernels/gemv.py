@@ -96,6 +96,11 @@ class GemvConfig:
     tma: bool = False  # with mma: tiles brought in by TMA (`_gemv_tma_kernel`, Hopper)
     stack: bool = False  # 4-bit: a program takes 2 x block_n rows, a thread one of each half
 
+    @property
+    def rows(self) -> int:
+        """Rows of W (outputs) a program takes."""
+        return self.block_n * (2 if self.stack else 1)
+
 
 @triton.jit
 def load_chunk(ptrs, k0, K, kk, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
@@ -325,8 +330,8 @@ def _w4_x_ptrs(x_ptr, row, stride_xm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 @triton.jit
 def _x_slice(x_ptrs, live, j: tl.constexpr):
     """x at nibble j's columns 4j + i of each run (x_ptrs at the chunk's nibble 0; zeros where
-    not `live`), times 2^(W4_SHIFT - 4J)
-    (J as `_nibble_product`), as fp32 [.., R, 2] at i = 0, 2 and at i = 1, 3.
+    not `live`), times 2^(W4_SHIFT - 4J) (J as `_nibble_product`), as fp32 [.., R, 2] at
+    i = 0, 2 and at i = 1, 3.
     bf16 pairs are scaled as they become fp32: the shift goes into the exponent bits, one
     integer op a value (exact for normal x; a zero becomes 2^-127 in effect, nothing to a sum)."""
     J: tl.constexpr = j - 3 if j >= 5 else j
@@ -700,8 +705,7 @@ def fill_splits(programs: int, chunks: int, min_chunks: int) -> int:
 
 def _split_to_fill(cfg: GemvConfig, n: int, k: int) -> GemvConfig:
     """cfg with K split where its programs leave SMs idle (splits of >= 2 chunks)."""
-    rows = cfg.block_n * (2 if cfg.stack else 1)
-    split = fill_splits(triton.cdiv(n, rows), triton.cdiv(k, cfg.block_k), 2)
+    split = fill_splits(triton.cdiv(n, cfg.rows), triton.cdiv(k, cfg.block_k), 2)
     return replace(cfg, split_k=split)
 
 
@@ -823,7 +827,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
             "M_PAD": triton.next_power_of_2(m), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
             "GLU": glu, "PDL": pdl, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             **pdl_launch(pdl)}
-    grid = (triton.cdiv(n, cfg.block_n), splits)
+    grid = (triton.cdiv(n, cfg.rows), splits)
     dst_strides = (y.stride(0), 0) if splits == 1 else (dst.stride(1), dst.stride(0))
     if cfg.mma:  # tl.dot needs 16 rows; fp32 inputs (tests) must not drop to tf32
         meta.update(M_PAD=max(16, meta["M_PAD"]), PAIRED=paired,
@@ -840,7 +844,6 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
         ws, group = w4
         meta.update(GROUP=group, STACK=cfg.stack, PREFETCH=cfg.num_stages > 1, num_stages=1)
         assert not (cfg.stack and glu), "glu already pairs each gate row with its up row"
-        grid = (triton.cdiv(n, cfg.block_n * (2 if cfg.stack else 1)), splits)
     if cfg.mma and cfg.tma and scale is None and _tma_ok(x, weight):
         _launch_tma(x, weight, b, dst, dst_strides, cfg, meta, grid, k_per_split)
     else:

@@ -62,6 +62,7 @@ from arle_kernels.gemv import (
     gemv_silu_mul,
     gemv_w4,
     use_gemv,
+    use_w4_gemv,
     w4_gemv_config,
 )
 from arle_kernels.jit import pdl_enabled
@@ -95,11 +96,12 @@ TILES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
             (2, 512, 1, 1), (4, 512, 1, 1), (2, 512, 2, 1), (4, 512, 2, 1), (2, 1024, 4, 1),
             (4, 1024, 4, 1)),
 }
-#: the W4A16 GEMV's tiles (block_n, block_k, num_warps) for `w4`, K split by the chosen rule
-#: (`w4_gemv_config`); and the GEMM's (BM, BN, warps, splits of K; 0: `w4_gemm`'s default) from 3
-#: rows
-W4_TILES = ((1, 1024, 1), (2, 1024, 1), (2, 1024, 2), (4, 1024, 4), (8, 1024, 8),
-            (4, 2048, 4), (1, 2048, 2), (2, 2048, 2))
+#: the W4A16 GEMV's tiles (block_n, block_k, num_warps, stack, num_stages) for `w4`, K split
+#: by the chosen rule (`w4_gemv_config`); and the GEMM's (BM, BN, warps, splits of K; 0:
+#: `w4_gemm`'s default) from 3 rows
+W4_TILES = ((4, 1024, 4, 0, 1), (4, 1024, 4, 1, 1), (4, 1024, 4, 1, 2), (8, 1024, 8, 1, 2),
+            (4, 512, 2, 1, 2), (8, 512, 4, 1, 2), (4, 2048, 4, 0, 1), (4, 2048, 4, 1, 1),
+            (4, 2048, 8, 1, 2), (2, 2048, 2, 1, 1))
 W4_GEMM_TILES = ((16, 32, 4, 0), (16, 64, 4, 0), (16, 64, 4, 1), (64, 64, 4, 0))
 #: (BLOCK_N, num_warps, num_stages) of decode attention's split kernel tried besides its default
 DECODE_CONFIGS = ((64, 8, 2), (64, 4, 2), (32, 4, 2), (16, 4, 2), (64, 4, 3), (32, 2, 3),
@@ -545,18 +547,20 @@ def bench_w4(rows: tuple[int, ...], shapes: list[str],
         copies = [_w4_weight(n, k, gen) for _ in range(_copies(nbytes))]
         for m in rows:
             x = _x(m, k, gen)
-            chosen = w4_gemv_config(m, n, k)
-            cfgs = [chosen] + [c for c in (replace(chosen, block_n=bn, block_k=bk, num_warps=w,
-                                                   stack=bool(st), num_stages=ns)
-                                           for bn, bk, w, st, ns in (tuple(t) + (0, 1)[len(t) - 3:]
-                                                                     for t in tiles))
-                               if c != chosen]
+            cfgs: list[GemvConfig] = []
+            if use_w4_gemv(m):  # the GEMV takes 1..MAX_W4_ROWS rows
+                chosen = w4_gemv_config(m, n, k)
+                cfgs = [chosen] + [c for c in (
+                    replace(chosen, block_n=bn, block_k=bk, num_warps=w, stack=bool(st),
+                            num_stages=ns)
+                    for bn, bk, w, st, ns in (tuple(t) + (0, 1)[len(t) - 3:] for t in tiles))
+                    if c != chosen]
             for cfg in cfgs:
                 us = _time_us(partial(_w4_gemv_call, x, cfg), copies)
                 out.append(_w4_row(name, m, "gemv", [cfg.block_n, cfg.block_k, cfg.num_warps,
                                                      cfg.split_k, int(cfg.stack), cfg.num_stages],
-                                   us, nbytes, cfg == chosen))
-            for tile in W4_GEMM_TILES if m > 2 else ():
+                                   us, nbytes, cfg == cfgs[0]))
+            for tile in W4_GEMM_TILES if not use_w4_gemv(m) else ():
                 us = _time_us(partial(_w4_gemm_call, x, tile), copies)
                 out.append(_w4_row(name, m, "gemm", list(tile), us, nbytes, False))
     return out

@@ -79,13 +79,9 @@ phase() {  # name timeout command...
   tar -cf "$OUT/results.tar" -C $RES .
 }
 BENCH=(python3 scripts/bench_gpu.py)
-awq_decode() {  # Qwen3-4B's shapes as a 4-bit AWQ checkpoint, batch 1 and 8
+awq_decode() {  # [suffix]: Qwen3-4B's shapes as a 4-bit AWQ checkpoint, batch 1 and 8
   local a; a=$(model qwen3-4b-awq)
-  phase quant_awq 150 "${BENCH[@]}" decode "$a" --out $RES/decode_qwen3-4b-awq.json
-}
-awq_base() {  # awq_decode on the tree in .base
-  local a; a=$(model qwen3-4b-awq)
-  in_base phase quant_awq_base 150 "${BENCH[@]}" decode "$a" --out $RES/decode_qwen3-4b-awq_base.json
+  phase "quant_awq${1:-}" 150 "${BENCH[@]}" decode "$a" --out "$RES/decode_qwen3-4b-awq${1:-}.json"
 }
 GPU_FILES=(tests/test_cuda.py tests/test_sampler.py tests/test_kernels_decode_attention.py
   tests/test_kernels_extend_attention.py tests/test_kernels_fused.py tests/test_kernels_gemv.py
@@ -214,8 +210,8 @@ for p in "$@"; do
     quantbase) d=$(model qwen3-4b)
            in_base phase quant_fp8_base 150 python3 scripts/bench_gpu.py decode "$d" \
              --quantization fp8 --out $RES/decode_qwen3-4b_fp8_base.json
-           awq_base ;;
-    awqbase) awq_base ;;
+           in_base awq_decode _base ;;
+    awqbase) in_base awq_decode _base ;;
     kern) say kern; timeout 300 python3 -m pytest -n 4 -v -p no:cacheprovider -rfE --tb=short \
              -k "not interpreter" -m gpu tests/test_kernels_fp8.py tests/test_kernels_gemv.py \
              tests/test_kernels_moe.py tests/test_fp8_weights.py tests/test_moe.py \

@@ -986,28 +986,25 @@ def _swap_ab(kernels: Any) -> str:
             f"(a 64- or 128-row tile of one expert), so each pays a pipeline's ramp.")
 
 
+def _w4_us(res: Results, shape: str, m: int, kind: str, **match: object) -> float:
+    """One timing of kernels_w4.json: `shape` at m rows, this kind, the fields in `match`."""
+    return next(r["us"] for r in res.load("h100/kernels_w4.json")["results"]
+                if r["shape"] == shape and r["M"] == m and r["kind"] == kind
+                and all(r[k] == v for k, v in match.items()))
+
+
 def _w4_gemm_vs_gemv(res: Results) -> str:
     """The W4 GEMM (16 x 64 tiles, K split) against the GEMV's chosen tile at 8 rows, per
     long-K shape of kernels_w4.json."""
-    rows = res.load("h100/kernels_w4.json")["results"]
-
-    def us(shape: str, kind: str, **match: object) -> float:
-        return next(r["us"] for r in rows if r["shape"] == shape and r["M"] == 8
-                    and r["kind"] == kind and all(r[k] == v for k, v in match.items()))
-
-    return "; ".join(f"{s} at 8 rows {us(s, 'gemm', tile=[16, 64, 4, 0]):.0f} us against "
-                     f"{us(s, 'gemv', chosen=True):.0f}" for s in ("o_proj", "down"))
+    return "; ".join(f"{s} at 8 rows {_w4_us(res, s, 8, 'gemm', tile=[16, 64, 4, 0]):.0f} us "
+                     f"against {_w4_us(res, s, 8, 'gemv', chosen=True):.0f}"
+                     for s in ("o_proj", "down"))
 
 
 def _w4_chosen(res: Results) -> str:
     """The 4-bit GEMV's chosen tile at one and two rows, per shape of kernels_w4.json."""
-    rows = res.load("h100/kernels_w4.json")["results"]
-
-    def us(shape: str, m: int) -> float:
-        return next(r["us"] for r in rows if r["shape"] == shape and r["M"] == m
-                    and r["kind"] == "gemv" and r["chosen"])
-
-    return ", ".join(f"{s} {us(s, 1):.1f} / {us(s, 2):.1f} us"
+    return ", ".join(f"{s} {_w4_us(res, s, 1, 'gemv', chosen=True):.1f} / "
+                     f"{_w4_us(res, s, 2, 'gemv', chosen=True):.1f} us"
                      for s in ("qkv", "o_proj", "down", "gate_up"))
 
 
@@ -1081,8 +1078,8 @@ def _h100_bounds(res: Results) -> list[str]:
         f"takes the tensor-core GEMM (nibbles made 16-bit floats by their bits, each group's "
         f"scale and zero after the dot, K split to fill the GPU), which beat the FMA GEMV of "
         f"commit 12ba687 (x's conversion and its FMAs paid per row) at 4 and 8 rows "
-        f"({_w4_gemm_vs_gemv(res)}); the GEMV now takes 1-2 rows only. From 16 rows the weight is dequantized to bf16 and cuBLAS "
-        f"multiplies ({awq['graph_replay_bs32_ms']:.2f} ms at 32 rows); prefill of 512 tokens "
+        f"({_w4_gemm_vs_gemv(res)}); the GEMV now takes 1-2 rows only. From 16 rows the "
+        f"weight is dequantized to bf16 and cuBLAS multiplies ({awq['graph_replay_bs32_ms']:.2f} ms at 32 rows); prefill of 512 tokens "
         f"takes {awq['batch1']['mean_ttft_ms']:.1f} ms (bf16: "
         f"{dec('qwen3-4b')['batch1']['mean_ttft_ms']:.1f}).",
         f"- Speculation never slower than off: at batch 1, n-gram on the default model decodes "
