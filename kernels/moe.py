@@ -26,14 +26,15 @@ The Triton version (`fused_moe` = routing + `_moe_experts`), as vLLM's and SGLan
   block per expert, so each chosen expert's weights are read once for all its rows; W
   streamed as kernels/gemv.py's GEMV streams it (16-byte runs a thread, FP8 at its exact
   values, each run's sum times its block's scale).
-- the per-pair outputs [T * top_k, H] summed over top_k by torch (fp32 accumulation); from 2
-  to MAX_ROWS tokens `fused_moe_unreduced` leaves the sum to the next norm (split-sum slots).
+- the per-pair outputs [T * top_k, H] summed over top_k by torch (fp32 accumulation); up to
+  MAX_ROWS tokens `fused_moe_unreduced` leaves the sum to the next norm (split-sum slots).
   So an FP8 decode batch of 3..16 tokens runs route + align, gate_up and down, each
   projection after its activations' FP8 pass: five launches.
 - one token (decode at batch 1): no align (its pairs are blocks of their own, the kernels read
-  each pair's expert from the ids), and the down GEMV sums the top-k in its epilogue (each
-  pair's output rounded and weighted as above, summed in fp32 in top-k order, rounded once):
-  route, gate_up, down: three launches.
+  each pair's expert from the ids); down writes each pair's weighted row to its slot, or
+  (`fused_moe`) sums the top-k in its epilogue (each pair's output rounded and weighted as
+  above, summed in fp32 in top-k order, rounded once): route, gate_up, down: three launches,
+  chained by PDL (down loads its first chunk of W while gate_up runs).
 `pick_moe_config` chooses the kind and tiles from the token count (a small table; never tuned
 while serving). Buffers and grids come from shapes: no host reads, safe to capture.
 """
@@ -41,6 +42,8 @@ while serving). Buffers and grids come from shapes: no host reads, safe to captu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import triton
@@ -52,8 +55,8 @@ from arle_kernels.fp8 import (
     quantize_fp8_groups,
 )
 from arle_kernels.fused import silu_mul
-from arle_kernels.gemv import RUN_BYTES, load_chunk, load_run_sums
-from arle_kernels.jit import jit_varying
+from arle_kernels.gemv import RUN_BYTES, load_chunk, load_run_sums, load_weight_runs, run_sums
+from arle_kernels.jit import gdc_launch_dependents, gdc_wait, jit_varying, pdl_enabled, pdl_launch
 from arle_kernels.moe_ref import moe_max_blocks
 from arle_kernels.split_sums import MAX_ROWS, SplitSums, slot_buffer
 
@@ -107,14 +110,30 @@ def _route_rows(logits_ptr, weights_ptr, ids_ptr, offs_t, T, E, stride_lt,
     tl.store(ids_ptr + out, picked_ids, mask=mask)
 
 
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """A kernel that reads only what the kernels before it wrote: let the next one launch, and
+    wait for the previous one."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
 @jit_varying("T")
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_lt,
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
-                  E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+                  E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """Program i: tokens [i*BLOCK_T, (i+1)*BLOCK_T) (`_route_rows`)."""
+    _pdl_start(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     _route_rows(logits_ptr, weights_ptr, ids_ptr, offs_t, T, E, stride_lt, TOP_K, K_PAD,
                 RENORM, E_PAD, BLOCK_T)
+
+
+def _pdl() -> dict[str, Any]:
+    """A launch's PDL constexpr and keyword (`pdl_enabled`)."""
+    pdl = pdl_enabled()
+    return {"PDL": pdl, **pdl_launch(pdl)}
 
 
 def _route_buffers(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
@@ -135,7 +154,7 @@ def moe_route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Ten
         _route_kernel[(triton.cdiv(t, block_t),)](
             router_logits, weights, ids, t, e, router_logits.stride(0), TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize, E_PAD=e_pad,
-            BLOCK_T=block_t, num_warps=warps)
+            BLOCK_T=block_t, num_warps=warps, **_pdl())
     return weights, ids
 
 
@@ -196,7 +215,8 @@ def _align(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, max_bl
 @jit_varying("num_pairs", "max_blocks")
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks,
                   E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCKS_CHUNK: tl.constexpr):
+                  BLOCKS_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_start(PDL)
     _align(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, max_blocks, E_PAD,
            BLOCK_M, CHUNK, BLOCKS_CHUNK)
 
@@ -205,10 +225,12 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
 def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, T, E,
                         stride_lt, max_blocks, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                         RENORM: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr,
+                        PDL: tl.constexpr):
     """One program: the routing, BLOCK_T tokens at a time (`_route_rows`), then the align of
     the ids it stored (`_align`).
     NOTE: the barrier between: the align's threads read ids that other threads wrote."""
+    _pdl_start(PDL)
     for t0 in range(0, T, BLOCK_T):
         _route_rows(logits_ptr, weights_ptr, ids_ptr, t0 + tl.arange(0, BLOCK_T), T, E,
                     stride_lt, TOP_K, K_PAD, RENORM, E_PAD, BLOCK_T)
@@ -226,7 +248,7 @@ def _align_buffers(t: int, top_k: int, num_experts: int, block_m: int,
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     e_pad = triton.next_power_of_2(num_experts)
     meta = {"E_PAD": e_pad, "BLOCK_M": block_m, "CHUNK": max(16, 16384 // e_pad),
-            "BLOCKS_CHUNK": max(16, 4096 // e_pad), "num_warps": 8}
+            "BLOCKS_CHUNK": max(16, 4096 // e_pad), "num_warps": 8, **_pdl()}
     return sorted_ids, block_expert, meta
 
 
@@ -296,15 +318,17 @@ def _pair_rows(sorted_ptr, expert_ptr, num_pairs, ROW_DIV: tl.constexpr, ROWS: t
     read from the routing's ids (expert_ptr), experts [ROWS]; `live` is the first one (>= 0).
     """
     b = tl.program_id(1)
+    # NOTE: from L2 (".cg"): the down GEMV reads these before its PDL wait (`_moe_gemv_kernel`)
     if DIRECT:
         pairs = b * ROWS + tl.arange(0, ROWS)
         row_ok = pairs < num_pairs
-        live = tl.load(expert_ptr + b * ROWS)
-        experts = tl.load(expert_ptr + pairs, mask=row_ok, other=0).to(tl.int64)
+        live = tl.load(expert_ptr + b * ROWS, cache_modifier=".cg")
+        experts = tl.load(expert_ptr + pairs, mask=row_ok, other=0,
+                          cache_modifier=".cg").to(tl.int64)
     else:
-        pairs = tl.load(sorted_ptr + b * ROWS + tl.arange(0, ROWS))
+        pairs = tl.load(sorted_ptr + b * ROWS + tl.arange(0, ROWS), cache_modifier=".cg")
         row_ok = pairs < num_pairs
-        live = tl.load(expert_ptr + b)
+        live = tl.load(expert_ptr + b, cache_modifier=".cg")
         experts = tl.zeros([1], tl.int64) + live
     rows = tl.where(row_ok, pairs // ROW_DIV, 0).to(tl.int64)
     return live, experts, pairs, row_ok, rows
@@ -434,7 +458,7 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
                      DIRECT: tl.constexpr, SUM_PAIRS: tl.constexpr, W8: tl.constexpr,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, M_PAD: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """The decode MoE GEMV, `_moe_mma_kernel`'s contract for a few tokens, with FMAs.
     Program (j, b): columns [j*BLOCK_N, (j+1)*BLOCK_N) for M_PAD pairs (`_pair_rows`):
     - sorted (moe_align, M_PAD >= tokens): block b, all of one expert's pairs, so its W rows
@@ -445,7 +469,17 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
     The layout streams W as kernels/gemv.py's `_gemv_kernel` does: a K chunk viewed as
     [BLOCK_K // RUN, RUN], RUN contiguous elements a thread (one 16-byte load: 16 FP8 or 8
     16-bit weights), each run's products summed in registers, the sum across lanes once after
-    the loop; W evict_first, x evict_last (every program re-reads it)."""
+    the loop; W evict_first, x evict_last (every program re-reads it).
+    PDL: the gate_up projection (GLU) waits for the routing before it reads the pairs, and
+    only then lets the down projection launch; so down, launched early, reads its pairs and
+    experts (the routing's, finished by then) and its first chunk of W before it waits for
+    gate_up's activations. NOTE: gate_up's wait is for the kernel before it, and so for every
+    kernel before that (each waits for its own predecessor before it finishes): the routing
+    included, wherever it ran."""
+    if PDL:
+        if GLU:
+            gdc_wait()
+        gdc_launch_dependents()
     live, experts, pairs, row_ok, rows = _pair_rows(sorted_ptr, expert_ptr, num_pairs,
                                                     ROW_DIV, M_PAD, DIRECT)
     if live < 0:
@@ -460,15 +494,26 @@ def _moe_gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, topw_ptr, sorted_ptr, expert_p
     x_ptrs = x_ptr + rows[:, None, None, None] * stride_xm + kk  # [M_PAD, 1, BK / RUN, RUN]
     w_ptrs = w_ptr + e4 * stride_we + cols * stride_wn + kk  # [1 or M_PAD, BLOCK_N, .., RUN]
     ws_ptrs = ws_ptr + e4 * stride_wse + (cols // GROUP_N) * stride_wsn
+    up_ptrs = w_ptrs + N * stride_wn
     up_ws_ptrs = ws_ptr + e4 * stride_wse + ((cols + N) // GROUP_N) * stride_wsn
-    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // RUN], tl.float32)
-    acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K // RUN], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first chunk of W before the wait (down: before gate_up's activations exist)
+    w, s = load_weight_runs(w_ptrs, ws_ptrs, 0, K, kk, starts, EVEN_K, W8, GROUP_K)
+    if GLU:
+        w_up, s_up = load_weight_runs(up_ptrs, up_ws_ptrs, 0, K, kk, starts, EVEN_K, W8,
+                                      GROUP_K)
+    if PDL and not GLU:
+        gdc_wait()
+    x = load_chunk(x_ptrs, 0, K, kk, EVEN_K, "evict_last").to(tl.float32)
+    acc = run_sums(x, w, s, W8)  # [M_PAD, BLOCK_N, BLOCK_K // RUN]
+    acc_up = acc  # GLU: up's sums; otherwise unused
+    if GLU:
+        acc_up = run_sums(x, w_up, s_up, W8)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         x = load_chunk(x_ptrs, k0, K, kk, EVEN_K, "evict_last").to(tl.float32)
         acc += load_run_sums(x, w_ptrs, ws_ptrs, k0, K, kk, starts, EVEN_K, W8, GROUP_K)
         if GLU:
-            acc_up += load_run_sums(x, w_ptrs + N * stride_wn, up_ws_ptrs, k0, K, kk, starts,
-                                    EVEN_K, W8, GROUP_K)
+            acc_up += load_run_sums(x, up_ptrs, up_ws_ptrs, k0, K, kk, starts, EVEN_K, W8,
+                                    GROUP_K)
     if SUM_PAIRS:
         _sum_pairs_epilogue(tl.sum(acc, axis=2), pairs, row_ok, offs_n, N, c_ptr, topw_ptr,
                             M_PAD, BLOCK_N)
@@ -519,18 +564,26 @@ MOE_W8A8_MIN_TOKENS = 65
 
 def moe_gemv_tiles(m_pad: int, fp8: bool) -> tuple[MoeTile, MoeTile]:
     """The GEMV's (gate_up, down) tiles for up to m_pad tokens, as kernels/gemv.py's M = 1..2
-    tiles: one warp a program, 1-2 columns, runs of 16 bytes.
-    - gate_up (K = hidden): one column (gate and up rows), 4 runs a lane at one token, fewer
-      as the rows of x a lane holds grow (x: m_pad x 4 // m_pad runs a lane);
-    - down (K = inter, 768 for Qwen3-30B-A3B: 3 chunks of 256): at one token its rows are the
-      top_k pairs, each its own expert (8 rows x 16 runs / 32 lanes: 4 FP8 runs a lane); at
-      2..4 tokens two FP8 columns, so that a chunk's 32 runs cover the warp's lanes.
-    NOTE: accumulators per lane (fp32): rows x BLOCK_N x BLOCK_K / RUN / 32, at most 4 (8 for
-    bf16 down at one token); gate_up holds two."""
+    tiles: runs of 16 bytes.
+    - gate_up (K = hidden): one warp a program, one column (gate and up rows), 4 runs a lane
+      at one token, fewer as the rows of x a lane holds grow (x: m_pad x 4 // m_pad runs a
+      lane);
+    - down (K = inter, 768 for Qwen3-30B-A3B: 3 chunks of 256): at one token a program takes
+      8 rows of one pair's expert on 2 warps (each lane a run of 4 rows a chunk, x's run
+      shared by them); at 2..4 tokens one warp, two FP8 columns, so that a chunk's 32 runs
+      cover the warp's lanes.
+    NOTE: on an H100 (`bench_kernels.py moe1`, FP8, one token): gate_up 11.2 us, as level
+    with 1024 columns a chunk or 4 rows on 4 warps (11.1); down into split-sum slots 6.4 us,
+    against 18.3 for the 8 pairs in one program (a column a program) and 7.4-10.6 in other
+    tiles; the pairs in one program at this tile 12.7 (`fused_moe`'s path).
+    NOTE: accumulators per lane (fp32): rows x BLOCK_N x BLOCK_K / RUN / 32 / warps, at most
+    4 (8 for bf16) but down's summed pairs at one token (8 x 8 x 16 / 64 = 16); gate_up holds
+    two."""
     run = RUN_BYTES if fp8 else RUN_BYTES // 2  # elements (bf16 / fp16 weights)
     up = MoeTile(1, run * 32 * max(1, 4 // m_pad), num_warps=1, num_stages=1)
-    down = MoeTile(2 if fp8 and m_pad > 1 else 1, 256, num_warps=1, num_stages=1)
-    return up, down
+    if m_pad == 1:
+        return up, MoeTile(8, 256, num_warps=2, num_stages=1)
+    return up, MoeTile(2 if fp8 else 1, 256, num_warps=1, num_stages=1)
 
 
 def pick_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
@@ -580,10 +633,10 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
                  num_pairs: int, row_div: int, glu: bool, block: tuple[int, int] | None,
                  cfg: MoeConfig, tile: MoeTile, direct_rows: int = 0) -> None:
     """One projection over the pairs into out [pairs, N]: sorted into blocks (moe_align), or
-    direct_rows > 0 (one token, cfg a GEMV): block_expert is the routing's ids, each pair its
-    own block (glu) or all the pairs one block of direct_rows >= top_k rows whose outputs are
-    summed into out [1, N]. out [top_k, tokens, N] fp32 (sorted, not glu): split-sum slots
-    (`_moe_epilogue`'s SLOT_K)."""
+    direct_rows > 0 (one token, cfg a GEMV): block_expert is the routing's ids, each pair a
+    block of its own (direct_rows 1), or all the pairs one block of direct_rows >= top_k rows
+    whose outputs are summed into out [1, N]. out [top_k, tokens, N] fp32 (not glu): split-sum
+    slots (`_moe_epilogue`'s SLOT_K)."""
     n, k = out.shape[-1], w.shape[2]
     slot_k, stride_cs = (out.shape[0], out.stride(0)) if out.dim() == 3 else (0, 0)
     bn, bk = block if block is not None else (1, 1)
@@ -604,10 +657,11 @@ def _launch_proj(a: Tensor, a_scale: Tensor | None, w: Tensor, w_scale: Tensor |
         direct = direct_rows > 0
         _moe_gemv_kernel[grid](a, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,
                                num_pairs, a.stride(0), w.stride(0), w.stride(1), *ws_strides,
-                               out.stride(-2), stride_cs, DIRECT=direct, SUM_PAIRS=direct and not glu,
+                               out.stride(-2), stride_cs, DIRECT=direct,
+                               SUM_PAIRS=direct and not glu and not slot_k,
                                M_PAD=direct_rows if direct else cfg.block_m,
                                RUN=_gemv_run(w, tile, block), EVEN_K=k % tile.block_k == 0,
-                               **meta)
+                               **_pdl(), **meta)
         return
     a_s = a_scale if a_scale is not None else ws
     _moe_mma_kernel[grid](a, a_s, w, ws, out, topk_weights, sorted_ids, block_expert, n, k,
@@ -624,7 +678,7 @@ def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tenso
     """moe_experts_ref on the GPU in `cfg`'s launches (`pick_moe_config`): the pairs sorted
     into per-expert blocks, the gate_up projection with silu(gate) * up in its epilogue, the
     down projection times the routing weights, the sum over top_k. sums: where the down
-    projection can leave the top-k sum to its consumer (2..MAX_ROWS tokens, routing weights
+    projection can leave the top-k sum to its consumer (1..MAX_ROWS tokens, routing weights
     in x's dtype), its split-sum slots (`_moe_epilogue`'s SLOT_K) rather than y; aligned:
     moe_align's outputs for ids at cfg.block_m, where they were made with the routing
     (`moe_route_align`). Reads no device tensor on the host: buffers and grids come from
@@ -648,7 +702,8 @@ def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tenso
     ids = ids.to(torch.int32).contiguous()  # (moe_route's already are: no copy)
     weights = weights.contiguous()
     if cfg.kind == "gemv" and cfg.block_m == 1:
-        return _one_token_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg)
+        return _one_token_experts(x, weights, ids, w13, w2, w13_scale, w2_scale, block, cfg,
+                                  sums)
     sorted_ids, block_expert = aligned or moe_align(ids, num_experts, cfg.block_m)
     w8a8 = cfg.kind == "w8a8"
     assert not w8a8 or fp8
@@ -673,19 +728,27 @@ def _moe_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tenso
 
 def _one_token_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,
                        w13_scale: Tensor | None, w2_scale: Tensor | None,
-                       block: tuple[int, int] | None, cfg: MoeConfig) -> Tensor:
+                       block: tuple[int, int] | None, cfg: MoeConfig,
+                       sums: bool = False) -> Tensor | SplitSums:
     """One token's experts in two launches: no align (pair j is a block of its own, expert
-    ids[0, j]: the kernels read the ids), gate_up per pair, then down over all top_k pairs
-    with their weighted sum in the epilogue, into the token's row (no per-pair buffer, no
-    torch sum). NOTE: right for any ids, repeated experts too (each pair reads its own)."""
+    ids[0, j]: the kernels read the ids), gate_up per pair, then down per pair into split-sum
+    slots (sums, routing weights in x's dtype: the top-k sum left to the consumer), or down
+    over all top_k pairs with their weighted sum in the epilogue, into the token's row. No
+    per-pair buffer, no torch sum. NOTE: right for any ids, repeated experts too (each pair
+    reads its own)."""
     top_k = ids.shape[1]
     inter_out = x.new_empty(top_k, w2.shape[2])
     _launch_proj(x, None, w13, w13_scale, inter_out, weights, ids, ids, top_k, row_div=top_k,
                  glu=True, block=block, cfg=cfg, tile=cfg.up, direct_rows=1)
+    down = partial(_launch_proj, inter_out, None, w2, w2_scale, topk_weights=weights,
+                   sorted_ids=ids, block_expert=ids, num_pairs=top_k, row_div=1, glu=False,
+                   block=block, cfg=cfg, tile=cfg.down)
+    if sums and weights.dtype == x.dtype:
+        slots = slot_buffer(x.device, top_k, 1, x.shape[1])
+        down(out=slots, direct_rows=1)
+        return SplitSums(slots, x.dtype)
     out = x.new_empty(1, x.shape[1])
-    _launch_proj(inter_out, None, w2, w2_scale, out, weights, ids, ids, top_k, row_div=1,
-                 glu=False, block=block, cfg=cfg, tile=cfg.down,
-                 direct_rows=triton.next_power_of_2(top_k))
+    down(out=out, direct_rows=triton.next_power_of_2(top_k))
     return out
 
 

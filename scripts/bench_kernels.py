@@ -6,6 +6,7 @@
     python3 scripts/bench_kernels.py decode [--out d.json]   # decode attention's configs x splits
     python3 scripts/bench_kernels.py extend [--out e.json]   # extend attention against SDPA flash
     python3 scripts/bench_kernels.py moe [--out m.json]      # Qwen3-30B-A3B's experts, each kernel kind
+    python3 scripts/bench_kernels.py moe1 [--out m.json]     # their one-token GEMV, each tile
     python3 scripts/bench_kernels.py fp8 [--out f.json]      # block-FP8 linears, each kind, vs cuBLAS bf16
     python3 scripts/bench_kernels.py deltanet [--out g.json] # Gated DeltaNet: decode steps, a prefill
 
@@ -469,6 +470,71 @@ def bench_moe(tokens: tuple[int, ...], fp8s: tuple[bool, ...], chosen: bool = Fa
     return out
 
 
+#: the one-token MoE GEMV's candidate tiles (block_n, block_k, num_warps) for `moe1`
+MOE1_UP_TILES = ((1, 2048, 1), (1, 1024, 1), (2, 1024, 1), (2, 512, 1), (4, 512, 4),
+                 (4, 512, 2), (2, 1024, 2), (4, 1024, 4), (8, 512, 8), (2, 2048, 2))
+MOE1_DOWN_TILES = ((1, 256, 1), (2, 256, 1), (4, 256, 2), (8, 256, 4), (4, 1024, 4),
+                   (2, 1024, 2), (8, 256, 2), (16, 256, 8), (8, 1024, 8), (4, 512, 2))
+
+
+def bench_moe_one_token(up_tiles: tuple[tuple[int, ...], ...],
+                        down_tiles: tuple[tuple[int, ...], ...]) -> list[Row]:
+    """One token through Qwen3-30B-A3B's FP8 experts, a projection at a time, in each tile:
+    gate_up per pair, down per pair into split-sum slots ("slots") or all pairs in one
+    program summed in its epilogue ("sum"); then the experts whole at the chosen config, both
+    ways. In CUDA graphs over 8 random routings; GB/s: the chosen experts' bytes read."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13, s13 = _fp8_weight((A3B_E, 2 * A3B_I, A3B_H), gen)
+    w2, s2 = _fp8_weight((A3B_E, A3B_H, A3B_I), gen)
+    inputs = []
+    for _ in range(8):
+        logits = torch.randn(1, A3B_E, generator=gen, device="cuda").bfloat16()
+        w, ids = moe_kernels.moe_route(logits, A3B_K, True)
+        inter = torch.randn(A3B_K, A3B_I, generator=gen, device="cuda").bfloat16()
+        inputs.append((_x(1, A3B_H, gen), w, ids, inter))
+    slots = torch.zeros(A3B_K, 1, A3B_H, dtype=torch.float32, device="cuda")
+    summed = torch.empty(1, A3B_H, dtype=torch.bfloat16, device="cuda")
+    up_out = torch.empty(A3B_K, A3B_I, dtype=torch.bfloat16, device="cuda")
+    out: list[Row] = []
+
+    def record(name: str, tile: tuple[int, ...], fn: Callable[[Any], object], nbytes: int,
+               chosen: bool = False) -> None:
+        us = _time_us(fn, inputs)
+        out.append({"op": name, "tile": list(tile), "us": us, "GBps": nbytes / us / 1e3,
+                    "chosen": chosen})
+        print(f"{name:14} {tile!s:18} {us:8.2f} us {nbytes / us / 1e3:7.0f} GB/s")
+
+    def proj(i: Any, tile: tuple[int, ...], glu: bool, dst: Tensor, rows: int) -> None:
+        x, w, ids, inter = i
+        cfg_tile = moe_kernels.MoeTile(tile[0], tile[1], tile[2], num_stages=1)
+        cfg = moe_kernels.MoeConfig("gemv", 1, cfg_tile, cfg_tile)
+        if glu:
+            moe_kernels._launch_proj(x, None, w13, s13, dst, w, ids, ids, A3B_K,
+                                     row_div=A3B_K, glu=True, block=FP8_BLOCK, cfg=cfg,
+                                     tile=cfg_tile, direct_rows=1)
+        else:
+            moe_kernels._launch_proj(inter, None, w2, s2, dst, w, ids, ids, A3B_K, row_div=1,
+                                     glu=False, block=FP8_BLOCK, cfg=cfg, tile=cfg_tile,
+                                     direct_rows=rows)
+    up_bytes = A3B_K * 2 * A3B_I * A3B_H
+    for tile in up_tiles:
+        record("gate_up", tile, partial(proj, tile=tile, glu=True, dst=up_out, rows=1),
+               up_bytes)
+    for tile in down_tiles:
+        record("down_slots", tile, partial(proj, tile=tile, glu=False, dst=slots, rows=1),
+               up_bytes // 2)
+        record("down_sum", tile, partial(proj, tile=tile, glu=False, dst=summed, rows=A3B_K),
+               up_bytes // 2)
+    cfg = moe_kernels.pick_moe_config(1, A3B_K, A3B_E, A3B_H, A3B_I, FP8_BLOCK)
+    for sums in (True, False):
+        def experts(i: Any, sums: bool = sums) -> object:
+            return moe_kernels._moe_experts(i[0], i[1], i[2], w13, w2, s13, s2, FP8_BLOCK,
+                                            cfg, sums)
+        record("experts_" + ("slots" if sums else "sum"), (), experts, up_bytes * 3 // 2,
+               chosen=True)
+    return out
+
+
 def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
     """Each FP8 linear kind per shape and M, and F.linear on the same weights in bf16 (cuBLAS),
     in a CUDA graph over weight copies past L2. GB/s counts the FP8 weight's bytes."""
@@ -824,6 +890,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     if args.cmd == "moe":
         return bench_moe(tuple(args.tokens), tuple(w == "fp8" for w in args.weights),
                          args.chosen)
+    if args.cmd == "moe1":
+        return bench_moe_one_token(tuple(args.up_tiles), tuple(args.down_tiles))
     if args.cmd == "fp8":
         return bench_fp8(tuple(args.rows), args.shapes)
     if args.cmd == "w4":
@@ -870,6 +938,11 @@ def main(argv: list[str] | None = None) -> None:
                    default=[1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192])
     c.add_argument("--weights", choices=["bf16", "fp8"], nargs="+", default=["bf16", "fp8"])
     c.add_argument("--chosen", action="store_true", help="only the chosen config per count")
+    c = sub.add_parser("moe1", help="one token through the FP8 experts: each GEMV tile")
+    c.add_argument("--up-tiles", type=_ints, nargs="+", default=list(MOE1_UP_TILES),
+                   help="block_n,block_k,num_warps ... of gate_up")
+    c.add_argument("--down-tiles", type=_ints, nargs="+", default=list(MOE1_DOWN_TILES),
+                   help="block_n,block_k,num_warps ... of down")
     c = sub.add_parser("fp8", help="block-FP8 linears: each kernel kind, and cuBLAS bf16")
     c.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 2048])
     c.add_argument("--shapes", nargs="+", choices=list(FP8_SHAPES), default=list(A3B_LINEARS))

@@ -82,23 +82,27 @@ def test_moe_kernels(glu: bool) -> None:
             **route, **blocks, "SLOT_K": 8, "W8": True, "A8": False, "BLOCK_M": 16,
             "BLOCK_N": 64, "BLOCK_K": 128, "SWAP": True, "PRECISION": "tf32"},
             c_ptr="*fp32", topw_ptr="*bf16")
-    for direct in (False, True):
+    # sorted pairs; one token's pairs summed in down's epilogue; one token, a pair a program
+    # (down: into split-sum slots); each with PDL as the engine launches it
+    for direct, m_pad in ((False, 2), (True, 8), (True, 1)):
+        slots = {"SLOT_K": 8} if direct and m_pad == 1 and not glu else {}
         for even_k in (False, True):
             compile_for_hopper(moe._moe_gemv_kernel, {
-                **route, **blocks, "DIRECT": direct, "SUM_PAIRS": direct and not glu,
-                "W8": True, "M_PAD": 8 if direct else 2, "BLOCK_N": 4, "BLOCK_K": 512,
-                "RUN": 16, "EVEN_K": even_k})
+                **route, **blocks, **slots, "DIRECT": direct,
+                "SUM_PAIRS": direct and m_pad > 1 and not glu, "W8": True, "M_PAD": m_pad,
+                "BLOCK_N": 4, "BLOCK_K": 512, "RUN": 16, "EVEN_K": even_k, "PDL": True},
+                **({"c_ptr": "*fp32", "topw_ptr": "*bf16"} if slots else {}))
 
 
 def test_moe_routing_kernels() -> None:
     """The routing alone (one token on one warp, 16 a program) and fused with the align."""
     routing = {"TOP_K": 8, "K_PAD": 8, "RENORM": True, "E_PAD": 128}
     for block_t, warps in ((1, 1), (16, 4)):
-        compile_for_hopper(moe._route_kernel, {**routing, "BLOCK_T": block_t},
+        compile_for_hopper(moe._route_kernel, {**routing, "BLOCK_T": block_t, "PDL": True},
                            num_warps=warps, logits_ptr="*bf16", weights_ptr="*bf16",
                            ids_ptr="*i32")
     compile_for_hopper(moe._route_align_kernel, {
-        **routing, "BLOCK_T": 16, "BLOCK_M": 16, "CHUNK": 128, "BLOCKS_CHUNK": 32},
+        **routing, "BLOCK_T": 16, "BLOCK_M": 16, "CHUNK": 128, "BLOCKS_CHUNK": 32, "PDL": True},
         num_warps=8, logits_ptr="*bf16", weights_ptr="*bf16", ids_ptr="*i32")
 
 

@@ -193,10 +193,10 @@ def test_pick_config() -> None:
         assert cfg.kind == "gemv" and cfg.block_m >= t
         assert (cfg.block_m == 1) == (t == 1)  # the direct path: one token only
         run = 16 if block else 8  # a lane's 16-byte load
-        # (rows of x, rows of W): one token's down has the top-8 pairs as rows, each its
-        # own expert's; otherwise all rows share one expert's W
-        for tile, rows, w_rows in ((cfg.up, cfg.block_m, 1),
-                                   (cfg.down, 8, 8) if t == 1 else (cfg.down, cfg.block_m, 1)):
+        # (rows of x, rows of W): all rows share one expert's W; one token's down as the
+        # model runs it takes a pair a program (into split-sum slots; `fused_moe`'s sum of
+        # the pairs in one program holds 8 times the sums)
+        for tile, rows, w_rows in ((cfg.up, cfg.block_m, 1), (cfg.down, cfg.block_m, 1)):
             lanes = 32 * tile.num_warps
             assert w_rows * tile.block_n * tile.block_k // run >= lanes  # runs for every lane
             assert rows * tile.block_n * tile.block_k // run <= 8 * lanes  # <= 8 fp32 sums
@@ -311,7 +311,7 @@ def check_experts(x: torch.Tensor, logits: torch.Tensor, k: int, experts: dict,
         want = moe_experts_ref(x, weights, ids, **experts)
     tol = 1e-5 if x.dtype == torch.float32 else 3e-3
     assert rel(got, want) < tol, (what, rel(got, want))
-    if 2 <= x.shape[0] <= MAX_ROWS:  # the top-k sum left in split-sum slots: the same sum
+    if x.shape[0] <= MAX_ROWS:  # the top-k sum left in split-sum slots: the same sum
         sums = _moe_experts(x, weights, ids, experts["w13"], experts["w2"],
                             experts.get("w13_scale"), experts.get("w2_scale"),
                             experts.get("block"), cfg, sums=True)
@@ -369,7 +369,8 @@ def interp_check_moe() -> None:
                     check_experts(x, logits, 2, ex, cfg)
                 if t == 1:  # the one-token path (no align, the top-k sum fused in down)
                     for k in (1, 2, 3):
-                        for up, down in ((tiny, tiny), (MoeTile(16, 64), MoeTile(8, 32))):
+                        for up, down in ((tiny, tiny), (MoeTile(16, 64), MoeTile(8, 32)),
+                                         (MoeTile(4, 32), MoeTile(2, 16))):
                             check_experts(x, logits, k, ex, MoeConfig("gemv", 1, up, down))
     check_one_token(gen)
     # the dispatchers: each token class's kernel, routed by moe_route
@@ -553,7 +554,7 @@ def test_expert_kinds_agree_gpu(t: int, fp8: bool) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("t", [2, 8, 32])
+@pytest.mark.parametrize("t", [1, 2, 8, 32])
 def test_unreduced_top_k_sum_gpu(t: int) -> None:
     """fused_moe_unreduced's split-sum slots, taken, give fused_moe's output (the top-k sum
     in fp32 either way, rounded once)."""
@@ -581,3 +582,28 @@ def test_fused_moe_graph_gpu(t: int, fp8: bool) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, fused_moe(x, logits, top_k=A3B["k"], renormalize=True, **experts))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_one_token_slots_graph_gpu() -> None:
+    """Batch-1 decode as the model runs it: the routing, gate_up and down (into split-sum
+    slots, its first chunk of W loaded before gate_up ends, with PDL) and the slots' sum, in
+    a CUDA graph, replayed on new tokens and routings, against the ref."""
+    experts = gpu_experts(True, seed=6)
+    x, logits = gpu_inputs(1, seed=6)
+
+    def layer() -> torch.Tensor:
+        got = fused_moe_unreduced(x, logits, top_k=A3B["k"], renormalize=True, **experts)
+        assert isinstance(got, SplitSums)
+        return take(got)
+    graph, out = capture(layer)
+    for seed in (7, 8):
+        x2, logits2 = gpu_inputs(1, seed=seed)
+        x.copy_(x2)
+        logits.copy_(logits2)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = fused_moe_ref(x, logits, top_k=A3B["k"], renormalize=True, **experts)
+        assert rel(out, want) < 1e-2, seed
+        assert torch.equal(out, layer())
