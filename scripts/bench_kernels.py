@@ -69,6 +69,7 @@ from arle_kernels.gemv import (
 from arle_kernels.jit import pdl_enabled
 from arle_kernels.noise import exponential_noise
 from arle_kernels.noise_ref import exponential_noise_ref
+from arle_kernels.split_sums import SplitSums, consumed
 
 Row = dict[str, Any]
 T = TypeVar("T")
@@ -497,12 +498,19 @@ def bench_moe_one_token(up_tiles: tuple[tuple[int, ...], ...],
     up_out = torch.empty(A3B_K, A3B_I, dtype=torch.bfloat16, device="cuda")
     out: list[Row] = []
 
+    up_tile, down_tile = moe_kernels.moe_gemv_tiles(1, True)
+    chosen_tiles = {"gate_up": up_tile, "down_slots": down_tile}
+
     def record(name: str, tile: tuple[int, ...], fn: Callable[[Any], object], nbytes: int,
                chosen: bool = False) -> None:
         us = _time_us(fn, inputs)
+        picked = chosen_tiles.get(name)
+        chosen = chosen or (picked is not None and tile == (picked.block_n, picked.block_k,
+                                                            picked.num_warps))
         out.append({"op": name, "tile": list(tile), "us": us, "GBps": nbytes / us / 1e3,
-                    "chosen": chosen})
-        print(f"{name:14} {tile!s:18} {us:8.2f} us {nbytes / us / 1e3:7.0f} GB/s")
+                    "chosen": chosen, "name": f"{name}/" + "x".join(map(str, tile))})
+        print(f"{name:14} {tile!s:18} {us:8.2f} us {nbytes / us / 1e3:7.0f} GB/s"
+              f"{' *' if chosen else ''}")
 
     def proj(i: Any, tile: tuple[int, ...], glu: bool, dst: Tensor, rows: int) -> None:
         x, w, ids, inter = i
@@ -528,8 +536,11 @@ def bench_moe_one_token(up_tiles: tuple[tuple[int, ...], ...],
     cfg = moe_kernels.pick_moe_config(1, A3B_K, A3B_E, A3B_H, A3B_I, FP8_BLOCK)
     for sums in (True, False):
         def experts(i: Any, sums: bool = sums) -> object:
-            return moe_kernels._moe_experts(i[0], i[1], i[2], w13, w2, s13, s2, FP8_BLOCK,
-                                            cfg, sums)
+            y = moe_kernels._moe_experts(i[0], i[1], i[2], w13, w2, s13, s2, FP8_BLOCK, cfg,
+                                         sums)
+            if isinstance(y, SplitSums):
+                consumed(y)  # (as a consumer's launch would: no zeroing before the next call)
+            return y
         record("experts_" + ("slots" if sums else "sum"), (), experts, up_bytes * 3 // 2,
                chosen=True)
     return out

@@ -246,6 +246,8 @@ SOURCES = (
            "--out docs/results/h100/speculative_cost_qwen3-30b-a3b-fp8.json"),
     Source("h100/kernels_moe.json", "python3 scripts/bench_kernels.py moe --tokens 1 2 4 8 16 32 64 "
            "--weights fp8 --out docs/results/h100/kernels_moe.json"),
+    Source("h100/kernels_moe1.json", "python3 scripts/bench_kernels.py moe1 "
+           "--out docs/results/h100/kernels_moe1.json"),
     Source("h100/kernels_w4.json", "python3 scripts/bench_kernels.py w4 --rows 1 2 --shapes "
            "qkv o_proj down gate_up --tiles 4,1024,4,0,1 4,2048,4,0,1 "
            "--out docs/results/h100/kernels_w4.json (rows 4 and 8: "
@@ -463,7 +465,7 @@ def _h100_figures() -> list[Figure]:
     tier, st = "h100/kv_tier_qwen3-4b.json", "h100/structured_qwen3-4b.json"
     s35 = "h100/serve_qwen3.5-4b.json"
     c35 = "h100/ceilings_qwen3.5.json"
-    kw = "h100/kernels_w4.json"
+    kw, m1 = "h100/kernels_w4.json", "h100/kernels_moe1.json"
     return [
         _h100_decode("", _Q4, "qwen3-4b", 1, "weight-read floor"),
         _h100_decode("", _Q4, "qwen3-4b", 8, "weight-read floor"),
@@ -481,6 +483,13 @@ def _h100_figures() -> list[Figure]:
           for unit, key, fmt in (("us", "us", "{:.1f}"),
                                  ("GB/s of words, scales and zeros", "GBps", "{:.0f}"))),
         _h100_decode("", _MOE, "qwen3-30b-a3b-fp8", 1, "floor (weights read, 8 of 128 experts)"),
+        Figure("h100", "one token's MoE GEMV alone, 8 pairs, in a CUDA graph over 8 routings: "
+               "down into split-sum slots (8 rows of a pair's expert a program, 2 warps) / "
+               "gate_up, us", "Qwen3-30B-A3B-FP8's experts",
+               tuple(Field(m1, f"results[name={n}].us", "{:.1f}")
+                     for n in ("down_slots/8x256x2", "gate_up/1x2048x1")),
+               "down as before: the 8 pairs summed in one program a column",
+               (Field(m1, "results[name=down_sum/1x256x1].us", "{:.1f} us"),), sep=" / "),
         _h100_decode("", _MOE, "qwen3-30b-a3b-fp8", 8, "floor (the experts 8 tokens touch)"),
         _h100_decode("", _Q35, "qwen3.5-4b", 1, "floor (weights + recurrent state)", c35),
         _h100_decode("", _Q35, "qwen3.5-4b", 8, "floor (weights + 8 states)", c35),
