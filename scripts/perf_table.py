@@ -245,9 +245,8 @@ SOURCES = (
            "--batch 1 8 --kv-cache-tokens 8192 "
            "--out docs/results/h100/speculative_cost_qwen3-30b-a3b-fp8.json"),
     Source("h100/kernels_moe.json", "python3 scripts/bench_kernels.py moe --tokens 1 2 4 8 16 32 64 "
-           "--weights fp8 --out docs/results/h100/kernels_moe.json"),
-    Source("h100/kernels_moe1.json", "python3 scripts/bench_kernels.py moe1 "
-           "--out docs/results/h100/kernels_moe1.json"),
+           "--weights fp8 --out docs/results/h100/kernels_moe.json (its one_token: "
+           "`python3 scripts/bench_kernels.py moe1` at 222eaf3)"),
     Source("h100/kernels_w4.json", "python3 scripts/bench_kernels.py w4 --rows 1 2 --shapes "
            "qkv o_proj down gate_up --tiles 4,1024,4,0,1 4,2048,4,0,1 "
            "--out docs/results/h100/kernels_w4.json (rows 4 and 8: "
@@ -465,7 +464,7 @@ def _h100_figures() -> list[Figure]:
     tier, st = "h100/kv_tier_qwen3-4b.json", "h100/structured_qwen3-4b.json"
     s35 = "h100/serve_qwen3.5-4b.json"
     c35 = "h100/ceilings_qwen3.5.json"
-    kw, m1 = "h100/kernels_w4.json", "h100/kernels_moe1.json"
+    kw, m1 = "h100/kernels_w4.json", "h100/kernels_moe.json"
     return [
         _h100_decode("", _Q4, "qwen3-4b", 1, "weight-read floor"),
         _h100_decode("", _Q4, "qwen3-4b", 8, "weight-read floor"),
@@ -486,10 +485,11 @@ def _h100_figures() -> list[Figure]:
         Figure("h100", "one token's MoE GEMV alone, 8 pairs, in a CUDA graph over 8 routings: "
                "down into split-sum slots (8 rows of a pair's expert a program, 2 warps) / "
                "gate_up, us", "Qwen3-30B-A3B-FP8's experts",
-               tuple(Field(m1, f"results[name={n}].us", "{:.1f}")
+               tuple(Field(m1, f"one_token.results[name={n}].us", "{:.1f}")
                      for n in ("down_slots/8x256x2", "gate_up/1x2048x1")),
                "down as before: the 8 pairs summed in one program a column",
-               (Field(m1, "results[name=down_sum/1x256x1].us", "{:.1f} us"),), sep=" / "),
+               (Field(m1, "one_token.results[name=down_sum/1x256x1].us", "{:.1f} us"),),
+               sep=" / "),
         _h100_decode("", _MOE, "qwen3-30b-a3b-fp8", 8, "floor (the experts 8 tokens touch)"),
         _h100_decode("", _Q35, "qwen3.5-4b", 1, "floor (weights + recurrent state)", c35),
         _h100_decode("", _Q35, "qwen3.5-4b", 8, "floor (weights + 8 states)", c35),
@@ -708,6 +708,14 @@ class Results:
                 f"python scripts/perf_table.py --provenance {name} YYYY-MM-DD COMMIT")
         return entry["date"], entry["commit"]
 
+    def field_stamp(self, field: Field) -> tuple[str, str]:
+        """(date, commit) of a field: those of the record it reads where that record (a
+        top-level key, e.g. kernels_moe.json's one_token) carries its own, else its file's."""
+        head = self.load(field.file).get(re.split(r"[.\[]", field.path, maxsplit=1)[0])
+        if isinstance(head, dict) and "date" in head and "commit" in head:
+            return str(head["date"])[:10], str(head["commit"])
+        return self.stamp(field.file)
+
     def get(self, field: Field) -> Any:
         value: Any = self.load(field.file)
         for part in field.path.split("."):
@@ -754,7 +762,11 @@ def _command(name: str) -> str:
 
 
 def _files(v: Value) -> list[str]:
-    return [v.num.file, v.den.file] if isinstance(v, Quotient) else [v.file]
+    return [f.file for f in _fields(v)]
+
+
+def _fields(v: Value) -> list[Field]:
+    return [v.num, v.den] if isinstance(v, Quotient) else [v]
 
 
 def _cell(text: str) -> str:
@@ -772,7 +784,7 @@ def machine_section(res: Results, machine: Machine) -> list[str]:
         for v in (*fig.arle, *fig.baseline):
             files += [f for f in _files(v) if f not in files]
         used += [f for f in files if f not in used]
-        stamps = [res.stamp(f) for f in files]
+        stamps = [res.field_stamp(f) for v in (*fig.arle, *fig.baseline) for f in _fields(v)]
         dates = " / ".join(dict.fromkeys(d for d, _ in stamps))
         commits = " / ".join(dict.fromkeys(c for _, c in stamps))
         arle, base, ratio = _cells(res, fig)
@@ -1076,7 +1088,7 @@ def _h100_bounds(res: Results) -> list[str]:
         f"writes each pair's weighted row to a split-sum slot that the next norm sums, 8 rows of "
         f"the pair's expert a program (it took one column of all 8 pairs a program, each lane "
         f"loading 2 bytes of x a byte of W: alone 18.3 us against 6.4, "
-        f"[kernels_moe1.json](results/h100/kernels_moe1.json)), and the routing, gate_up and "
+        f"`one_token` in [kernels_moe.json](results/h100/kernels_moe.json)), and the routing, gate_up and "
         f"down are chained by PDL (down loads its first chunk of W while gate_up runs): "
         f"{m1:.3f} ms against {moe['baseline_same_call']['graph_replay_bs1_ms']:.3f} at "
         f"{moe['baseline_same_call']['commit']} on the same warm machine, the call after "
