@@ -1040,11 +1040,6 @@ def _crit(decode: Any, kernel: str) -> list[float]:
             if k["label"].split()[-1] == kernel]
 
 
-def _crit_us(decode: Any, kernel: str, nth: int) -> float:
-    """The nth (from 0) launch of `kernel` a layer: its critical-path us a step."""
-    return _crit(decode, kernel)[nth]
-
-
 def _crit_ms(decode: Any, kernel: str) -> float:
     """Every launch of `kernel`: its critical-path ms a step."""
     return sum(_crit(decode, kernel)) / 1e3
@@ -1093,8 +1088,8 @@ def _h100_bounds(res: Results) -> list[str]:
         f"{m1:.3f} ms against {moe['baseline_same_call']['graph_replay_bs1_ms']:.3f} at "
         f"{moe['baseline_same_call']['commit']} on the same warm machine, the call after "
         f"(`baseline_same_call` in its JSON); down's critical path "
-        f"{_crit_us(moe, '_moe_gemv_kernel', 1):.0f} us a step against "
-        f"{_crit_us(moe['baseline_same_call'], '_moe_gemv_kernel', 1):.0f}.",
+        f"{_crit(moe, '_moe_gemv_kernel')[1]:.0f} us a step against "
+        f"{_crit(moe['baseline_same_call'], '_moe_gemv_kernel')[1]:.0f}.",
         f"- {_MOE}, `arle serve` c = 8: {c8['output_throughput']:.0f} tok/s; the goal is 1,500: "
         f"not met. The grouped expert GEMM takes {_kernel_ms(moe, 8, '_moe_mma'):.2f} ms of a "
         f"{moe['graph_replay_bs8_ms']:.2f} ms batch-8 step (its floor "
