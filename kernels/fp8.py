@@ -15,7 +15,8 @@ GEMV_MAX_M rows kernels/gemv.py's GEMVs, which stream W as they do bf16 weights 
 once: the FMA GEMV scales each run's sum, the tensor-core one dequantises each tile in
 registers); a W8A16 tensor-core GEMM up to W8A16_MAX_M rows;
 W8A8 beyond (FP8 x FP8 dots, each K step scaled by the activation's and the weight's block
-scales). Graph-safe: no host reads of device tensors.
+scales). `fp8_silu_mul` runs an MLP's gate_up with its activation in the FMA GEMV's epilogue.
+Graph-safe: no host reads of device tensors.
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ import triton.language as tl
 from torch import Tensor
 
 from arle_kernels.fp8_ref import FP8
-from arle_kernels.gemv import MMA_MAX_M, GemvConfig, dequant_tile, fp8_gemv_config, gemv_fp8
+from arle_kernels.gemv import (
+    MMA_MAX_M,
+    USE_GEMV_MAX_M,
+    GemvConfig,
+    dequant_tile,
+    fp8_gemv_config,
+    gemv_fp8,
+    gemv_fp8_silu_mul,
+)
 from arle_kernels.jit import jit_varying
 from arle_kernels.split_sums import SplitSums
 
@@ -197,3 +206,14 @@ def fp8_linear_unreduced(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
     for a consumer that sums the slots)."""
     cfg = _pick_fp8_config(x.shape[0], weight.shape[0], x.shape[1], block)
     return _launch_fp8_linear(x, weight, weight_scale_inv, block, None, cfg, sums=True)
+
+
+def fp8_silu_mul(x: Tensor, gate_up: Tensor, weight_scale_inv: Tensor,
+                 block: tuple[int, int]) -> Tensor | None:
+    """silu(x gate^T) * (x up^T) for an FP8 gate_up = [gate; up] in one GEMV launch (the
+    activation in its epilogue: no [M, 2N] round trip, no `silu_and_mul` launch) where the
+    FMA GEMV takes the rows (up to USE_GEMV_MAX_M); None otherwise (the caller's fp8_linear,
+    then the activation)."""
+    if x.shape[0] > USE_GEMV_MAX_M:
+        return None
+    return gemv_fp8_silu_mul(x, gate_up, (weight_scale_inv, block))

@@ -979,6 +979,21 @@ def gemv_fp8(x: Tensor, weight: Tensor, scale: Scale, bias: Tensor | None = None
     return _launch(x, weight, bias, None, cfg, sums=sums, scale=scale)
 
 
+def gemv_fp8_silu_mul(x: Tensor, gate_up: Tensor, scale: Scale,
+                      cfg: GemvConfig | None = None) -> Tensor:
+    """`gemv_silu_mul` for an FP8 gate_up = [gate; up] with block scales (gemv_fp8's format)
+    and x of 1..USE_GEMV_MAX_M rows, on the FMA GEMV: a program sums its gate rows and their
+    up rows on one x (the scale grid is the stacked weight's: up's row n + N has its own) and
+    stores silu(gate) * up, rounded as `silu_and_mul(gemv_fp8(x, gate_up))` rounds them.
+    The tile is the unfused weight's (`fp8_gemv_config`), so a row's sum runs in its order."""
+    assert x.shape[0] <= USE_GEMV_MAX_M, "the FMA GEMV's rows"
+    if cfg is None:
+        cfg = fp8_gemv_config(x.shape[0], gate_up.shape[0], x.shape[1], scale[1][1])
+    y = _launch(x, gate_up, None, None, replace(cfg, split_k=1), glu=True, scale=scale)
+    assert isinstance(y, Tensor)
+    return y
+
+
 def w4_gemv_config(m: int, n: int, k: int, glu: bool = False) -> GemvConfig:
     """The 4-bit GEMV's tile at m <= MAX_W4_ROWS rows of x against n rows of words (glu:
     [gate; up]). Each thread takes a run of two rows of W, which share its x's loads and

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from arle_kernels.fp8 import fp8_linear, fp8_linear_unreduced
+from arle_kernels.fp8 import fp8_linear, fp8_linear_unreduced, fp8_silu_mul
 from arle_kernels.fp8_ref import FP8
 from arle_kernels.fused import silu_and_mul
 from arle_kernels.gemv import gemv, gemv_silu_mul, gemv_split_sums, use_gemv
@@ -47,12 +47,15 @@ def linear_unreduced(x: Tensor, weight: Tensor) -> Tensor | SplitSums:
 
 
 def linear_silu_and_mul(x: Tensor, gate_up: Tensor) -> Tensor:
-    """`linear_silu_and_mul_ref`: where `linear` takes the GEMV, one kernel does both (the
-    activation in its epilogue: no gate_up round trip, one launch less per layer)."""
+    """`linear_silu_and_mul_ref`: where `linear` takes a GEMV (bf16, FP8 or 4-bit), one kernel
+    does both (the activation in its epilogue: no gate_up round trip, one launch less per
+    layer); otherwise the linear, then `silu_and_mul`."""
     w4 = w4_format(gate_up)
-    if w4 is not None and (y := w4_silu_mul(x, gate_up, w4)) is not None:
-        return y
-    if w4 is None and gate_up.dtype != FP8 and use_gemv(x.shape[0], gate_up.shape[0],
-                                                         gate_up.shape[1], glu=True):
-        return gemv_silu_mul(x, gate_up)
-    return silu_and_mul(linear(x, gate_up))
+    fused: Tensor | None = None
+    if w4 is not None:
+        fused = w4_silu_mul(x, gate_up, w4)
+    elif gate_up.dtype == FP8:
+        fused = fp8_silu_mul(x, gate_up, *fp8_scale_of(gate_up))
+    elif use_gemv(x.shape[0], gate_up.shape[0], gate_up.shape[1], glu=True):
+        fused = gemv_silu_mul(x, gate_up)
+    return fused if fused is not None else silu_and_mul(linear(x, gate_up))

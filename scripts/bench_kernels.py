@@ -56,10 +56,12 @@ from arle_kernels.fused_ref import (
     silu_and_mul_ref,
 )
 from arle_kernels.gemv import (
+    USE_GEMV_MAX_M,
     GemvConfig,
     _launch,
     _pick_config,
     gemv,
+    gemv_fp8_silu_mul,
     gemv_silu_mul,
     gemv_w4,
     use_gemv,
@@ -546,6 +548,38 @@ def bench_moe_one_token(up_tiles: tuple[tuple[int, ...], ...],
     return out
 
 
+def _fp8_glu_call(x: Tensor, cfg: GemvConfig, ws: tuple[Tensor, Tensor]) -> Tensor:
+    return gemv_fp8_silu_mul(x, ws[0], (ws[1], FP8_BLOCK), cfg)
+
+
+def _fp8_then_silu(x: Tensor, cfg: GemvConfig, ws: tuple[Tensor, Tensor]) -> Tensor:
+    return silu_and_mul(_fp8_linear_call(x, cfg, ws))
+
+
+def _fp8_glu_rows(name: str, x: Tensor, copies: list[tuple[Tensor, Tensor]]) -> list[Row]:
+    """An FP8 gate_up with its activation: the GEMV's epilogue ("gemv_glu") in the chosen tile
+    and others (W's rows a program: gate rows, each with its up row), against the chosen
+    GEMV then `silu_and_mul` ("gemv+silu")."""
+    m, k = x.shape
+    n = copies[0][0].shape[0]
+    chosen = fp8_kernels._pick_fp8_config(m, n, k, FP8_BLOCK)
+    assert isinstance(chosen, GemvConfig)
+    tiles = [chosen] + [c for c in (GemvConfig(bn, bk, num_warps=w) for bn in (1, 2, 4, 8)
+                                    for bk, w in ((512, 4), (512, 2), (1024, 2), (2048, 2)))
+                        if c != chosen]
+    rows: list[Row] = []
+    for j, cfg in enumerate(tiles):
+        us = _time_us(partial(_fp8_glu_call, x, cfg), copies)
+        rows.append({"shape": name, "M": m, "kind": "gemv_glu", "us": us,
+                     "config": dataclasses.asdict(cfg), "GBps": n * k / us / 1e3,
+                     "chosen": j == 0})
+    us = _time_us(partial(_fp8_then_silu, x, chosen), copies)
+    rows.append({"shape": name, "M": m, "kind": "gemv+silu", "us": us,
+                 "config": dataclasses.asdict(chosen), "GBps": n * k / us / 1e3,
+                 "chosen": False})
+    return rows
+
+
 def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
     """Each FP8 linear kind per shape and M, and F.linear on the same weights in bf16 (cuBLAS),
     in a CUDA graph over weight copies past L2. GB/s counts the FP8 weight's bytes."""
@@ -579,11 +613,13 @@ def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:
             us = _time_us(partial(F.linear, x), bf16)
             out.append({"shape": name, "M": m, "kind": "cublas_bf16", "us": us,
                         "GBps": 2 * n * k / us / 1e3, "chosen": False})
+            if name.endswith("gate_up") and m <= USE_GEMV_MAX_M:
+                out += _fp8_glu_rows(name, x, copies)
     print(f"{'shape':8} {'M':>5} {'kind':>24} {'us':>8} {'GB/s':>7}")
     for r in out:
         c = r.get("config", {})
         tile = (f" N{c['block_n']}/K{c['block_k']}/w{c['num_warps']}/s{c['split_k']}"
-                if r["kind"] in ("gemv", "gemv_mma") else "")
+                if r["kind"] in ("gemv", "gemv_mma", "gemv_glu", "gemv+silu") else "")
         print(f"{r['shape']:8} {r['M']:5} {r['kind'] + tile:>24} {r['us']:8.1f} {r['GBps']:7.0f}"
               f"{' *' if r['chosen'] else ''}")
     return out

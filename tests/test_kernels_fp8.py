@@ -18,6 +18,7 @@ from arle_kernels.fp8 import (
     fp8_linear,
     fp8_linear_unreduced,
     fp8_row_classes,
+    fp8_silu_mul,
     quantize_fp8_groups,
 )
 from arle_kernels.fp8_ref import (
@@ -28,7 +29,11 @@ from arle_kernels.fp8_ref import (
     fp8_linear_w8a8_ref,
     quantize_fp8_groups_ref,
 )
-from arle_kernels.gemv import GemvConfig
+from arle_kernels.fused import silu_and_mul
+from arle_kernels.fused_ref import silu_and_mul_ref
+from arle_kernels.gemv import USE_GEMV_MAX_M, GemvConfig, gemv_fp8_silu_mul
+from arle_kernels.linear import linear_silu_and_mul
+from arle_kernels.linear_ref import attach_fp8_scale
 from arle_kernels.split_sums import SplitSums, take
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -216,6 +221,38 @@ def interp_check_fp8() -> None:
         assert torch.equal(fp8_linear(x, w, ws, (16, 32)), want)
         assert torch.equal(take(fp8_linear_unreduced(x, w, ws, (16, 32))), want)
     assert fp8_linear(x[:0], w, ws, (16, 32)).shape == (0, 40)
+    interp_check_fp8_silu_mul()
+
+
+def interp_check_fp8_silu_mul() -> None:
+    """The FP8 gate_up with silu(gate) * up in the GEMV's epilogue: against the ref, and the
+    same values as the unfused GEMV in that tile, then `silu_and_mul` (one order of sums, one
+    rounding, the same Triton activation); `linear_silu_and_mul` fuses up to USE_GEMV_MAX_M rows and falls back past it.
+    N = 20 gate rows: a 16-row scale block holds the last gate rows and the first up rows."""
+    gen = torch.Generator().manual_seed(11)
+    block = (16, 16)
+    gate_up, ws = make_fp8(40, 70, block, seed=3)
+    ws = nan_fenced(ws)
+    for dtype in (torch.float32, torch.float16):
+        for m in range(1, USE_GEMV_MAX_M + 1):
+            x = torch.randn(m, 70, generator=gen).to(dtype)
+            want = silu_and_mul_ref(fp8_linear_ref(x, gate_up, ws, block))
+            for cfg in (None, GemvConfig(2, 32, num_warps=1), GemvConfig(4, 64, num_warps=2)):
+                got = gemv_fp8_silu_mul(x, gate_up, (ws, block), cfg)
+                what = f"{cfg} M={m} {dtype}"
+                assert got.shape == (m, 20) and got.dtype == dtype, what
+                tol = 1e-6 if dtype == torch.float32 else 2e-3
+                assert rel(got, want) < tol, (what, rel(got, want))
+                if cfg is not None:
+                    apart = silu_and_mul(_launch_fp8_linear(x, gate_up, ws, block, None, cfg))
+                    assert torch.equal(got, apart), what
+    attach_fp8_scale(gate_up, ws, block)
+    for m in (1, USE_GEMV_MAX_M + 1):
+        x = torch.randn(m, 70, generator=gen)
+        fused = fp8_silu_mul(x, gate_up, ws, block)
+        assert (fused is None) == (m > USE_GEMV_MAX_M)
+        want = fused if fused is not None else silu_and_mul(fp8_linear(x, gate_up, ws, block))
+        assert torch.equal(linear_silu_and_mul(x, gate_up), want)
 
 
 def check_fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
@@ -274,6 +311,21 @@ def test_fp8_linear_gpu(shape: str, m: int) -> None:
         assert rel(got, want) < 1e-2
     if isinstance(cfg, GemvConfig):  # its split sums, left for a consumer: the same y
         assert rel(take(fp8_linear_unreduced(x, w, ws, (128, 128))), got) < 1e-3
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", range(1, USE_GEMV_MAX_M + 1))
+def test_fp8_silu_mul_gpu(m: int) -> None:
+    """Qwen3-4B's FP8 gate_up (`--quantization fp8`) with the activation in the GEMV's
+    epilogue: against the ref, and within a rounding of the unfused GEMV then silu."""
+    x, gate_up, ws = gpu_case(m, 2 * 9728, 2560)
+    got = fp8_silu_mul(x, gate_up, ws, (128, 128))
+    assert got is not None and got.shape == (m, 9728)
+    want = silu_and_mul_ref(fp8_linear_ref(x.float(), gate_up, ws, (128, 128)))
+    assert rel(got, want) < 1e-2
+    apart = silu_and_mul_ref(fp8_linear(x, gate_up, ws, (128, 128)))
+    assert rel(got, apart) < 1e-2
 
 
 @pytest.mark.gpu
