@@ -60,6 +60,7 @@ from arle_kernels.gemv import (
     GemvConfig,
     _launch,
     _pick_config,
+    fp8_glu_config,
     gemv,
     gemv_fp8_silu_mul,
     gemv_silu_mul,
@@ -558,12 +559,13 @@ def _fp8_then_silu(x: Tensor, cfg: GemvConfig, ws: tuple[Tensor, Tensor]) -> Ten
 
 def _fp8_glu_rows(name: str, x: Tensor, copies: list[tuple[Tensor, Tensor]]) -> list[Row]:
     """An FP8 gate_up with its activation: the GEMV's epilogue ("gemv_glu") in the chosen tile
-    and others (W's rows a program: gate rows, each with its up row), against the chosen
-    GEMV then `silu_and_mul` ("gemv+silu")."""
+    (`fp8_glu_config`) and others (W's rows a program: gate rows, each with its up row),
+    against the unfused weight's chosen GEMV then `silu_and_mul` ("gemv+silu")."""
     m, k = x.shape
     n = copies[0][0].shape[0]
-    chosen = fp8_kernels._pick_fp8_config(m, n, k, FP8_BLOCK)
-    assert isinstance(chosen, GemvConfig)
+    chosen = fp8_glu_config(m, n, k, FP8_BLOCK[1])
+    unfused = fp8_kernels._pick_fp8_config(m, n, k, FP8_BLOCK)
+    assert isinstance(unfused, GemvConfig)
     tiles = [chosen] + [c for c in (GemvConfig(bn, bk, num_warps=w) for bn in (1, 2, 4, 8)
                                     for bk, w in ((512, 4), (512, 2), (1024, 2), (2048, 2)))
                         if c != chosen]
@@ -573,9 +575,9 @@ def _fp8_glu_rows(name: str, x: Tensor, copies: list[tuple[Tensor, Tensor]]) -> 
         rows.append({"shape": name, "M": m, "kind": "gemv_glu", "us": us,
                      "config": dataclasses.asdict(cfg), "GBps": n * k / us / 1e3,
                      "chosen": j == 0})
-    us = _time_us(partial(_fp8_then_silu, x, chosen), copies)
+    us = _time_us(partial(_fp8_then_silu, x, unfused), copies)
     rows.append({"shape": name, "M": m, "kind": "gemv+silu", "us": us,
-                 "config": dataclasses.asdict(chosen), "GBps": n * k / us / 1e3,
+                 "config": dataclasses.asdict(unfused), "GBps": n * k / us / 1e3,
                  "chosen": False})
     return rows
 
