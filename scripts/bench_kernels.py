@@ -569,17 +569,15 @@ def _fp8_glu_rows(name: str, x: Tensor, copies: list[tuple[Tensor, Tensor]]) -> 
     tiles = [chosen] + [c for c in (GemvConfig(bn, bk, num_warps=w) for bn in (1, 2, 4, 8)
                                     for bk, w in ((512, 4), (512, 2), (1024, 2), (2048, 2)))
                         if c != chosen]
-    rows: list[Row] = []
-    for j, cfg in enumerate(tiles):
-        us = _time_us(partial(_fp8_glu_call, x, cfg), copies)
-        rows.append({"shape": name, "M": m, "kind": "gemv_glu", "us": us,
-                     "config": dataclasses.asdict(cfg), "GBps": n * k / us / 1e3,
-                     "chosen": j == 0})
-    us = _time_us(partial(_fp8_then_silu, x, unfused), copies)
-    rows.append({"shape": name, "M": m, "kind": "gemv+silu", "us": us,
-                 "config": dataclasses.asdict(unfused), "GBps": n * k / us / 1e3,
-                 "chosen": False})
-    return rows
+    def row(kind: str, cfg: GemvConfig, us: float, chosen: bool) -> Row:
+        tile = f"{cfg.block_n}x{cfg.block_k}x{cfg.num_warps}"
+        return {"shape": name, "M": m, "kind": kind, "name": f"{kind}/{tile}", "us": us,
+                "config": dataclasses.asdict(cfg), "GBps": n * k / us / 1e3, "chosen": chosen}
+
+    rows = [row("gemv_glu", cfg, _time_us(partial(_fp8_glu_call, x, cfg), copies), j == 0)
+            for j, cfg in enumerate(tiles)]
+    return [*rows, row("gemv+silu", unfused,
+                       _time_us(partial(_fp8_then_silu, x, unfused), copies), False)]
 
 
 def bench_fp8(rows: tuple[int, ...], shapes: list[str]) -> list[Row]:

@@ -222,7 +222,6 @@ SOURCES = (
              f"--out docs/results/h100/{name}.json") for name, cmd in (
         ("ceilings", "ceilings"), ("ceilings_qwen3.5", "ceilings"),
         ("decode_qwen3-4b", "decode /tmp/models/qwen3-4b"),
-        ("decode_qwen3-4b_fp8", "decode /tmp/models/qwen3-4b --quantization fp8"),
         ("decode_qwen3-4b-awq", "decode /tmp/models/qwen3-4b-awq"),
         ("decode_qwen3-30b-a3b-fp8", "decode /tmp/models/qwen3-30b-a3b-fp8"),
         ("decode_qwen3.5-4b", "decode /tmp/models/qwen3.5-4b"),
@@ -244,6 +243,10 @@ SOURCES = (
            "--model /tmp/models/qwen3-30b-a3b-fp8 --device cuda --parts cost --cost-k 1 2 3 4 "
            "--batch 1 8 --kv-cache-tokens 8192 "
            "--out docs/results/h100/speculative_cost_qwen3-30b-a3b-fp8.json"),
+    Source("h100/decode_qwen3-4b_fp8.json", "python3 scripts/bench_gpu.py decode "
+           "/tmp/models/qwen3-4b --quantization fp8 --out docs/results/h100/decode_qwen3-4b_fp8.json "
+           "(its kernels_gate_up: `python3 scripts/bench_kernels.py fp8 --rows 1 2 --shapes "
+           "4b_gate_up` at 1438d25)"),
     Source("h100/kernels_moe.json", "python3 scripts/bench_kernels.py moe --tokens 1 2 4 8 16 32 64 "
            "--weights fp8 --out docs/results/h100/kernels_moe.json (its one_token: "
            "`python3 scripts/bench_kernels.py moe1` at 222eaf3)"),
@@ -428,6 +431,11 @@ def _tok_s(file: str, c: int) -> tuple[Field]:
 _RANDOM = "512 in / 128 out"
 
 
+#: Qwen3-4B's FP8 gate_up sweep (`kernels_gate_up` in its decode JSON): the fused tile chosen
+#: at one row (`fp8_glu_config`), the unfused weight's tile, and that GEMV then silu_and_mul
+_GLU_ROWS = ("gemv_glu/2x512x2", "gemv_glu/4x512x4", "gemv+silu/4x512x4")
+
+
 def _h100_decode(what: str, model: str, name: str, batch: int, floor: str,
                  ceilings: str = "h100/ceilings.json") -> Figure:
     """An H100 decode step at a batch size (its graph's replay: the device time of one step)
@@ -464,13 +472,19 @@ def _h100_figures() -> list[Figure]:
     tier, st = "h100/kv_tier_qwen3-4b.json", "h100/structured_qwen3-4b.json"
     s35 = "h100/serve_qwen3.5-4b.json"
     c35 = "h100/ceilings_qwen3.5.json"
-    kw, m1 = "h100/kernels_w4.json", "h100/kernels_moe.json"
+    kw, m1, f8 = "h100/kernels_w4.json", "h100/kernels_moe.json", "h100/decode_qwen3-4b_fp8.json"
     return [
         _h100_decode("", _Q4, "qwen3-4b", 1, "weight-read floor"),
         _h100_decode("", _Q4, "qwen3-4b", 8, "weight-read floor"),
         _h100_decode(", `--quantization fp8` (128x128 block FP8 at load)", _Q4,
                      "qwen3-4b_fp8", 1, "its weight-read floor"),
         _h100_decode(", `--quantization fp8`", _Q4, "qwen3-4b_fp8", 8, "its weight-read floor"),
+        Figure("h100", "the FP8 gate_up with silu(gate) * up in its GEMV's epilogue alone, 1 "
+               "row, 2 gate rows a program on 2 warps, in a CUDA graph over weights past L2, us",
+               f"{_Q4}'s gate_up (`--quantization fp8`)",
+               (Field(f8, f"kernels_gate_up.results[M=1,name={_GLU_ROWS[0]}].us", "{:.1f}"),),
+               "the GEMV, then `silu_and_mul`",
+               (Field(f8, f"kernels_gate_up.results[M=1,name={_GLU_ROWS[2]}].us", "{:.1f} us"),)),
         _h100_decode(", 4-bit AWQ (group 128)", "Qwen3-4B-AWQ layout", "qwen3-4b-awq", 1,
                      "its weight-read floor"),
         _h100_decode(", 4-bit AWQ", "Qwen3-4B-AWQ layout", "qwen3-4b-awq", 8,
@@ -1022,6 +1036,15 @@ def _w4_gemm_vs_gemv(res: Results) -> str:
                      for s in ("o_proj", "down"))
 
 
+def _glu_us(res: Results) -> str:
+    """The fused FP8 gate_up alone at one row, in its tile and the unfused weight's, and the
+    GEMV then its activation."""
+    rows = res.load("h100/decode_qwen3-4b_fp8.json")["kernels_gate_up"]["results"]
+    us = [next(r["us"] for r in rows if r["M"] == 1 and r.get("name") == n) for n in _GLU_ROWS]
+    return (f"{us[0]:.1f} us with 2 gate rows a program on 2 warps, {us[1]:.1f} in the "
+            f"unfused weight's tile, {us[2]:.1f} for that GEMV then `silu_and_mul`")
+
+
 def _w4_chosen(res: Results) -> str:
     """The 4-bit GEMV's chosen tile at one and two rows, per shape of kernels_w4.json."""
     return ", ".join(f"{s} {_w4_us(res, s, 1, 'gemv', chosen=True):.1f} / "
@@ -1056,6 +1079,11 @@ def _h100_bounds(res: Results) -> list[str]:
 
     read = float(res.load("h100/ceilings.json")["read_TBps"])
     moe, fp8, awq = dec("qwen3-30b-a3b-fp8"), dec("qwen3-4b_fp8"), dec("qwen3-4b-awq")
+    moe_layers = int(next(k["per_step"] for k in moe["kernels_bs1"]["critical"]
+                          if k["label"].endswith("_route_kernel")))
+    moe_small = 1e3 * sum(_crit_ms(moe, k) for k in (*_ATTENTION_KERNELS, "_rms_norm_kernel",
+                                                       "_route_kernel"))
+    f_gemv = _crit_ms(fp8, "_gemv_kernel")
     m1, f1, a1 = (d["graph_replay_bs1_ms"] for d in (moe, fp8, awq))
     c8 = res.load("h100/serve_qwen3-30b-a3b-fp8.json")["runs"]["8"]
     w4 = _kernel_ms(awq, 1, "_gemv_w4")
@@ -1079,17 +1107,19 @@ def _h100_bounds(res: Results) -> list[str]:
         f"{_crit_ms(moe, '_moe_gemv_kernel'):.2f} ms, the other FP8 and bf16 GEMVs (lm_head's "
         f"0.2 ms too) {_crit_ms(moe, '_gemv_kernel'):.2f} ms, attention "
         f"{sum(_crit_ms(moe, k) for k in _ATTENTION_KERNELS):.2f} ms, routing "
-        f"{_crit_ms(moe, '_route_kernel'):.2f} ms. At one token the down projection "
-        f"writes each pair's weighted row to a split-sum slot that the next norm sums, 8 rows of "
-        f"the pair's expert a program (it took one column of all 8 pairs a program, each lane "
-        f"loading 2 bytes of x a byte of W: alone 18.3 us against 6.4, "
-        f"`one_token` in [kernels_moe.json](results/h100/kernels_moe.json)), and the routing, gate_up and "
-        f"down are chained by PDL (down loads its first chunk of W while gate_up runs): "
-        f"{m1:.3f} ms against {moe['baseline_same_call']['graph_replay_bs1_ms']:.3f} at "
-        f"{moe['baseline_same_call']['commit']} on the same warm machine, the call after "
-        f"(`baseline_same_call` in its JSON); down's critical path "
-        f"{_crit(moe, '_moe_gemv_kernel')[1]:.0f} us a step against "
-        f"{_crit(moe['baseline_same_call'], '_moe_gemv_kernel')[1]:.0f}.",
+        f"{_crit_ms(moe, '_route_kernel'):.2f} ms, the norms "
+        f"{_crit_ms(moe, '_rms_norm_kernel'):.2f} ms. At one token the down projection writes "
+        f"each pair's weighted row to a split-sum slot that the next norm sums, 8 rows of the "
+        f"pair's expert a program, and the routing, gate_up and down are chained by PDL (down "
+        f"loads its first chunk of W while gate_up runs). What bounds it: gate_up "
+        f"({_crit(moe, '_moe_gemv_kernel')[0] / moe_layers:.1f} us a layer) streams at ~2.25 "
+        f"TB/s alone in every tile swept (11.2 us against 8.3 at the read rate, `one_token` in "
+        f"[kernels_moe.json](results/h100/kernels_moe.json)); each of the {moe_layers} layers "
+        f"pays 11 launches, and at batch 1 the launches that read little (attention's three, "
+        f"the two norms, the routing) take {moe_small / moe_layers:.1f} us a layer on the "
+        f"critical path. What would close it: fewer launches a layer (the rope and the K/V "
+        f"store inside decode attention, a norm inside the next GEMV), and FP8 tensor-core "
+        f"dots at one row (activations quantised per token, as the prefill runs).",
         f"- {_MOE}, `arle serve` c = 8: {c8['output_throughput']:.0f} tok/s; the goal is 1,500: "
         f"not met. The grouped expert GEMM takes {_kernel_ms(moe, 8, '_moe_mma'):.2f} ms of a "
         f"{moe['graph_replay_bs8_ms']:.2f} ms batch-8 step (its floor "
@@ -1100,12 +1130,20 @@ def _h100_bounds(res: Results) -> list[str]:
         f"the 1.2 ms goal is below this card's floor ({floor('qwen3-4b_fp8'):.2f} ms), and on an "
         f"H200 the same ratio would give "
         f"{f1 / floor('qwen3-4b_fp8') * fp8['floor_bytes']['batch1']['total'] / 4.18e9:.2f} ms: "
-        f"not met. The FP8 GEMV does not stream as the bf16 one does: each weight costs a "
-        f"conversion (e4m3 pairs to f16, then f32) and an FMA where a bf16 weight costs a shift "
-        f"and an FMA for twice the bytes. Where K is short (qkv, gate_up) a program's 4 warps "
-        f"take a row each and share x's loads: {f1:.3f} ms against "
-        f"{fp8['baseline_same_call']['graph_replay_bs1_ms']:.3f} in the same call at "
-        f"{fp8['baseline_same_call']['commit']} (`baseline_same_call` in its JSON).",
+        f"not met. An MLP's gate_up takes silu(gate) * up in its GEMV's epilogue at 1-2 rows "
+        f"(no [M, 2N] round trip, one launch less a layer; alone at one row, Qwen3-4B's "
+        f"gate_up took {_glu_us(res)}): {f1:.3f} ms at {fp8['commit']} against "
+        f"{fp8['baseline_same_call']['graph_replay_bs1_ms']:.3f} at "
+        f"{fp8['baseline_same_call']['commit']} on the same warm machine, the call after "
+        f"(`baseline_same_call` in its JSON). What bounds it: its GEMVs take {f_gemv:.2f} ms "
+        f"of the profiled step, {f_gemv / floor('qwen3-4b_fp8'):.2f}x the floor on their own: "
+        f"an FP8 weight costs a conversion (e4m3 pairs to f16, then f32) and an FMA where a bf16 "
+        f"weight costs a shift and an FMA for twice the bytes; the rest, "
+        f"{fp8['graph_replay_bs1_ms'] - f_gemv:.2f} ms, is attention (the rope and the K/V "
+        f"store too) and the norms at batch 1, a few microseconds of latency a launch. What "
+        f"would close it: FP8 "
+        f"tensor-core dots at one row (W8A8, the weight's rows on wgmma's wide side) and fewer "
+        f"launches a layer.",
         f"- {_Q4} as 4-bit AWQ, batch 1: {a1:.3f} ms, {a1 / floor('qwen3-4b-awq'):.1f}x its floor "
         f"(bf16: {dec('qwen3-4b')['graph_replay_bs1_ms']:.3f} ms); the goal is 0.8 ms: not met. "
         f"The W4 GEMV is {w4 / _kernel_ms(awq, 1, ''):.0%} of the profiled step. ncu put its "
@@ -1114,10 +1152,7 @@ def _h100_bounds(res: Results) -> list[str]:
         f"pointers are broadcast over the program's rows of W, so x loads straight into the "
         f"words' registers; bf16 x becomes fp32 by integer ops that also add the nibble's power "
         f"of two to its exponent; a thread takes two rows of W on one x (a row and one further "
-        f"on, or gate_up's gate and up rows): {a1:.3f} ms against "
-        f"{awq['baseline_same_call']['graph_replay_bs1_ms']:.3f} in the same call at "
-        f"{awq['baseline_same_call']['commit']} (`baseline_same_call` in its JSON). The GEMV "
-        f"alone at one / two rows: {_w4_chosen(res)}. What bounds it now (ncu, qkv, one row): 7 "
+        f"on, or gate_up's gate and up rows). The GEMV alone at one / two rows: {_w4_chosen(res)}. What bounds it now (ncu, qkv, one row): 7 "
         f"instructions a weight, and 43% of the warps' samples wait on global loads with 21 "
         f"warps an SM (76 registers): too few bytes in flight, 32 of words a thread a chunk. "
         f"What would close it: two adjacent runs a lane (more in flight without running past a "
