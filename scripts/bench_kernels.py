@@ -554,6 +554,7 @@ def _fp8_glu_call(x: Tensor, cfg: GemvConfig, ws: tuple[Tensor, Tensor]) -> Tens
 
 
 def _fp8_then_silu(x: Tensor, cfg: GemvConfig, ws: tuple[Tensor, Tensor]) -> Tensor:
+    """`_then_silu` for an FP8 weight (its scales beside it)."""
     return silu_and_mul(_fp8_linear_call(x, cfg, ws))
 
 
@@ -569,6 +570,7 @@ def _fp8_glu_rows(name: str, x: Tensor, copies: list[tuple[Tensor, Tensor]]) -> 
     tiles = [chosen] + [c for c in (GemvConfig(bn, bk, num_warps=w) for bn in (1, 2, 4, 8)
                                     for bk, w in ((512, 4), (512, 2), (1024, 2), (2048, 2)))
                         if c != chosen]
+
     def row(kind: str, cfg: GemvConfig, us: float, chosen: bool) -> Row:
         tile = f"{cfg.block_n}x{cfg.block_k}x{cfg.num_warps}"
         return {"shape": name, "M": m, "kind": kind, "name": f"{kind}/{tile}", "us": us,

@@ -1039,8 +1039,8 @@ def _w4_gemm_vs_gemv(res: Results) -> str:
 def _glu_us(res: Results) -> str:
     """The fused FP8 gate_up alone at one row, in its tile and the unfused weight's, and the
     GEMV then its activation."""
-    rows = res.load("h100/decode_qwen3-4b_fp8.json")["kernels_gate_up"]["results"]
-    us = [next(r["us"] for r in rows if r["M"] == 1 and r.get("name") == n) for n in _GLU_ROWS]
+    us = [res.get(Field("h100/decode_qwen3-4b_fp8.json",
+                        f"kernels_gate_up.results[M=1,name={n}].us", "")) for n in _GLU_ROWS]
     return (f"{us[0]:.1f} us with 2 gate rows a program on 2 warps, {us[1]:.1f} in the "
             f"unfused weight's tile, {us[2]:.1f} for that GEMV then `silu_and_mul`")
 
@@ -1080,7 +1080,8 @@ def _h100_bounds(res: Results) -> list[str]:
     read = float(res.load("h100/ceilings.json")["read_TBps"])
     moe, fp8, awq = dec("qwen3-30b-a3b-fp8"), dec("qwen3-4b_fp8"), dec("qwen3-4b-awq")
     moe_layers = int(next(k["per_step"] for k in moe["kernels_bs1"]["critical"]
-                          if k["label"].endswith("_route_kernel")))
+                          if k["label"].endswith("_route_kernel")))  # one routing a layer
+    moe_launches = sum(not k["label"].startswith("pre") for k in moe["kernels_bs1"]["critical"])
     moe_small = 1e3 * sum(_crit_ms(moe, k) for k in (*_ATTENTION_KERNELS, "_rms_norm_kernel",
                                                        "_route_kernel"))
     f_gemv = _crit_ms(fp8, "_gemv_kernel")
@@ -1115,7 +1116,7 @@ def _h100_bounds(res: Results) -> list[str]:
         f"({_crit(moe, '_moe_gemv_kernel')[0] / moe_layers:.1f} us a layer) streams at ~2.25 "
         f"TB/s alone in every tile swept (11.2 us against 8.3 at the read rate, `one_token` in "
         f"[kernels_moe.json](results/h100/kernels_moe.json)); each of the {moe_layers} layers "
-        f"pays 11 launches, and at batch 1 the launches that read little (attention's three, "
+        f"pays {moe_launches} launches, and at batch 1 the launches that read little (attention's three, "
         f"the two norms, the routing) take {moe_small / moe_layers:.1f} us a layer on the "
         f"critical path. What would close it: fewer launches a layer (the rope and the K/V "
         f"store inside decode attention, a norm inside the next GEMV), and FP8 tensor-core "
@@ -1152,7 +1153,8 @@ def _h100_bounds(res: Results) -> list[str]:
         f"pointers are broadcast over the program's rows of W, so x loads straight into the "
         f"words' registers; bf16 x becomes fp32 by integer ops that also add the nibble's power "
         f"of two to its exponent; a thread takes two rows of W on one x (a row and one further "
-        f"on, or gate_up's gate and up rows). The GEMV alone at one / two rows: {_w4_chosen(res)}. What bounds it now (ncu, qkv, one row): 7 "
+        f"on, or gate_up's gate and up rows). The GEMV alone at one / two rows: "
+        f"{_w4_chosen(res)}. What bounds it now (ncu, qkv, one row): 7 "
         f"instructions a weight, and 43% of the warps' samples wait on global loads with 21 "
         f"warps an SM (76 registers): too few bytes in flight, 32 of words a thread a chunk. "
         f"What would close it: two adjacent runs a lane (more in flight without running past a "

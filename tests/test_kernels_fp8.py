@@ -227,8 +227,9 @@ def interp_check_fp8() -> None:
 def interp_check_fp8_silu_mul() -> None:
     """The FP8 gate_up with silu(gate) * up in the GEMV's epilogue: against the ref, and the
     same values as the unfused GEMV in that tile, then `silu_and_mul` (one order of sums, one
-    rounding, the same Triton activation); `linear_silu_and_mul` fuses up to USE_GEMV_MAX_M rows and falls back past it.
-    N = 20 gate rows: a 16-row scale block holds the last gate rows and the first up rows."""
+    rounding, the same Triton activation); `linear_silu_and_mul` fuses up to USE_GEMV_MAX_M
+    rows and falls back past it. N = 20 gate rows: a 16-row scale block holds the last gate
+    rows and the first up rows."""
     gen = torch.Generator().manual_seed(11)
     block = (16, 16)
     gate_up, ws = make_fp8(40, 70, block, seed=3)
