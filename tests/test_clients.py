@@ -159,9 +159,12 @@ def test_guidellm_streaming_benchmark_completes_every_request(
          "--output", f"kind=json,path={out}", "--disable-console-interactive"],
         env=offline_env(tmp_path), capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    bench = json.loads(out.read_text())["benchmarks"][0]["metrics"]
-    totals = bench["request_totals"]
-    assert totals["successful"] == n and totals["errored"] == 0 and totals["incomplete"] == 0
-    ttft = bench["time_to_first_token_ms"]["successful"]
-    assert ttft["count"] == n and ttft["min"] > 0
-    assert bench["output_token_count"]["successful"]["mean"] == 8  # ignore_eos honoured
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    # NOTE: per-request records, not `metrics`: guidellm's metrics keep only the requests inside
+    # its measurement window, whose end it can fix before the last request is reported when the
+    # machine is loaded, so a request that completed may be missing there.
+    assert bench["scheduler_state"]["successful_requests"] == n
+    done = bench["requests"]
+    assert len(done["successful"]) == n and not done["errored"] and not done["incomplete"]
+    assert all(r["time_to_first_token_ms"] > 0 for r in done["successful"])
+    assert [r["output_tokens"] for r in done["successful"]] == [8] * n  # ignore_eos honoured
