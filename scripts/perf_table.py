@@ -1085,6 +1085,9 @@ def _h100_bounds(res: Results) -> list[str]:
     moe_small = 1e3 * sum(_crit_ms(moe, k) for k in (*_ATTENTION_KERNELS, "_rms_norm_kernel",
                                                        "_route_kernel"))
     f_gemv = _crit_ms(fp8, "_gemv_kernel")
+    one_token = res.load("h100/kernels_moe.json")["one_token"]["results"]
+    up = next(r for r in one_token if r["op"] == "gate_up" and r["chosen"])
+    up_best = max(r["GBps"] for r in one_token if r["op"] == "gate_up")
     m1, f1, a1 = (d["graph_replay_bs1_ms"] for d in (moe, fp8, awq))
     c8 = res.load("h100/serve_qwen3-30b-a3b-fp8.json")["runs"]["8"]
     w4 = _kernel_ms(awq, 1, "_gemv_w4")
@@ -1105,17 +1108,19 @@ def _h100_bounds(res: Results) -> list[str]:
         f"- {_MOE}, batch 1: a step replays in {m1:.3f} ms, {m1 / floor('qwen3-30b-a3b-fp8'):.2f}x"
         f" its floor; the goal is 1.5x: not met. On the profiled step's critical path (its "
         f"busy times overlap under PDL) the expert GEMVs take "
-        f"{_crit_ms(moe, '_moe_gemv_kernel'):.2f} ms, the other FP8 and bf16 GEMVs (lm_head's "
-        f"0.2 ms too) {_crit_ms(moe, '_gemv_kernel'):.2f} ms, attention "
+        f"{_crit_ms(moe, '_moe_gemv_kernel'):.2f} ms, the other FP8 and bf16 GEMVs (lm_head "
+        f"too) {_crit_ms(moe, '_gemv_kernel'):.2f} ms, attention "
         f"{sum(_crit_ms(moe, k) for k in _ATTENTION_KERNELS):.2f} ms, routing "
         f"{_crit_ms(moe, '_route_kernel'):.2f} ms, the norms "
         f"{_crit_ms(moe, '_rms_norm_kernel'):.2f} ms. At one token the down projection writes "
         f"each pair's weighted row to a split-sum slot that the next norm sums, 8 rows of the "
         f"pair's expert a program, and the routing, gate_up and down are chained by PDL (down "
         f"loads its first chunk of W while gate_up runs). What bounds it: gate_up "
-        f"({_crit(moe, '_moe_gemv_kernel')[0] / moe_layers:.1f} us a layer) streams at ~2.25 "
-        f"TB/s alone in every tile swept (11.2 us against 8.3 at the read rate, `one_token` in "
-        f"[kernels_moe.json](results/h100/kernels_moe.json)); each of the {moe_layers} layers "
+        f"({_crit(moe, '_moe_gemv_kernel')[0] / moe_layers:.1f} us a layer) streams at "
+        f"{up['GBps'] / 1e3:.2f} TB/s alone in its tile, at most {up_best / 1e3:.2f} in any tile "
+        f"swept ({up['us']:.1f} us against {up['us'] * up['GBps'] / read / 1e3:.1f} at the read "
+        f"rate, `one_token` in [kernels_moe.json](results/h100/kernels_moe.json)); each of the "
+        f"{moe_layers} layers "
         f"pays {moe_launches} launches, and at batch 1 the launches that read little (attention's three, "
         f"the two norms, the routing) take {moe_small / moe_layers:.1f} us a layer on the "
         f"critical path. What would close it: fewer launches a layer (the rope and the K/V "
